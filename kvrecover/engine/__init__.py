@@ -1,0 +1,1 @@
+"""Engine side: requests, the block pool, the scheduler, recovery and the step loop."""

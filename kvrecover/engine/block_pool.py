@@ -1,0 +1,115 @@
+"""Fixed-size KV blocks: allocation, reference counts and the prefix cache.
+
+A full block is identified by a chain hash: `hash(parent_hash, block token ids)`,
+so equal hashes mean equal prefixes. The token ids are stored beside the hash and
+compared on every hit, which rules out collisions. Freed blocks keep their hash
+and stay hit-able until they are reused (least recently freed first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NULL_BLOCK_ID = 0  # never allocated: padding in block tables points here
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chain hash of one full block; stable across processes and machines."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent_hash or b"\0" * 16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
+    """Extend `block_hashes` to cover every full block of `token_ids`."""
+    for index in range(len(block_hashes), len(token_ids) // block_size):
+        parent = block_hashes[-1] if block_hashes else None
+        start = index * block_size
+        block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+
+
+@dataclass
+class KVCacheBlock:
+    """One block of the KV cache and its prefix-cache identity."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    """Owns all blocks: the free list (LRU order) and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks if b.block_id != NULL_BLOCK_ID
+        )
+        self._cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self.blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that `allocate` can hand out now (cached-but-unused ones included)."""
+        return len(self._free)
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> KVCacheBlock | None:
+        """The cached block with this hash and exactly these tokens, if any."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def touch(self, block: KVCacheBlock) -> None:
+        """Take a reference on a (possibly free) cached block."""
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def allocate(self, count: int) -> list[KVCacheBlock]:
+        """Hand out `count` fresh blocks, evicting least recently freed cached ones."""
+        if count > len(self._free):
+            raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
+        blocks = []
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
+            self.uncache(block)
+            block.ref_count = 1
+            blocks.append(block)
+        return blocks
+
+    def release(self, block: KVCacheBlock) -> None:
+        """Drop one reference; a block nobody holds becomes free (and stays cached)."""
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block.block_id] = block
+
+    def cache(self, block: KVCacheBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Register a full, valid block under its hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash so no request can hit it any more."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None

@@ -1,0 +1,108 @@
+"""One generation request and its lifecycle states."""
+
+from __future__ import annotations
+
+import enum
+
+from kvrecover.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # an async KV load is in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every terminal state."""
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The user-facing finish reason of a terminal state."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A prompt being generated: its tokens, its blocks and its KV-transfer state.
+
+    `num_computed_tokens` counts the leading tokens whose KV is in the request's
+    blocks (computed here, hit in the prefix cache, or loaded by a connector).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        sampling_seed: int,
+        max_model_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.sampling_seed = sampling_seed
+        self.max_model_len = max_model_len
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chain hash of each full block of token_ids
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_preemptions = 0
+        # KV transfer bookkeeping.
+        self.connector_consulted = False  # asked the connector since (re)start
+        self.num_kv_load_failures = 0
+        self.pending_external: tuple[int, int] | None = None  # token range being loaded
+        self.deferred_invalid_block_ids: set[int] = set()  # reported while its load ran
+        self.error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record a sampled token and set a finished status if it ends the request."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif len(self.output_token_ids) >= self.sampling_params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+        elif self.num_tokens >= self.max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+
+    def next_sample_seed(self) -> int:
+        """Seed for the next sampled token: a pure function of the request seed and
+        the output position, so a token recomputed after a failure is resampled
+        identically."""
+        return (self.sampling_seed * 0x9E3779B97F4A7C15 + len(self.output_token_ids)) % (1 << 63)

@@ -1,0 +1,45 @@
+"""Records that cross the scheduler / worker boundary each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrecover.sampling import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """The slice of one request the worker computes in this step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens computed in this step
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the slice reaches the end of the sequence: sample a next token
+    sampling_params: SamplingParams
+    sample_seed: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step."""
+
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker reports back after a step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+    kv_save_failed_blocks: int = 0

@@ -1,0 +1,25 @@
+"""Engine counters exposed as `LLM.stats`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters since the engine started."""
+
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes included)
+    prompt_tokens_external: int = 0  # prompt tokens loaded by the connector and verified valid
+    prefix_cache_hit_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    kv_load_failed_blocks: int = 0
+    kv_load_recovered_requests: int = 0
+    kv_load_recomputed_tokens: int = 0
+    kv_load_failed_requests: int = 0
+    kv_save_failed_blocks: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        """A plain copy of all counters."""
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""KV connectors: moving KV cache blocks between engines through a store."""

@@ -1,0 +1,169 @@
+"""The KV connector contract (modelled on vLLM's v1 connector).
+
+A connector class is instantiated twice: once with role SCHEDULER inside the
+scheduler and once with role WORKER inside the model runner. The two instances
+talk only through the metadata object that the scheduler-role instance builds in
+`build_connector_meta` each step and the worker-role instance receives in
+`bind_connector_metadata`, and through the worker's step output (finished loads,
+invalid block ids). Either side can therefore move to another process.
+
+Step order on the worker: `bind_connector_metadata` -> `start_load_kv` ->
+per layer (`wait_for_layer_load` before attention reads the cache,
+`save_kv_layer` after it wrote it) -> `wait_for_save` ->
+`get_block_ids_with_load_errors` / `get_finished` -> `clear_connector_metadata`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrecover.config import KVTransferConfig
+
+if TYPE_CHECKING:
+    from kvrecover.engine.request import Request
+    from kvrecover.engine.scheduler_output import SchedulerOutput
+
+
+class KVConnectorRole(enum.Enum):
+    """Which half of a connector an instance is."""
+
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Base class of the per-step message from scheduler role to worker role.
+
+    The two methods let the engine contain a connector that raises: every load
+    of the step is then reported invalid, every save counted as failed.
+    """
+
+    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
+        """Request id -> (block ids this step loads into, whether asynchronously)."""
+        return {}
+
+    def num_save_blocks(self) -> int:
+        """How many blocks this step saves."""
+        return 0
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The engine's KV cache layout; KV stored under another layout is never loaded."""
+
+    model_identity: str
+    dtype: torch.dtype
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block of one layer: [2 (K, V), block_size, kv_heads, head_dim]."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * self.dtype.itemsize
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of everything above; part of every stored key and header."""
+        text = (
+            f"{self.model_identity}|{self.dtype}|{self.block_size}|"
+            f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}"
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class KVConnectorBase:
+    """Base class of every KV connector; subclasses override what they support."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
+        self.config = config
+        self.role = role
+        self.layout = layout
+        self._metadata: KVConnectorMetadata | None = None
+
+    # ----- scheduler role -----------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Scheduler calls this when it first schedules a request (and again, a
+        bounded number of times, after a failed load). `num_computed_tokens` are
+        already covered locally (block-aligned). Returns how many tokens after
+        those the connector can supply, and whether it loads them asynchronously.
+        Must not offer the request's last token."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Scheduler calls this after allocating blocks for the request:
+        `block_ids` is its whole block table and the external tokens start at
+        `request.num_computed_tokens` (before they are counted)."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Scheduler calls this once per step, after scheduling; the result is
+        handed to the worker role for that step. Resets per-step state."""
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Scheduler calls this when a request ends. Return True to keep its blocks
+        until the worker reports the request in `finished_sending`."""
+        return False
+
+    # ----- worker role --------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Worker calls this once with the per-layer cache tensors
+        ([2, num_blocks, block_size, kv_heads, head_dim] each)."""
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Worker calls this at the start of each step with that step's metadata."""
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Worker calls this at the end of each step."""
+        self._metadata = None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        if self._metadata is None:
+            raise RuntimeError("no connector metadata is bound for this step")
+        return self._metadata
+
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        """Worker calls this before the forward pass: begin (or, for synchronous
+        connectors, perform) the loads the metadata asks for."""
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """Worker calls this before layer `layer_index` reads the KV cache."""
+
+    def save_kv_layer(self, layer_index: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        """Worker calls this after layer `layer_index` wrote this step's KV."""
+
+    def wait_for_save(self) -> None:
+        """Worker calls this after the forward pass; saves must be durable on return."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker calls this every step. Returns (requests whose async saves
+        finished, requests whose async loads finished or were cancelled).
+        `finished_req_ids` are requests the scheduler ended since the last step."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker calls this after each step: block ids whose load failed in this
+        step (sync) or whose async load was reported finished in this step."""
+        return set()
+
+    def get_save_failures(self) -> int:
+        """Worker calls this after each step: blocks whose save failed since the last call."""
+        return 0

@@ -1,0 +1,1 @@
+"""Worker side: KV cache tensors, attention backends and the model runner."""

@@ -1,0 +1,34 @@
+"""Allocation of the per-layer paged KV cache tensors."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvrecover.kv_transfer.base import KVCacheLayout
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def available_kv_cache_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
+    """A memory budget for the KV cache when the user gave none."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(0, int(total * gpu_memory_utilization) - used)
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 8 << 30
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, physical // 4)
+
+
+def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer.
+
+    Zeroed, not empty: padded attention reads masked slots, and uninitialised
+    memory may hold NaNs that a mask cannot cancel.
+    """
+    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

@@ -1,0 +1,161 @@
+"""Runs one scheduled step: KV loads, the forward pass, KV saves and sampling."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorBase
+from kvrecover.models.config import ModelConfig
+from kvrecover.models.llama import LlamaForCausalLM
+from kvrecover.models.loader import load_weights
+from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
+from kvrecover.worker.kv_cache import allocate_kv_caches
+from kvrecover.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the worker half of the connector."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        layout: KVCacheLayout,
+        num_blocks: int,
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.layout = layout
+        self.backend = TorchPagedAttention()
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config, self.backend, max_model_len)
+        load_weights(model, model_dir)
+        self.model = model.to(dtype=dtype).eval()
+        self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
+        self.kv_caches = allocate_kv_caches(layout, num_blocks, device)
+        self.sampler = Sampler(device)
+        self.connector: KVConnectorBase | None = None
+        self._warned_save_failure = False
+
+    def attach_connector(self, connector: KVConnectorBase) -> None:
+        """Give the runner the worker-role connector and the connector the cache."""
+        self.connector = connector
+        connector.register_kv_caches(self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and report sampled tokens and KV-transfer events."""
+        output = ModelRunnerOutput()
+        connector = self.connector
+        self._load_error = self._save_error = False
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            self._guard(connector.start_load_kv, self.kv_caches, on_error="load")
+        if scheduler_output.scheduled:
+            output.sampled_token_ids = self._forward(scheduler_output)
+        if connector is not None:
+            self._finish_connector_step(scheduler_output, output)
+        return output
+
+    def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        scheduled = scheduler_output.scheduled
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            token_ids.extend(item.token_ids)
+            start = item.num_computed_tokens
+            positions.extend(range(start, start + len(item.token_ids)))
+            if item.sample:
+                sample_rows.append(len(token_ids) - 1)
+        meta = AttentionMetadata.build(
+            [s.num_computed_tokens for s in scheduled],
+            [len(s.token_ids) for s in scheduled],
+            [s.block_ids for s in scheduled],
+            self.layout.block_size,
+            self.device,
+        )
+        connector = self.connector
+        before_layer = after_layer = None
+        if connector is not None:
+            def before_layer(index: int) -> None:
+                if not self._load_error:
+                    self._guard(connector.wait_for_layer_load, index, on_error="load")
+
+            def after_layer(index: int) -> None:
+                if not self._save_error:
+                    self._guard(connector.save_kv_layer, index, self.kv_caches[index], meta,
+                                on_error="save")
+
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_caches,
+            meta,
+            before_layer,
+            after_layer,
+        )
+        if not sample_rows:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        sampling = [s for s in scheduled if s.sample]
+        tokens = self.sampler(
+            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
+        )
+        return {s.request_id: token for s, token in zip(sampling, tokens)}
+
+    def _guard(self, method, *args, on_error: str) -> None:
+        """Call a connector method; a connector exception must never crash the engine.
+
+        A failing load method marks every load of the step invalid; a failing save
+        method counts the step's saves as failed.
+        """
+        try:
+            method(*args)
+        except Exception:
+            logger.exception("KV connector %s raised", getattr(method, "__name__", method))
+            if on_error == "load":
+                self._load_error = True
+            else:
+                self._save_error = True
+
+    def _finish_connector_step(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
+    ) -> None:
+        connector = self.connector
+        metadata = scheduler_output.kv_connector_metadata
+        if not self._save_error:
+            self._guard(connector.wait_for_save, on_error="save")
+        try:
+            output.invalid_block_ids = set(connector.get_block_ids_with_load_errors() or ())
+            sending, recving = connector.get_finished(scheduler_output.finished_request_ids)
+            output.finished_sending = set(sending or ())
+            output.finished_recving = set(recving or ())
+            output.kv_save_failed_blocks = int(connector.get_save_failures() or 0)
+        except Exception:
+            logger.exception("KV connector failed to report its step")
+            self._load_error = True
+        if self._load_error:
+            # Everything this step loads is suspect; async loads started now are over.
+            for request_id, (block_ids, is_async) in metadata.loads_by_request().items():
+                output.invalid_block_ids.update(block_ids)
+                if is_async:
+                    output.finished_recving.add(request_id)
+        if self._save_error:
+            output.kv_save_failed_blocks += metadata.num_save_blocks()
+        if output.kv_save_failed_blocks and not self._warned_save_failure:
+            self._warned_save_failure = True
+            logger.warning(
+                "KV save failed for %d block(s); outputs are unaffected, later loads of "
+                "those blocks will miss", output.kv_save_failed_blocks,
+            )
+        connector.clear_connector_metadata()

@@ -1,0 +1,131 @@
+"""Shared fixtures: tiny random-weight checkpoints built on the fly, and a HF reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog. hello, my name is kv. "
+    "the capital of france is paris and the capital of china is beijing. "
+    "disaggregated serving splits prefill from decode; blocks fail, we recompute. "
+) * 20
+
+
+def build_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Train a small byte-level BPE tokenizer and save it HF-style."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([CORPUS], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+            }
+        )
+    )
+
+
+def build_tiny_model(folder: Path, *, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight tiny checkpoint (Llama by default) with a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model_type = overrides.pop("model_type", "llama")
+    settings = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Larger-than-default weights give peaked, non-degenerate logits.
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(folder, settings["vocab_size"])
+    return folder
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """Llama with GQA, llama3 rope scaling and tied embeddings."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama"),
+        rope_scaling=LLAMA3_ROPE,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied(tmp_path_factory) -> Path:
+    """Plain Llama, untied embeddings, explicit head_dim."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_untied"), seed=1, head_dim=32)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: a plain greedy loop over HF's forward with its KV cache (no EOS stop)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt])
+            past = None
+            generated: list[int] = []
+            for _ in range(max_new_tokens):
+                out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                input_ids = torch.tensor([[token]])
+            results.append(generated)
+    return results
+
+
+def random_prompts(count: int, lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(2, vocab_size, (lengths[i % len(lengths)],), generator=generator).tolist()
+        for i in range(count)
+    ]
