@@ -166,7 +166,7 @@ class Engine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute(scheduler_output)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if not scheduler_output.scheduled and not progressed:
+        if not (scheduler_output.scheduled or progressed or runner_output.finished_recving):
             self._check_progress()
         outputs = [self._output(request) for request in progressed]
         for request in progressed:

@@ -175,7 +175,7 @@ class Scheduler:
         if num_hit_blocks:
             self.stats.prefix_cache_hit_tokens += num_local
         request.num_computed_tokens = num_local
-        if self.can_load and not request.connector_consulted:
+        if self.connector is not None and not request.connector_consulted:
             request.connector_consulted = True
             self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
         if num_external:

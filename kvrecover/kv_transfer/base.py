@@ -10,7 +10,7 @@ invalid block ids). Either side can therefore move to another process.
 Step order on the worker: `bind_connector_metadata` -> `start_load_kv` ->
 per layer (`wait_for_layer_load` before attention reads the cache,
 `save_kv_layer` after it wrote it) -> `wait_for_save` ->
-`get_block_ids_with_load_errors` / `get_finished` -> `clear_connector_metadata`.
+`get_finished` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
 """
 
 from __future__ import annotations

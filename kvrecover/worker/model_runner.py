@@ -136,10 +136,11 @@ class ModelRunner:
         if not self._save_error:
             self._guard(connector.wait_for_save, on_error="save")
         try:
-            output.invalid_block_ids = set(connector.get_block_ids_with_load_errors() or ())
+            # get_finished first: finishing an async load may reveal invalid blocks.
             sending, recving = connector.get_finished(scheduler_output.finished_request_ids)
             output.finished_sending = set(sending or ())
             output.finished_recving = set(recving or ())
+            output.invalid_block_ids = set(connector.get_block_ids_with_load_errors() or ())
             output.kv_save_failed_blocks = int(connector.get_save_failures() or 0)
         except Exception:
             logger.exception("KV connector failed to report its step")

@@ -1,0 +1,260 @@
+"""FaultInjectionConnector: wraps a storage connector and makes chosen loads fail.
+
+Configured in `kv_connector_extra_config` (other keys pass to the inner connector):
+
+    {"inner_connector": "SharedStorageConnector", "seed": 0,
+     "faults": [{"requests": "first", "blocks": "all", "kind": "missing"}]}
+
+`requests`: "first", "all", an int k (the k-th request that loads external KV,
+counting from 0) or a float p (each such request with probability p).
+`blocks`: "all", "first", "last", "middle", a list of block positions within the
+request's loaded blocks, or a float fraction (a seeded random subset).
+`kind`: "missing" (not loaded), "error" (the read raises), "corrupt" (bytes are
+altered after the read, before verification: only the checksum catches it),
+"hang" (the read never returns; the load deadline ends it).
+A selected request stays broken on every attempt, like a persistently bad entry.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrecover.config import KVTransferConfig
+from kvrecover.kv_transfer.base import (
+    KVCacheLayout,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from kvrecover.engine.request import Request
+    from kvrecover.engine.scheduler_output import SchedulerOutput
+
+FAULT_KINDS = ("missing", "error", "corrupt", "hang")
+BLOCK_SELECTORS = ("all", "first", "last", "middle")
+DEFAULT_FAULTS = [{"requests": "first", "blocks": "all", "kind": "missing"}]
+WRAPPER_KEYS = ("inner_connector", "faults", "seed")
+
+
+class InjectedFault(OSError):
+    """Raised by an injected `error` fault."""
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    """One validated entry of the `faults` list."""
+
+    requests: Any
+    blocks: Any
+    kind: str
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> FaultRule:
+        if not isinstance(raw, dict):
+            raise ValueError(f"each fault must be a dict, got {raw!r}")
+        requests, blocks = raw.get("requests", "first"), raw.get("blocks", "all")
+        kind = raw.get("kind", "missing")
+        if not (requests in ("first", "all") or _is_int(requests) or _is_fraction(requests)):
+            raise ValueError(f"fault 'requests' must be 'first', 'all', an int or a float in [0, 1], got {requests!r}")
+        if not (blocks in BLOCK_SELECTORS or _is_fraction(blocks)
+                or (isinstance(blocks, list) and all(_is_int(b) for b in blocks))):
+            raise ValueError(f"fault 'blocks' must be one of {BLOCK_SELECTORS}, a list of ints "
+                             f"or a float in [0, 1], got {blocks!r}")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault 'kind' must be one of {FAULT_KINDS}, got {kind!r}")
+        return cls(requests, blocks, kind)
+
+    def selects_request(self, load_index: int, rng: random.Random) -> bool:
+        if self.requests == "first":
+            return load_index == 0
+        if self.requests == "all":
+            return True
+        if _is_int(self.requests):
+            return load_index == self.requests
+        return rng.random() < self.requests
+
+    def select_positions(self, count: int, rng: random.Random) -> list[int]:
+        if count == 0:
+            return []
+        if self.blocks == "all":
+            return list(range(count))
+        if self.blocks == "first":
+            return [0]
+        if self.blocks == "last":
+            return [count - 1]
+        if self.blocks == "middle":
+            return [count // 2]
+        if isinstance(self.blocks, list):
+            return sorted({p for p in self.blocks if 0 <= p < count})
+        return sorted(rng.sample(range(count), max(1, round(self.blocks * count))))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, float) and 0.0 <= value <= 1.0
+
+
+@dataclass
+class FaultMetadata(KVConnectorMetadata):
+    """The inner connector's metadata plus this step's faults: request -> {block id: kind}."""
+
+    inner: KVConnectorMetadata
+    faults: dict[str, dict[int, str]] = field(default_factory=dict)
+
+    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
+        return self.inner.loads_by_request()
+
+    def num_save_blocks(self) -> int:
+        return self.inner.num_save_blocks()
+
+
+class FaultInjectionConnector(KVConnectorBase):
+    """Delegates to an inner connector and injects the configured load faults."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
+        super().__init__(config, role, layout)
+        from kvrecover.kv_transfer.registry import create_connector
+
+        extra = dict(config.kv_connector_extra_config)
+        inner_name = extra.get("inner_connector", "SharedStorageConnector")
+        if inner_name == "FaultInjectionConnector":
+            raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
+        faults = extra.get("faults", DEFAULT_FAULTS)
+        if not isinstance(faults, list):
+            raise ValueError(f"'faults' must be a list of fault dicts, got {faults!r}")
+        self.rules = [FaultRule.parse(f) for f in faults]
+        self.seed = int(extra.get("seed", 0))
+        inner_config = KVTransferConfig(
+            kv_connector=inner_name,
+            kv_role=config.kv_role,
+            kv_connector_extra_config={k: v for k, v in extra.items() if k not in WRAPPER_KEYS},
+            kv_load_failure_policy=config.kv_load_failure_policy,
+            kv_load_retry_limit=config.kv_load_retry_limit,
+        )
+        self.inner = create_connector(inner_config, role, layout)
+        self.load_timeout_s = float(extra.get("load_timeout_s", 30.0))
+        # Scheduler role: which requests are broken, in order of their first load.
+        self._load_order: dict[str, int] = {}
+        self._step_faults: dict[str, dict[int, str]] = {}
+        # Worker role.
+        self._active: dict[str, dict[int, str]] = {}
+        self._missing_reported: set[int] = set()
+        if hasattr(self.inner, "read_filter"):
+            self.inner.read_filter = self._filter_read
+
+    # ----- scheduler role -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        load_index = self._load_order.setdefault(request.request_id, len(self._load_order))
+        first = request.num_computed_tokens // self.layout.block_size
+        loaded = block_ids[first : first + num_external_tokens // self.layout.block_size]
+        rng = random.Random(f"{self.seed}:{load_index}")
+        faults: dict[int, str] = {}
+        for rule in self.rules:
+            if rule.selects_request(load_index, rng):
+                for position in rule.select_positions(len(loaded), rng):
+                    faults.setdefault(loaded[position], rule.kind)
+        if faults:
+            self._step_faults[request.request_id] = faults
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FaultMetadata:
+        metadata = FaultMetadata(self.inner.build_connector_meta(scheduler_output), self._step_faults)
+        self._step_faults = {}
+        return metadata
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        return self.inner.request_finished(request, block_ids)
+
+    # ----- worker role ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        self.inner.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: FaultMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        self._active.update(metadata.faults)
+        self.inner.bind_connector_metadata(metadata.inner)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.inner.clear_connector_metadata()
+
+    def _filter_read(self, request_id: str, block_id: int, key: bytes, raw: bytes,
+                     cancelled: threading.Event) -> bytes:
+        kind = self._active.get(request_id, {}).get(block_id)
+        if kind is None:
+            return raw
+        if kind == "missing":
+            raise FileNotFoundError(f"injected fault: block {key.hex()} is missing")
+        if kind == "error":
+            raise InjectedFault(f"injected fault: reading block {key.hex()} failed")
+        if kind == "corrupt":
+            corrupted = bytearray(raw)
+            corrupted[len(corrupted) // 2] ^= 0x5A
+            return bytes(corrupted)
+        cancelled.wait(self.load_timeout_s * 10)  # "hang": until the deadline gives up
+        raise TimeoutError("injected fault: the read hung")
+
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        self.inner.start_load_kv(kv_caches)
+        if hasattr(self.inner, "read_filter"):
+            return
+        # An inner connector without a read hook: emulate the faults around it.
+        metadata: FaultMetadata = self._get_connector_metadata()
+        loads = metadata.loads_by_request()
+        for request_id, faults in metadata.faults.items():
+            if request_id in loads and not loads[request_id][1]:
+                if "error" in faults.values():
+                    raise InjectedFault(f"injected fault: load of request {request_id} failed")
+                self._poison(faults)
+
+    def _poison(self, faults: dict[int, str]) -> None:
+        for block_id in faults:
+            for cache in self.kv_caches:
+                cache[:, block_id].fill_(float("nan"))
+            self._missing_reported.add(block_id)
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        self.inner.wait_for_layer_load(layer_index)
+
+    def save_kv_layer(self, layer_index: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self.inner.save_kv_layer(layer_index, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        if self._missing_reported and hasattr(self.inner, "discard_saves_for"):
+            metadata: FaultMetadata = self._get_connector_metadata()
+            self.inner.discard_saves_for(set(metadata.faults))
+        self.inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.inner.get_finished(finished_req_ids)
+        for request_id in recving or ():
+            faults = self._active.pop(request_id, None)
+            if faults and not hasattr(self.inner, "read_filter"):
+                self._poison(faults)
+        for request_id in finished_req_ids:
+            self._active.pop(request_id, None)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid = set(self.inner.get_block_ids_with_load_errors() or ())
+        invalid |= self._missing_reported
+        self._missing_reported = set()
+        return invalid
+
+    def get_save_failures(self) -> int:
+        return self.inner.get_save_failures()

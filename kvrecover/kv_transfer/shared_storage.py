@@ -1,0 +1,303 @@
+"""SharedStorageConnector: KV blocks in a folder that prefill and decode share.
+
+Every full prompt block is stored as its own file keyed by the prefix-chain hash
+(format: `block_store`), so any later prompt sharing a block-aligned prefix loads
+it. Loads cover the longest stored run of blocks after the locally cached ones,
+never the prompt's last token. `kv_role` decides what happens: producers save,
+consumers load, `kv_both` does both.
+
+Extra config (`kv_connector_extra_config`):
+  shared_storage_path  folder of the store (required)
+  async_load           load in a background thread while the request waits (False)
+  load_timeout_s       an async load unfinished after this long fails (30)
+  verify_after_load    re-checksum the engine's cache blocks after a load (True)
+
+Async loads read and verify into host memory on a thread; the worker copies the
+result into the cache only when it reports the load finished, so a load that
+missed its deadline can never write into blocks that were given to someone else.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrecover.config import KVTransferConfig
+from kvrecover.engine.block_pool import update_block_hashes
+from kvrecover.kv_transfer.base import (
+    KVCacheLayout,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from kvrecover.kv_transfer.block_store import (
+    BlockLoadError,
+    BlockStore,
+    StoredBlock,
+    payload_checksum,
+)
+
+if TYPE_CHECKING:
+    from kvrecover.engine.request import Request
+    from kvrecover.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request to load or save: cache block ids and their store keys."""
+
+    request_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+    is_async: bool = False
+
+
+@dataclass
+class StorageConnectorMetadata(KVConnectorMetadata):
+    """One step's loads and saves."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
+        return {t.request_id: (t.block_ids, t.is_async) for t in self.loads}
+
+    def num_save_blocks(self) -> int:
+        return sum(len(t.block_ids) for t in self.saves)
+
+
+@dataclass
+class _AsyncLoad:
+    transfer: BlockTransfer
+    future: concurrent.futures.Future
+    deadline: float
+    cancelled: threading.Event
+
+
+class SharedStorageConnector(KVConnectorBase):
+    """Saves and loads KV blocks through a shared folder (see module docstring)."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
+        super().__init__(config, role, layout)
+        path = config.get_extra("shared_storage_path")
+        if not path:
+            raise ValueError(
+                f"{type(self).__name__} needs kv_connector_extra_config['shared_storage_path']"
+            )
+        self.store = BlockStore(path, layout)
+        self.async_load = bool(config.get_extra("async_load", False))
+        self.load_timeout_s = float(config.get_extra("load_timeout_s", 30.0))
+        if self.load_timeout_s <= 0:
+            raise ValueError("load_timeout_s must be > 0")
+        self.verify_after_load = bool(config.get_extra("verify_after_load", True))
+        self.block_size = layout.block_size
+        # Optional hook on raw entry bytes, (request id, block id, key, raw, cancelled)
+        # -> raw; fault injection uses it to make reads fail, corrupt or hang.
+        self.read_filter = None
+        # Scheduler role state.
+        self._requests: dict[str, Request] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        # Worker role state.
+        self._kv_caches: list[torch.Tensor] = []
+        self._invalid_block_ids: set[int] = set()
+        self._failed_requests: set[str] = set()
+        self._discarded_saves: set[str] = set()
+        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._save_failures = 0
+        self._suspect_keys: set[bytes] = set()
+
+    # ----- scheduler role -----------------------------------------------------------
+    def _prompt_keys(self, request: Request) -> list[bytes]:
+        keys = request.block_hashes
+        update_block_hashes(keys, request.token_ids, self.block_size)
+        return keys
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.config.is_consumer:
+            return 0, False
+        keys = self._prompt_keys(request)
+        last_loadable = (request.num_prompt_tokens - 1) // self.block_size
+        first = num_computed_tokens // self.block_size
+        end = first
+        while end < min(last_loadable, len(keys)) and self.store.exists(keys[end]):
+            end += 1
+        num_tokens = max(0, end * self.block_size - num_computed_tokens)
+        return num_tokens, self.async_load and num_tokens > 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        if num_external_tokens <= 0:
+            return
+        first = request.num_computed_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        keys = self._prompt_keys(request)
+        self._pending_loads.append(BlockTransfer(
+            request.request_id, block_ids[first : first + count], keys[first : first + count],
+            is_async=self.async_load,
+        ))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StorageConnectorMetadata:
+        metadata = StorageConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self.config.is_producer:
+            return metadata
+        for item in scheduler_output.scheduled:
+            request = self._requests.get(item.request_id)
+            if request is None:
+                continue
+            end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
+            first, last = item.num_computed_tokens // self.block_size, end // self.block_size
+            if last <= first:
+                continue
+            keys = self._prompt_keys(request)
+            metadata.saves.append(BlockTransfer(
+                item.request_id, item.block_ids[first:last], keys[first:last],
+            ))
+        return metadata
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self._requests.pop(request.request_id, None)
+        return False
+
+    # ----- worker role ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        for transfer in metadata.loads:
+            if transfer.is_async:
+                self._start_async(transfer)
+            else:
+                cancelled = threading.Event()
+                deadline = threading.Timer(self.load_timeout_s, cancelled.set)
+                deadline.start()
+                try:
+                    blocks = self._read_blocks(transfer, cancelled)
+                finally:
+                    deadline.cancel()
+                self._install(transfer, blocks)
+
+    def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[StoredBlock | None]:
+        """Read and verify a request's blocks; None from the first failure on."""
+        blocks: list[StoredBlock | None] = []
+        for block_id, key in zip(transfer.block_ids, transfer.keys):
+            if cancelled.is_set():
+                break
+            try:
+                raw = self.store.read_raw(key)
+                if self.read_filter is not None:
+                    raw = self.read_filter(transfer.request_id, block_id, key, raw, cancelled)
+                blocks.append(self.store.parse(key, raw))
+            except BlockLoadError as error:
+                logger.warning("KV block %s failed to load: %s", key.hex(), error)
+                self._suspect_keys.add(key)  # a later save of this block may replace it
+                break
+            except Exception as error:  # a failing read is an invalid block, never a crash
+                logger.warning("KV block %s failed to load: %r", key.hex(), error)
+                break
+        return blocks + [None] * (len(transfer.block_ids) - len(blocks))
+
+    def _install(self, transfer: BlockTransfer, blocks: list[StoredBlock | None]) -> None:
+        """Copy verified blocks into the cache; report the rest invalid."""
+        failed = False
+        for block_id, block in zip(transfer.block_ids, blocks):
+            if block is None or failed:
+                failed = True
+                self._invalid_block_ids.add(block_id)
+                continue
+            for layer, cache in enumerate(self._kv_caches):
+                cache[:, block_id].copy_(block.tensor[layer], non_blocking=True)
+            if self.verify_after_load and self._cache_checksum(block_id) != block.checksum:
+                logger.warning("KV block %d does not match its stored checksum after the load",
+                               block_id)
+                failed = True
+                self._invalid_block_ids.add(block_id)
+        if failed:
+            self._failed_requests.add(transfer.request_id)
+
+    def _cache_checksum(self, block_id: int) -> int:
+        block = torch.stack([cache[:, block_id] for cache in self._kv_caches]).to("cpu")
+        return payload_checksum(block)
+
+    def _start_async(self, transfer: BlockTransfer) -> None:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-load")
+        cancelled = threading.Event()
+        future = self._executor.submit(self._read_blocks, transfer, cancelled)
+        self._async_loads[transfer.request_id] = _AsyncLoad(
+            transfer, future, time.monotonic() + self.load_timeout_s, cancelled
+        )
+
+    def wait_for_save(self) -> None:
+        metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        for transfer in metadata.saves:
+            # KV computed on top of a failed load is garbage: never store it.
+            if transfer.request_id in self._failed_requests | self._discarded_saves:
+                continue
+            for block_id, key in zip(transfer.block_ids, transfer.keys):
+                if key not in self._suspect_keys and self.store.exists(key):
+                    continue  # already stored (by us or another producer)
+                self._suspect_keys.discard(key)
+                block = torch.stack([cache[:, block_id] for cache in self._kv_caches])
+                try:
+                    self.store.write(key, block)
+                except Exception as error:
+                    self._save_failures += 1
+                    logger.debug("KV block %s not saved: %r", key.hex(), error)
+
+    def discard_saves_for(self, request_ids: set[str]) -> None:
+        """Skip this step's saves of these requests (a wrapper found their loads bad)."""
+        self._discarded_saves |= request_ids
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done: set[str] = set()
+        now = time.monotonic()
+        for request_id, load in list(self._async_loads.items()):
+            if request_id in finished_req_ids:  # aborted: nothing will read these blocks
+                load.cancelled.set()
+                done.add(request_id)
+            elif load.future.done():
+                self._install(load.transfer, load.future.result())
+                done.add(request_id)
+            elif now >= load.deadline:
+                logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
+                               request_id, self.load_timeout_s)
+                load.cancelled.set()  # a late result is dropped with the future
+                self._invalid_block_ids.update(load.transfer.block_ids)
+                done.add(request_id)
+            else:
+                continue
+            del self._async_loads[request_id]
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def get_save_failures(self) -> int:
+        failures, self._save_failures = self._save_failures, 0
+        return failures
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._failed_requests = set()
+        self._discarded_saves = set()
+
+    def extra(self) -> dict[str, Any]:
+        """The extra config this connector understood (for logs and tests)."""
+        return {
+            "shared_storage_path": str(self.store.root),
+            "async_load": self.async_load,
+            "load_timeout_s": self.load_timeout_s,
+            "verify_after_load": self.verify_after_load,
+        }
