@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+
+@contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Build modules without random initialisation (the checkpoint overwrites it)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

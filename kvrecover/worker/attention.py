@@ -63,6 +63,8 @@ class AttentionMetadata:
         mask = key_pos[None, None, :] <= token_positions[:, :, None]
         block_of_key = (key_pos // block_size).clamp(max=max_blocks - 1)
         key_slots = tables[:, block_of_key] * block_size + key_pos % block_size
+        # Keys past a request's length read the (zeroed) null block, never stale memory.
+        key_slots = torch.where(key_pos[None, :] < torch.tensor(seq_lens)[:, None], key_slots, 0)
         flat_rows = (torch.arange(batch)[:, None] * max_query + q_pos[None, :])[valid_q]
         slot_mapping = key_slots.gather(1, token_positions.clamp(max=max_seq - 1))[valid_q]
         return cls(

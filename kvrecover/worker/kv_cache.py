@@ -25,10 +25,14 @@ def available_kv_cache_bytes(device: torch.device, gpu_memory_utilization: float
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer.
+    """One `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer.
 
-    Zeroed, not empty: padded attention reads masked slots, and uninitialised
-    memory may hold NaNs that a mask cannot cancel.
+    Left uninitialised (zeroing gigabytes costs seconds at start-up) except the
+    null block 0, which padded attention reads: slots past a request's length
+    are never read, and written slots always hold finite values.
     """
     shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+    caches = [torch.empty(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+    for cache in caches:
+        cache[:, 0].zero_()
+    return caches

@@ -11,7 +11,7 @@ from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorBase
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.llama import LlamaForCausalLM
-from kvrecover.models.loader import load_weights
+from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.sampler import Sampler
@@ -36,7 +36,7 @@ class ModelRunner:
         self.dtype = dtype
         self.layout = layout
         self.backend = TorchPagedAttention()
-        with torch.device(device):
+        with torch.device(device), skip_weight_init():
             model = LlamaForCausalLM(model_config, self.backend, max_model_len)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
@@ -67,6 +67,71 @@ class ModelRunner:
         return output
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        if self.inputs is None:
+            return self._forward_reference(scheduler_output)
+        scheduled = scheduler_output.scheduled
+        sampling = [s for s in scheduled if s.sample]
+        if self._can_replay(scheduler_output):
+            logits = self.graphs.run(scheduled)
+            if len(sampling) != len(scheduled):
+                rows = [i for i, s in enumerate(scheduled) if s.sample]
+                logits = logits[torch.tensor(rows, device=self.device)]
+        else:
+            layout = self.inputs.pack(scheduled)
+            inputs = self.inputs.views(layout, self.inputs.upload(layout))
+            before_layer, after_layer = self._connector_hooks(inputs.attn)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                before_layer, after_layer,
+            )
+            if not sampling:
+                return {}
+            logits = self.model.logits(hidden[inputs.sample_rows])
+        if not sampling:
+            return {}
+        tokens = self.sampler(
+            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
+        )
+        return {s.request_id: token for s, token in zip(sampling, tokens)}
+
+    def _decode_logits(self, inputs) -> torch.Tensor:
+        """The graphed part of a decode step: forward pass and LM head for every row."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        return self.model.logits(hidden)
+
+    def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
+        """Graphs run only pure decode steps whose connector has nothing to load or save."""
+        scheduled = scheduler_output.scheduled
+        if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
+            return False
+        if any(len(s.token_ids) != 1 for s in scheduled):
+            return False
+        if self.connector is None or scheduler_output.kv_connector_metadata is None:
+            return True
+        metadata = scheduler_output.kv_connector_metadata
+        try:
+            return not metadata.loads_by_request() and not metadata.num_save_blocks()
+        except Exception:
+            return False  # let the eager path's hooks meet (and contain) the error
+
+    def _connector_hooks(self, meta):
+        """Per-layer load-wait and save callbacks for the model, or (None, None)."""
+        connector = self.connector
+        if connector is None:
+            return None, None
+
+        def before_layer(index: int) -> None:
+            if not self._load_error:
+                self._guard(connector.wait_for_layer_load, index, on_error="load")
+
+        def after_layer(index: int) -> None:
+            if not self._save_error:
+                self._guard(connector.save_kv_layer, index, self.kv_caches[index], meta,
+                            on_error="save")
+
+        return before_layer, after_layer
+
+    def _forward_reference(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         scheduled = scheduler_output.scheduled
         token_ids: list[int] = []
         positions: list[int] = []
@@ -84,18 +149,7 @@ class ModelRunner:
             self.layout.block_size,
             self.device,
         )
-        connector = self.connector
-        before_layer = after_layer = None
-        if connector is not None:
-            def before_layer(index: int) -> None:
-                if not self._load_error:
-                    self._guard(connector.wait_for_layer_load, index, on_error="load")
-
-            def after_layer(index: int) -> None:
-                if not self._save_error:
-                    self._guard(connector.save_kv_layer, index, self.kv_caches[index], meta,
-                                on_error="save")
-
+        before_layer, after_layer = self._connector_hooks(meta)
         hidden = self.model(
             torch.tensor(token_ids, device=self.device),
             torch.tensor(positions, device=self.device),

