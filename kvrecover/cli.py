@@ -96,7 +96,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "prefill":
         args.workdir.mkdir(parents=True, exist_ok=True)
         for prompt in scenario.run_prefill(options, args.workdir):
-            print(repr(prompt[-60:]))
+            print(repr("..." + prompt[-57:]))
         return 0
     if args.command == "decode":
         scenario.run_decode(options, args.workdir, args.simulate_failure, args.async_load)

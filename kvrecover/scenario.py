@@ -129,8 +129,9 @@ def run_decode(
                 f"Prompt: {output.prompt!r}\nGenerated text: {completion.text!r}\n"
                 f"Token ids: {completion.token_ids}\n{SEPARATOR}\n"
             )
-            print(text, end="")
             handle.write(text)
+            shown = output.prompt if len(output.prompt) <= 60 else "..." + output.prompt[-57:]
+            print(f"{shown!r} -> {completion.text!r}")
     _write_phase_stats(workdir, out_path.stem, llm.stats)
     return out_path
 

@@ -84,7 +84,7 @@ class KVLoadRecovery:
                 request.connector_consulted = False  # may ask the connector again, boundedly
             logger.info(
                 "request %s: KV load failed for %d block(s); rolled back to token %d, "
-                "recomputing %d token(s)",
+                "%d token(s) to reload or recompute",
                 request.request_id, len(bad_positions), cut, lost,
             )
         return RecoveryAction(request.request_id, first_bad, len(bad_positions), lost, failed)
