@@ -145,15 +145,31 @@ class Scheduler:
                 skipped.append(request)
                 continue
             num_new = min(request.num_tokens - num_local - num_external, budget)
-            if not self.kv_manager.allocate(request, num_local + num_external + num_new, hits):
-                self.waiting.appendleft(request)
-                break
+            num_needed = num_local + num_external + num_new
+            if not self.kv_manager.allocate(request, num_needed, hits):
+                if scheduled or not self._release_parked_blocks(request, num_needed, hits):
+                    self.waiting.appendleft(request)
+                    break
             self._claim(request, num_local, len(hits), num_external)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._slice(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _release_parked_blocks(self, request: Request, num_tokens: int, hits: list) -> bool:
+        """Nothing runs, yet `request` does not fit: the blocks are held by waiting
+        requests whose loads finished. Restart those (newest first) until it fits,
+        so the engine never stalls. In-flight loads keep their blocks (rule 7)."""
+        for parked in reversed(self.waiting):
+            if parked.status is RequestStatus.WAITING_FOR_REMOTE_KVS or not parked.block_ids:
+                continue
+            self.kv_manager.free(parked)
+            parked.num_computed_tokens = 0
+            parked.connector_consulted = False
+            if self.kv_manager.allocate(request, num_tokens, hits):
+                return True
+        return False
 
     def _external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
         if not self.can_load or request.connector_consulted:
