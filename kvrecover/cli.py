@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from kvrecover.default_model import DefaultModelError
+
 DESCRIPTION = """\
 kvrecover: LLM inference for disaggregated serving that recovers exactly from
 KV cache load failures. Without --model, every command uses the built-in
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return _dispatch(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, DefaultModelError) as error:
         print(f"kvrecover: error: {error}", file=sys.stderr)
         return 2
 

@@ -1,9 +1,11 @@
 """Text <-> token ids for a checkpoint folder.
 
 Uses the `tokenizers` library on `tokenizer.json` directly when it exists (it
-loads in milliseconds, where importing `transformers` takes seconds), with the
-BOS/EOS settings of `tokenizer_config.json`; otherwise falls back to
-`transformers.AutoTokenizer`.
+loads in milliseconds, where importing `transformers` takes seconds); otherwise
+falls back to `transformers.AutoTokenizer`. As in transformers 5, the special
+tokens a prompt gets come from `tokenizer.json`'s post-processor alone: the
+`add_bos_token` / `add_eos_token` of `tokenizer_config.json` are ignored when a
+`tokenizer.json` exists (`AutoTokenizer` drops them too).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ class Tokenizer:
             from tokenizers import Tokenizer as FastTokenizer
 
             self._fast = FastTokenizer.from_file(str(tokenizer_json))
-            self._add_bos = self._special_id(config, "bos_token") if config.get("add_bos_token") else None
-            self._add_eos = self._special_id(config, "eos_token") if config.get("add_eos_token") else None
         else:
             try:
                 from transformers import AutoTokenizer
@@ -51,12 +51,7 @@ class Tokenizer:
         """Token ids of a prompt, with the special tokens the checkpoint adds."""
         if self._hf is not None:
             return self._hf.encode(text)
-        ids = self._fast.encode(text, add_special_tokens=True).ids
-        if self._add_bos is not None and (not ids or ids[0] != self._add_bos):
-            ids = [self._add_bos, *ids]
-        if self._add_eos is not None and (not ids or ids[-1] != self._add_eos):
-            ids = [*ids, self._add_eos]
-        return ids
+        return self._fast.encode(text, add_special_tokens=True).ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""

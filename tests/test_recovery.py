@@ -128,12 +128,17 @@ def test_random_fraction_of_requests(stored):
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_failures_under_preemption(stored, async_load):
-    """A KV budget that forces preemption while loads fail."""
-    model, store, baseline = stored
-    faults = [{"requests": "all", "blocks": "middle", "kind": "missing"}]
-    outputs, llm = decode(model, store, async_load=async_load, faults=faults, num_kv_blocks=14,
-                          block_size=16)
-    assert token_ids(outputs) == baseline
+    """A KV budget that forces preemption while requests grow and loads fail."""
+    model, store, _ = stored
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = LLM(str(model), device="cpu").generate(as_inputs(make_prompts()), long_params)
+    extra = {"shared_storage_path": str(store), "async_load": async_load,
+             "faults": [{"requests": "all", "blocks": "middle", "kind": "missing"}]}
+    transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", extra)
+    llm = LLM(str(model), device="cpu", kv_transfer_config=transfer, num_kv_blocks=24,
+              max_num_batched_tokens=32)
+    outputs = llm.generate(as_inputs(make_prompts()), long_params)
+    assert token_ids(outputs) == token_ids(reference)
     assert llm.stats["num_preemptions"] > 0
     assert llm.stats["kv_load_recovered_requests"] > 0
     pool = llm.engine.scheduler.kv_manager.pool

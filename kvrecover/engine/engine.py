@@ -14,6 +14,7 @@ from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
 from kvrecover.models.config import ModelConfig
+from kvrecover.models.loader import checkpoint_fingerprint
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import Tokenizer
@@ -53,7 +54,7 @@ class Engine:
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.layout = KVCacheLayout(
-            model_identity=self.model_config.identity,
+            model_identity=f"{self.model_config.identity}-{checkpoint_fingerprint(self.model_dir)}",
             dtype=self.dtype,
             block_size=args.block_size,
             num_layers=self.model_config.num_hidden_layers,
@@ -66,6 +67,7 @@ class Engine:
         self.model_runner = ModelRunner(
             self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
             self.layout, self._num_blocks(),
+            enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
         )
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
         self.stats = EngineStats()
@@ -210,13 +212,18 @@ class Engine:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _resolve_device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    if resolved.type not in ("cpu", "cuda"):  # torch knows more types than we run on
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available")
+        if resolved.index is None:  # torch.cuda.set_device needs an index
+            resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 

@@ -50,10 +50,13 @@ class KVCacheManager:
         """Take the hit blocks, then enough fresh blocks to hold `num_tokens` tokens."""
         if not self.can_allocate(request, num_tokens, hits):
             return False
-        for block in hits:
-            self.pool.touch(block)
-            request.block_ids.append(block.block_id)
-        request.num_cached_blocks = max(request.num_cached_blocks, len(request.block_ids))
+        if hits:
+            for block in hits:
+                self.pool.touch(block)
+                request.block_ids.append(block.block_id)
+            # Only hit blocks are cached already; a fresh block (possibly partly
+            # computed) is registered by cache_computed_blocks once it is full.
+            request.num_cached_blocks = max(request.num_cached_blocks, len(request.block_ids))
         needed = blocks_needed(num_tokens, self.block_size) - len(request.block_ids)
         if needed > 0:
             request.block_ids.extend(b.block_id for b in self.pool.allocate(needed))

@@ -30,6 +30,7 @@ complete entry.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import uuid
 from collections.abc import Iterator
@@ -114,8 +115,13 @@ class BlockStore:
     def read_raw(self, key: bytes) -> bytes:
         """The entry's bytes, after checking its size against the layout."""
         try:
-            with open(self.path(key), "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
+            # O_NONBLOCK: a FIFO planted under the entry's name must not block the open.
+            fd = os.open(self.path(key), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with open(fd, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    raise BlockLoadError("entry is not a regular file")
+                size = info.st_size
                 if size != PREFIX_SIZE + self.payload_nbytes:
                     raise BlockLoadError(f"entry has {size} bytes, expected "
                                          f"{PREFIX_SIZE + self.payload_nbytes}")

@@ -132,7 +132,9 @@ class FaultInjectionConnector(KVConnectorBase):
         if not isinstance(faults, list):
             raise ValueError(f"'faults' must be a list of fault dicts, got {faults!r}")
         self.rules = [FaultRule.parse(f) for f in faults]
-        self.seed = int(extra.get("seed", 0))
+        self.seed = extra.get("seed", 0)
+        if not _is_int(self.seed):
+            raise ValueError(f"fault 'seed' must be an integer >= 0, got {self.seed!r}")
         inner_config = KVTransferConfig(
             kv_connector=inner_name,
             kv_role=config.kv_role,
@@ -140,7 +142,10 @@ class FaultInjectionConnector(KVConnectorBase):
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_load_retry_limit=config.kv_load_retry_limit,
         )
-        self.inner = create_connector(inner_config, role, layout)
+        try:
+            self.inner = create_connector(inner_config, role, layout)
+        except ValueError as error:
+            raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
         self.load_timeout_s = float(extra.get("load_timeout_s", 30.0))
         # Scheduler role: which requests are broken, in order of their first load.
         self._load_order: dict[str, int] = {}

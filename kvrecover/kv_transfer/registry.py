@@ -35,10 +35,18 @@ def _import_module(module_path: str):
         if not path.is_file():
             raise ValueError(f"kv_connector_module_path {module_path!r}: no such file")
         name = f"kvrecover_user_connector_{path.stem}"
+        loaded = sys.modules.get(name)
+        if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+            # Imported once per process, like any module: both roles share its classes.
+            return loaded
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
         return module
     return importlib.import_module(module_path)
 

@@ -50,6 +50,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
+    value = config.get_extra(key, default)
+    if not isinstance(value, bool):  # bool("false") is True: never guess
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be True or False, got {value!r}")
+    return value
+
+
+def _extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
+    value = config.get_extra(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] must be a number of seconds > 0, got {value!r}"
+        )
+    return float(value)
+
+
 @dataclass
 class BlockTransfer:
     """Blocks of one request to load or save: cache block ids and their store keys."""
@@ -93,11 +109,9 @@ class SharedStorageConnector(KVConnectorBase):
                 f"{type(self).__name__} needs kv_connector_extra_config['shared_storage_path']"
             )
         self.store = BlockStore(path, layout)
-        self.async_load = bool(config.get_extra("async_load", False))
-        self.load_timeout_s = float(config.get_extra("load_timeout_s", 30.0))
-        if self.load_timeout_s <= 0:
-            raise ValueError("load_timeout_s must be > 0")
-        self.verify_after_load = bool(config.get_extra("verify_after_load", True))
+        self.async_load = _extra_flag(config, "async_load", False)
+        self.load_timeout_s = _extra_seconds(config, "load_timeout_s", 30.0)
+        self.verify_after_load = _extra_flag(config, "verify_after_load", True)
         self.block_size = layout.block_size
         # Optional hook on raw entry bytes, (request id, block id, key, raw, cancelled)
         # -> raw; fault injection uses it to make reads fail, corrupt or hang.
@@ -111,7 +125,6 @@ class SharedStorageConnector(KVConnectorBase):
         self._failed_requests: set[str] = set()
         self._discarded_saves: set[str] = set()
         self._async_loads: dict[str, _AsyncLoad] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._save_failures = 0
         self._suspect_keys: set[bytes] = set()
 
@@ -208,32 +221,47 @@ class SharedStorageConnector(KVConnectorBase):
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
     def _install(self, transfer: BlockTransfer, blocks: list[StoredBlock | None]) -> None:
-        """Copy verified blocks into the cache; report the rest invalid."""
-        failed = False
-        for block_id, block in zip(transfer.block_ids, blocks):
-            if block is None or failed:
-                failed = True
-                self._invalid_block_ids.add(block_id)
-                continue
+        """Copy the leading verified blocks into the cache (one indexed copy per
+        layer); report every block from the first bad one on as invalid."""
+        count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
+        if count:
+            device = self._kv_caches[0].device
+            staged = torch.stack([block.tensor for block in blocks[:count]])  # [n, L, 2, ...]
+            if device.type == "cuda":
+                staged = staged.pin_memory().to(device, non_blocking=True)
+            index = torch.tensor(transfer.block_ids[:count], device=device)
             for layer, cache in enumerate(self._kv_caches):
-                cache[:, block_id].copy_(block.tensor[layer], non_blocking=True)
-            if self.verify_after_load and self._cache_checksum(block_id) != block.checksum:
-                logger.warning("KV block %d does not match its stored checksum after the load",
-                               block_id)
-                failed = True
-                self._invalid_block_ids.add(block_id)
-        if failed:
+                cache.index_copy_(1, index, staged[:, layer].transpose(0, 1))
+            if self.verify_after_load:
+                count = self._verified_prefix(index, blocks[:count])
+        if count < len(blocks):
+            self._invalid_block_ids.update(transfer.block_ids[count:])
             self._failed_requests.add(transfer.request_id)
 
-    def _cache_checksum(self, block_id: int) -> int:
-        block = torch.stack([cache[:, block_id] for cache in self._kv_caches]).to("cpu")
-        return payload_checksum(block)
+    def _verified_prefix(self, index: torch.Tensor, blocks: list[StoredBlock]) -> int:
+        """How many leading blocks hold, in the engine's own cache, the stored bytes."""
+        cached = torch.stack([cache[:, index] for cache in self._kv_caches])  # [L, 2, n, ...]
+        cached = cached.permute(2, 0, 1, 3, 4, 5).to("cpu").contiguous()
+        for position, block in enumerate(blocks):
+            if payload_checksum(cached[position]) != block.checksum:
+                logger.warning("KV block %d does not match its stored checksum after the load",
+                               int(index[position]))
+                return position
+        return len(blocks)
 
     def _start_async(self, transfer: BlockTransfer) -> None:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-load")
         cancelled = threading.Event()
-        future = self._executor.submit(self._read_blocks, transfer, cancelled)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def load() -> None:
+            try:
+                future.set_result(self._read_blocks(transfer, cancelled))
+            except BaseException as error:  # _read_blocks catches read errors; be safe
+                future.set_exception(error)
+
+        # A daemon thread: a read stuck in the kernel past its deadline must not
+        # keep the process alive at exit.
+        threading.Thread(target=load, name=f"kv-load-{transfer.request_id}", daemon=True).start()
         self._async_loads[transfer.request_id] = _AsyncLoad(
             transfer, future, time.monotonic() + self.load_timeout_s, cancelled
         )
@@ -267,7 +295,10 @@ class SharedStorageConnector(KVConnectorBase):
                 load.cancelled.set()
                 done.add(request_id)
             elif load.future.done():
-                self._install(load.transfer, load.future.result())
+                if load.future.exception() is None:
+                    self._install(load.transfer, load.future.result())
+                else:
+                    self._invalid_block_ids.update(load.transfer.block_ids)
                 done.add(request_id)
             elif now >= load.deadline:
                 logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",

@@ -58,6 +58,12 @@ class ModelConfig:
                 f"unsupported architecture {architecture!r} in {config_path}; "
                 f"kvrecover supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+            # We attend over the whole context; a windowed model would silently diverge.
+            raise ValueError(
+                f"{config_path} asks for sliding-window attention, which kvrecover does not "
+                "support; set use_sliding_window to false if the model allows it"
+            )
         num_heads = raw["num_attention_heads"]
         rope_parameters = raw.get("rope_parameters") or {}
         rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))

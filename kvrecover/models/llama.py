@@ -12,30 +12,71 @@ from kvrecover.models.config import ModelConfig
 from kvrecover.models.rope import RotaryEmbedding
 
 
+class TorchOps:
+    """The model's linears and small ops in plain torch: the reference (CPU, tests).
+
+    The model runner may hand the model a subclass with fused kernels
+    (`kvrecover.worker.triton_ops`); every method must round like these.
+    """
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if x.shape[0] <= 16 and x.device.type == "cpu" and layer.bias is None:
+            # Decode-sized batches: MKL runs W @ x^T about twice as fast as x @ W^T.
+            return (layer.weight @ x.T).T
+        return F.linear(x, layer.weight, layer.bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(input_dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(residual + x), residual + x)."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, query, key)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like the reference."""
+    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
 
-
-def _load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int) -> None:
-    param.data[offset : offset + loaded.shape[0]].copy_(loaded)
+def _load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
+    """Copy one checkpoint tensor (q, k, v, gate or up) into its rows of a fused weight."""
+    if loaded.shape[0] != size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit rows "
+            f"[{offset}, {offset + size}) of a fused weight of shape {tuple(param.shape)}; "
+            "does config.json match the weights?"
+        )
+    param.data[offset : offset + size].copy_(loaded)
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with fused QKV projection, GQA and an optional per-head q/k norm."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: Any) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: Any, ops: TorchOps
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -50,56 +91,80 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim**-0.5
-        shard_offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
+        shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                  "v": (self.q_size + self.kv_size, self.kv_size)}
         for param in self.qkv_proj.parameters():
-            param.weight_loader = lambda p, w, shard, o=shard_offsets: _load_shard(p, w, o[shard])
+            param.weight_loader = lambda p, w, shard: _load_shard(p, w, *shards[shard])
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        ops = self.ops
+        qkv = ops.linear(hidden, self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rotary(self.rotary, positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        offsets = {"gate": 0, "up": config.intermediate_size}
-        self.gate_up_proj.weight.weight_loader = lambda p, w, shard: _load_shard(p, w, offsets[shard])
+        size = config.intermediate_size
+        shards = {"gate": (0, size), "up": (size, size)}
+        self.gate_up_proj.weight.weight_loader = lambda p, w, shard: _load_shard(p, w, *shards[shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm transformer block."""
+    """One pre-norm transformer block.
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: Any) -> None:
+    Carries the residual stream separately (`residual`, None before the first
+    layer) so that each residual add fuses with the next norm.
+    """
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: Any, ops: TorchOps
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, rotary, backend, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, ops)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops, norm = self.ops, self.input_layernorm
+        if residual is None:
+            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
+        norm = self.post_attention_layernorm
+        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,15 +175,19 @@ class LlamaForCausalLM(nn.Module):
     where a KV connector waits for a layer's load and saves a layer's KV.
     """
 
-    def __init__(self, config: ModelConfig, backend: Any, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: Any, max_positions: int, ops: TorchOps | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops = ops or TorchOps()
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, backend, ops)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -135,17 +204,24 @@ class LlamaForCausalLM(nn.Module):
         after_layer: Any = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(index)
-            hidden = layer(positions, hidden, kv_caches[index], attn_meta)
+            hidden, residual = layer(positions, hidden, residual, kv_caches[index], attn_meta)
             if after_layer is not None:
                 after_layer(index)
-        return self.norm(hidden)
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+
+    def set_ops(self, ops: TorchOps) -> None:
+        """Switch every module to another implementation of the small ops and linears."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden states."""
-        return self.lm_head(hidden).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
     # Hugging Face parameter name fragments -> (our fragment, shard id).
     packed_modules = {

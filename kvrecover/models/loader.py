@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+import xxhash
 from torch import nn
 
 
@@ -35,17 +36,113 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_fingerprint(model_dir: Path, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """A cheap digest of the weights themselves: each file's name, size,
+    safetensors header and evenly spaced samples of its data (xxh3).
+
+    Part of the KV layout identity, so that KV stored for other weights of the
+    same architecture (a fine-tune, say) is never loaded. Sampling keeps it at
+    milliseconds for any checkpoint size; training changes practically every
+    weight, so the samples differ.
+    """
+    digest = xxhash.xxh3_64()
+    for path in checkpoint_files(Path(model_dir)):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header_len, size)))
+            for index in range(samples):
+                handle.seek(size * index // samples)
+                digest.update(handle.read(sample_bytes))
+    return digest.hexdigest()
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class SafetensorsFile:
+    """Reads the tensors of one safetensors file straight into their targets.
+
+    The file is mapped and each tensor copied once, into the parameter itself
+    when dtype and layout match; its pages are dropped from the mapping right
+    after (`safe_open` keeps them mapped, so they counted as resident memory on
+    top of the parameters: a start-up peak of twice the model size).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if not 0 < header_len <= size - 8:
+                raise ValueError(f"{path} is not a safetensors file (bad header length)")
+            try:
+                header = json.loads(handle.read(header_len))
+            except ValueError as error:
+                raise ValueError(f"{path} is not a safetensors file (bad header)") from error
+            self._data_start = 8 + header_len
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                self.entries[name] = self._check_entry(name, entry, size)
+            # A private mapping: never written, so never copied; no read-only-buffer warning.
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+    def _check_entry(self, name: str, entry: dict, size: int) -> tuple[torch.dtype, tuple[int, ...], int]:
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(o) for o in entry["data_offsets"])
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if end - begin != nbytes or begin < 0 or self._data_start + end > size:
+            raise ValueError(f"{self.path}: tensor {name!r} has inconsistent data offsets")
+        return dtype, shape, begin
+
+    def read_into(self, name: str, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name`, copied into `target` (same dtype and shape, contiguous, on the
+        CPU) or into a new tensor."""
+        dtype, shape, begin = self.entries[name]
+        if target is None:
+            target = torch.empty(shape, dtype=dtype)
+        nbytes = target.numel() * dtype.itemsize
+        if nbytes == 0:
+            return target
+        start = self._data_start + begin
+        with memoryview(self._map)[start : start + nbytes] as view:
+            source = torch.frombuffer(view, dtype=torch.uint8)
+            _bytes_of(target).copy_(source)
+            del source  # releases the buffer before the view closes
+        if hasattr(mmap, "MADV_DONTNEED"):
+            page_start = start - start % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, page_start, start + nbytes - page_start)
+        return target
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+
+
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copy every checkpoint tensor into `model`; fail if a parameter was never loaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
+        handle = SafetensorsFile(path)
+        try:
+            for name, (dtype, shape, _) in handle.entries.items():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                tensor = handle.get_tensor(name)
                 target = name.removeprefix("model.")  # HF nests the decoder under `model.`
                 shard = None
                 for fragment, (ours, shard_id) in packed.items():
@@ -57,15 +154,22 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
                 with torch.no_grad():
                     if shard is None:
-                        if param.shape != tensor.shape:
+                        if param.shape != shape:
                             raise ValueError(
-                                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                f"checkpoint tensor {name!r} has shape {shape}, "
                                 f"expected {tuple(param.shape)}"
                             )
-                        param.data.copy_(tensor)
+                        direct = (param.device.type == "cpu" and param.dtype == dtype
+                                  and param.is_contiguous())
+                        if direct:
+                            handle.read_into(name, param.data)
+                        else:
+                            param.data.copy_(handle.read_into(name))
                     else:
-                        param.weight_loader(param, tensor, shard)
+                        param.weight_loader(param, handle.read_into(name), shard)
                 loaded.add(target)
+        finally:
+            handle.close()
     if getattr(model.config, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)

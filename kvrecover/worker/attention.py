@@ -100,8 +100,11 @@ class TorchPagedAttention:
         key_cache.index_copy_(0, meta.slot_mapping, key)
         value_cache.index_copy_(0, meta.slot_mapping, value)
         padded_query = F.pad(query, (0, 0, 0, 0, 0, 1))[meta.query_index]  # [B, Qmax, Hq, D]
-        keys = key_cache[meta.key_slots]  # [B, Lmax, Hkv, D]
-        values = value_cache[meta.key_slots]
+        # index_select on the flat slots is several times faster than advanced indexing.
+        slots = meta.key_slots.reshape(-1)
+        context_shape = (*meta.key_slots.shape, num_kv_heads, head_dim)
+        keys = key_cache.index_select(0, slots).view(context_shape)  # [B, Lmax, Hkv, D]
+        values = value_cache.index_select(0, slots).view(context_shape)
         out = F.scaled_dot_product_attention(
             padded_query.transpose(1, 2),
             keys.transpose(1, 2),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -10,17 +11,26 @@ import torch
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorBase
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.llama import LlamaForCausalLM
+from kvrecover.models.llama import LlamaForCausalLM, TorchOps
 from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.sampler import Sampler
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the worker half of the connector."""
+    """Owns the model, the KV cache tensors and the worker half of the connector.
+
+    `attention_backend` (default: env `KVRECOVER_ATTENTION_BACKEND`, else
+    "auto"): "auto" runs the Triton kernels (paged attention and fused small
+    ops) on CUDA and the torch reference elsewhere; "torch" and "triton" force
+    one (Triton off CUDA only under `TRITON_INTERPRET=1`). See `configure` for
+    `enforce_eager` and `batch_invariant`.
+    """
 
     def __init__(
         self,
@@ -31,11 +41,28 @@ class ModelRunner:
         max_model_len: int,
         layout: KVCacheLayout,
         num_blocks: int,
+        *,
+        enforce_eager: bool = False,
+        batch_invariant: bool = False,
+        attention_backend: str | None = None,
     ) -> None:
+        attention_backend = attention_backend or os.environ.get(
+            "KVRECOVER_ATTENTION_BACKEND", "auto"
+        )
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
         self.device = device
         self.dtype = dtype
         self.layout = layout
-        self.backend = TorchPagedAttention()
+        self.max_model_len = max_model_len
+        if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
+            from kvrecover.worker.triton_attention import TritonPagedAttention
+
+            self.backend = TritonPagedAttention()
+        else:
+            self.backend = TorchPagedAttention()
         with torch.device(device), skip_weight_init():
             model = LlamaForCausalLM(model_config, self.backend, max_model_len)
         load_weights(model, model_dir)
@@ -45,6 +72,40 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.connector: KVConnectorBase | None = None
         self._warned_save_failure = False
+        self.inputs = None
+        self.graphs = None
+        if self.backend.name == "triton":
+            from kvrecover.worker.step_inputs import StepInputBuilder
+            from kvrecover.worker.triton_attention import tile_tokens
+
+            group = model_config.num_attention_heads // model_config.num_key_value_heads
+            self.inputs = StepInputBuilder(
+                layout.block_size, tile_tokens(group), device, max_model_len
+            )
+        self.configure(enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+
+    def configure(self, *, enforce_eager: bool, batch_invariant: bool) -> None:
+        """Choose the kernels; call before the first step (the engine passes its args here).
+
+        On the Triton path: `batch_invariant` routes every linear through the
+        fixed-order Triton matmul (a request's numerics no longer depend on its
+        batch or chunking); unless `enforce_eager`, decode steps on CUDA replay
+        CUDA graphs. The torch reference path ignores both.
+        """
+        self.enforce_eager = enforce_eager
+        self.batch_invariant = batch_invariant
+        self.graphs = None
+        if self.backend.name != "triton":
+            self.model.set_ops(TorchOps())
+            return
+        from kvrecover.worker.triton_ops import BatchInvariantOps, TritonOps
+
+        self.model.set_ops(BatchInvariantOps() if batch_invariant else TritonOps())
+        if self.device.type == "cuda" and not enforce_eager:
+            from kvrecover.worker.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-self.max_model_len // self.layout.block_size)
+            self.graphs = DecodeGraphs(self._decode_step, self.inputs, max_blocks, self.device)
 
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Give the runner the worker-role connector and the connector the cache."""
@@ -71,11 +132,13 @@ class ModelRunner:
             return self._forward_reference(scheduler_output)
         scheduled = scheduler_output.scheduled
         sampling = [s for s in scheduled if s.sample]
+        greedy = None
         if self._can_replay(scheduler_output):
-            logits = self.graphs.run(scheduled)
+            logits, greedy = self.graphs.run(scheduled)
             if len(sampling) != len(scheduled):
-                rows = [i for i, s in enumerate(scheduled) if s.sample]
-                logits = logits[torch.tensor(rows, device=self.device)]
+                rows = torch.tensor([i for i, s in enumerate(scheduled) if s.sample],
+                                    device=self.device)
+                logits, greedy = logits[rows], greedy[rows]
         else:
             layout = self.inputs.pack(scheduled)
             inputs = self.inputs.views(layout, self.inputs.upload(layout))
@@ -89,15 +152,26 @@ class ModelRunner:
             logits = self.model.logits(hidden[inputs.sample_rows])
         if not sampling:
             return {}
-        tokens = self.sampler(
-            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
-        )
+        tokens = self._sample(logits, sampling, greedy)
         return {s.request_id: token for s, token in zip(sampling, tokens)}
 
-    def _decode_logits(self, inputs) -> torch.Tensor:
-        """The graphed part of a decode step: forward pass and LM head for every row."""
+    def _sample(
+        self, logits: torch.Tensor, sampling: list, greedy: torch.Tensor | None = None
+    ) -> list[int]:
+        """Tokens for the sampled rows; `greedy` (the graph's argmax) serves all-greedy steps."""
+        if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
+            return greedy.tolist()
+        return self.sampler(
+            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
+        )
+
+    def _decode_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphed part of a decode step: forward, LM head and argmax for every row."""
+        from kvrecover.worker.triton_ops import greedy_tokens
+
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        return logits, greedy_tokens(logits)
 
     def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
         """Graphs run only pure decode steps whose connector has nothing to load or save."""

@@ -1,0 +1,354 @@
+"""GPU benchmark: kvrecover vs Hugging Face `generate` on a Llama-3.2-1B-shaped model.
+
+Builds a random-weight bf16 checkpoint (no download), measures the device's copy
+bandwidth and bf16 matmul rate, then times prefill and decode for kvrecover
+(default, batch-invariant, eager) and HF on the same prompts, and prints a table
+with the ratios to HF and to the roofline.
+
+    PYTHONPATH=. python bench/bench_gpu.py [--batches 1 16 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_1B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+)
+
+
+def device_ceilings() -> dict[str, float]:
+    """Measured device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate."""
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_s = _time_cuda(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_s = _time_cuda(lambda: a @ b, 20)
+    return {"copy_bytes_per_s": 2 * (1 << 30) / copy_s, "matmul_flop_per_s": 2 * 8192**3 / mm_s}
+
+
+def _time_cuda(fn, reps: int, inner: int = 1) -> float:
+    """Median seconds per call; `inner` calls per timing keep the GPU queue ahead of the host."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return sorted(times)[len(times) // 2]
+
+
+def build_checkpoint(folder: Path) -> Path:
+    """A random bf16 Llama-3.2-1B-shaped checkpoint with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(**{k: v for k, v in LLAMA_1B.items() if k != "architectures"})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    config_file = folder / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["architectures"] = LLAMA_1B["architectures"]
+    config_file.write_text(json.dumps(saved))
+    vocab = {f"t{i}": i for i in range(LLAMA_1B["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t128001"}))
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 128000, (count, length), generator=generator).tolist()
+
+
+def time_kvrecover(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, **llm_args) -> dict:
+    """Prefill and decode throughput of kvrecover for one batch shape (after a warm-up run)."""
+    from kvrecover import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + new_tokens + 16,
+              enable_prefix_caching=False, kv_cache_memory_gb=12, max_num_seqs=max(batch, 16),
+              **llm_args)
+
+    def run(prompts, max_tokens):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        torch.cuda.synchronize()
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+        return time.perf_counter() - start
+
+    run(random_prompts(batch, prompt_len, 1), new_tokens)  # warm-up: compiles, captures graphs
+    prefill_s = min(run(random_prompts(batch, prompt_len, 2 + i), 1) for i in range(3))
+    replays = _time_graph_replays(llm.engine.model_runner.graphs)
+    total_s = run(random_prompts(batch, prompt_len, 9), new_tokens)
+    result = _rates(batch, prompt_len, new_tokens, prefill_s, total_s)
+    full = [start.elapsed_time(end) for size, start, end in replays if size == batch]
+    if full:
+        result["decode_gpu_ms_per_step"] = sorted(full)[len(full) // 2]
+        wall_ms = 1e3 * (total_s - prefill_s) / (new_tokens - 1)
+        result["decode_host_ms_per_step"] = wall_ms - result["decode_gpu_ms_per_step"]
+    return result
+
+
+def _time_graph_replays(graphs) -> list:
+    """Record device events around every decode-graph step (upload + replay) from now on."""
+    replays: list = []
+    if graphs is None:
+        return replays
+    run = graphs.run
+
+    def timed(scheduled):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = run(scheduled)
+        end.record()
+        replays.append((len(scheduled), start, end))
+        return logits
+
+    graphs.run = timed
+    return replays
+
+
+def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """The same for Hugging Face `generate` (greedy, its default dynamic cache)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+    def run(seed, max_tokens):
+        ids = torch.tensor(random_prompts(batch, prompt_len, seed), device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+            )
+        torch.cuda.synchronize()
+        assert out.shape[1] == prompt_len + max_tokens
+        return time.perf_counter() - start
+
+    run(1, 4)
+    prefill_s = min(run(2 + i, 1) for i in range(2))
+    total_s = run(9, new_tokens)
+    return _rates(batch, prompt_len, new_tokens, prefill_s, total_s)
+
+
+def profile_steps(model_dir: Path, batch: int, prompt_len: int, batch_invariant: bool) -> None:
+    """Print the top GPU kernels of one eager prefill step and of eager decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvrecover import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + 64,
+              enable_prefix_caching=False, kv_cache_memory_gb=8, enforce_eager=True,
+              max_num_batched_tokens=batch * prompt_len, batch_invariant=batch_invariant)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for warm in range(2):
+        for i, prompt in enumerate(random_prompts(batch, prompt_len, 20 + warm)):
+            engine.add_request(f"{warm}-{i}", {"prompt_token_ids": prompt}, params)
+        if warm == 0:
+            while engine.has_unfinished():
+                engine.step()
+    torch.cuda.synchronize()
+    for label, steps in (("prefill step", 1), ("decode steps x5", 5)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        print(f"--- {label}, batch {batch}, batch_invariant={batch_invariant}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    if not batch_invariant:
+        _attention_microbench(engine)
+
+
+@torch.inference_mode()
+def _attention_microbench(engine) -> None:
+    """Attention alone over the running requests' caches (decode, and prefill of the prompts)."""
+    from kvrecover.engine.scheduler_output import ScheduledRequest
+    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.worker.triton_attention import paged_attention, tile_tokens
+
+    runner = engine.model_runner
+    running = engine.scheduler.running
+    cache = runner.kv_caches[0]
+    heads = runner.model.config.num_attention_heads
+    prompt_len = running[0].num_prompt_tokens
+    steps = {
+        "decode": [ScheduledRequest(r.request_id, [0], r.num_tokens - 1, list(r.block_ids),
+                                    True, None, 0) for r in running],
+        "prefill": [ScheduledRequest(r.request_id, [0] * prompt_len, 0, list(r.block_ids),
+                                     True, None, 0) for r in running],
+    }
+    group = heads // cache.shape[3]
+    kv_bytes = sum(r.num_tokens for r in running) * 2 * cache.shape[3] * cache.shape[4] * 2
+    flops = len(running) * 4 * heads * cache.shape[-1] * prompt_len**2 / 2
+    variants = [("decode", 64, 4, s) for s in (1, 2, 3)]
+    variants += [("prefill", bm, w, s) for bm, w in ((64, 4), (128, 8)) for s in (1, 2, 3)]
+    for label, block_m, warps, stages in variants:
+        builder = StepInputBuilder(runner.layout.block_size, tile_tokens(group, block_m),
+                                   torch.device("cuda"), runner.max_model_len)
+        layout = builder.pack(steps[label])
+        meta = builder.views(layout, builder.upload(layout)).attn
+        num_tokens = sum(len(s.token_ids) for s in steps[label])
+        query = torch.randn(num_tokens, heads, cache.shape[-1], device="cuda", dtype=cache.dtype)
+        seconds = _time_cuda(
+            lambda q=query, m=meta, s=stages, b=block_m, w=warps: paged_attention(
+                q, cache, m, 0.125, num_stages=s, prefill_block_m=b, prefill_warps=w
+            ),
+            10, inner=10,
+        )
+        rate = (f"{kv_bytes / seconds / 1e12:.2f} TB/s of KV" if label == "decode"
+                else f"{flops / seconds / 1e12:.0f} TFLOP/s")
+        print(f"{label} attention, {len(running)} requests, block_m={block_m} warps={warps} "
+              f"stages={stages}: {seconds * 1e6:.1f} us/layer, {rate}")
+
+
+@torch.inference_mode()
+def matmul_configs() -> None:
+    """Time batch-invariant matmul tile configs on prefill shapes; check each against decode rows."""
+    from kvrecover.worker.batch_invariant import linear
+
+    configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3)]
+    for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)):
+        x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        decode_rows = linear(x[:16], w)
+        cublas = _time_cuda(lambda x=x, w=w: x @ w.T, 10)
+        line = f"matmul {8192}x{n}x{k}: cuBLAS {2 * 8192 * n * k / cublas / 1e12:.0f} TFLOP/s"
+        for config in configs:
+            try:
+                seconds = _time_cuda(lambda x=x, w=w, c=config: linear(x, w, config=c), 10)
+                same = torch.equal(linear(x, w, config=config)[:16], decode_rows)
+                line += f" | {config}: {2 * 8192 * n * k / seconds / 1e12:.0f}{'' if same else ' NOT-INVARIANT'}"
+            except Exception as error:  # a config that does not compile (shared memory)
+                line += f" | {config}: failed ({type(error).__name__})"
+        print(line, flush=True)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _rates(batch, prompt_len, new_tokens, prefill_s, total_s) -> dict:
+    return {
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "decode_tok_s": batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9),
+        "prefill_s": prefill_s,
+        "total_s": total_s,
+    }
+
+
+def rooflines(ceilings: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Decode: bytes per step (weights once + the batch's KV) at copy bandwidth; prefill: FLOPs."""
+    c = LLAMA_1B
+    hidden, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    q_size = c["num_attention_heads"] * c["head_dim"]
+    kv_size = c["num_key_value_heads"] * c["head_dim"]
+    layer_params = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    weight_bytes = 2 * (layers * layer_params + c["vocab_size"] * hidden)
+    kv_bytes_per_token = 2 * 2 * layers * kv_size
+    mean_context = prompt_len + new_tokens / 2
+    step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
+    flops_per_token = 2 * layers * layer_params + 4 * layers * q_size * prompt_len / 2
+    return {
+        "decode_tok_s": batch * ceilings["copy_bytes_per_s"] / step_bytes,
+        "prefill_tok_s": ceilings["matmul_flop_per_s"] / flops_per_token,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf-new-tokens", type=int, default=32,
+                        help="HF decodes fewer tokens (it is slow); its rate is per step anyway")
+    parser.add_argument("--modes", nargs="+", default=["default", "batch_invariant", "eager"])
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print kernel profiles at batch 16")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
+    parser.add_argument("--out", type=Path, default=None, help="write results.json here")
+    args = parser.parse_args()
+
+    ceilings = device_ceilings()
+    print(f"device: {torch.cuda.get_device_name()}  copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+          f"  bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    model_dir = build_checkpoint(args.model_dir)
+    if args.profile:
+        matmul_configs()
+        for batch_invariant in (False, True):
+            profile_steps(model_dir, 16, args.prompt_len, batch_invariant)
+            _free_memory()
+    mode_args = {"default": {}, "batch_invariant": {"batch_invariant": True},
+                 "eager": {"enforce_eager": True}}
+    results: dict = {"ceilings": ceilings, "runs": []}
+    for batch in args.batches:
+        roof = rooflines(ceilings, batch, args.prompt_len, args.new_tokens)
+        hf = None
+        if not args.no_hf:
+            hf = time_hf(model_dir, batch, args.prompt_len, args.hf_new_tokens)
+            _free_memory()
+            results["runs"].append({"engine": "hf", "batch": batch, **hf})
+        for mode in args.modes:
+            run = time_kvrecover(model_dir, batch, args.prompt_len, args.new_tokens, **mode_args[mode])
+            _free_memory()
+            results["runs"].append({"engine": f"kvrecover-{mode}", "batch": batch, **run})
+            print(f"  batch {batch:3d} {mode:16s} prefill {run['prefill_tok_s']:10,.0f} tok/s  "
+                  f"decode {run['decode_tok_s']:9,.0f} tok/s  decode step: GPU "
+                  f"{run.get('decode_gpu_ms_per_step', float('nan')):.3f} ms + host "
+                  f"{run.get('decode_host_ms_per_step', float('nan')):.3f} ms", flush=True)
+        results["runs"].append({"engine": "roofline", "batch": batch, **roof})
+
+    print(f"\nprompt {args.prompt_len} tokens, {args.new_tokens} new tokens "
+          f"(HF: {args.hf_new_tokens}); bf16; tok/s, x HF, % of roofline")
+    header = f"{'batch':>5} {'engine':24} {'prefill':>10} {'xHF':>6} {'%roof':>6} " \
+             f"{'decode':>9} {'xHF':>6} {'%roof':>6}"
+    print(header)
+    for batch in args.batches:
+        rows = [r for r in results["runs"] if r["batch"] == batch]
+        hf = next((r for r in rows if r["engine"] == "hf"), None)
+        roof = next(r for r in rows if r["engine"] == "roofline")
+        for r in rows:
+            x_pre = r["prefill_tok_s"] / hf["prefill_tok_s"] if hf else float("nan")
+            x_dec = r["decode_tok_s"] / hf["decode_tok_s"] if hf else float("nan")
+            print(f"{batch:5d} {r['engine']:24} {r['prefill_tok_s']:10,.0f} {x_pre:6.1f} "
+                  f"{100 * r['prefill_tok_s'] / roof['prefill_tok_s']:6.1f} "
+                  f"{r['decode_tok_s']:9,.0f} {x_dec:6.1f} "
+                  f"{100 * r['decode_tok_s'] / roof['decode_tok_s']:6.1f}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""CUDA graphs for decode steps: one captured forward + LM head + argmax per batch-size bucket.
+
+A decode step of B requests replays the graph of the smallest bucket >= B,
+padded with dummy requests that write only into the null block. A bucket's
+graph is captured the first time a step of its size runs. Inputs live in one
+static device buffer (see `StepInputBuilder`); the block table's width is read
+by the kernel from that buffer, so one graph serves every context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvrecover.engine.scheduler_output import ScheduledRequest
+from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, vocab] float32, written by every replay
+    greedy: torch.Tensor  # [bucket] argmax of each row of logits
+
+
+class DecodeGraphs:
+    """Captures and replays decode steps (`forward(inputs) -> (logits, greedy tokens)`)."""
+
+    def __init__(
+        self,
+        forward: Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor]],
+        builder: StepInputBuilder,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.forward = forward
+        self.builder = builder
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+        self.buffer: torch.Tensor | None = None
+
+    @staticmethod
+    def bucket(batch_size: int) -> int | None:
+        """The graph size a decode batch of `batch_size` replays, or None if too large."""
+        for size in BUCKETS:
+            if size >= batch_size:
+                return size
+        return None
+
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay (capturing first if needed) a one-token-per-request step.
+
+        Returns the logits [B, V] and their argmax [B] (views valid until the next replay).
+        """
+        size = self.bucket(len(scheduled))
+        graph = self.graphs.get(size) or self._capture(size)
+        layout = self.builder.pack(scheduled, pad_to=size)
+        self.builder.upload(layout, self.buffer)
+        graph.graph.replay()
+        return graph.logits[: len(scheduled)], graph.greedy[: len(scheduled)]
+
+    def _capture(self, size: int) -> _Graph:
+        if self.buffer is None:
+            # Sized for the largest bucket at full context; never reallocated (graphs hold its address).
+            probe = self.builder.pack([], pad_to=BUCKETS[-1])
+            extra = BUCKETS[-1] * (self.max_blocks_per_seq - 1)
+            self.buffer = torch.empty(probe.size + extra, dtype=torch.int32, device=self.device)
+        layout = self.builder.pack([], pad_to=size)
+        self.builder.upload(layout, self.buffer)
+        inputs = self.builder.views(layout, self.buffer)
+        self.forward(inputs)  # warm-up: compiles kernels and sets up cuBLAS outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits, greedy = self.forward(inputs)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = captured = _Graph(graph, logits, greedy)
+        return captured

@@ -1,0 +1,255 @@
+"""One step's integer inputs for the GPU path, packed into one buffer and copied once.
+
+Token ids, positions, cache slots, the attention tiles, the rows to sample and
+the block table all go into one pinned int32 host buffer, reach the device in
+one copy, and are handed to the model as views. With `pad_to` the batch is
+padded with dummy one-token requests (token 0 at position 0, cache slot 0 of
+the null block 0) so that a CUDA graph captured for that size can replay it;
+the offsets of every segment then depend on `pad_to` alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvrecover.engine.scheduler_output import ScheduledRequest
+from kvrecover.worker.triton_attention import PagedAttentionMetadata
+
+_ALIGN = 32  # int32 elements (128 bytes) between segments, for aligned kernel loads
+_SEGMENTS = ("ids", "positions", "slots", "seq_lens", "query_start", "tile_request",
+             "tile_query_start", "sample_rows", "table_stride", "table")
+
+
+@dataclass
+class StepLayout:
+    """Where each segment of a packed step lives in the buffer, and its length."""
+
+    offsets: dict[str, int]
+    lengths: dict[str, int]
+    size: int  # elements in use
+    num_tiles: int
+    decode_only: bool
+    max_seq_len: int
+
+
+@dataclass
+class StepInputs:
+    """Device views of one packed step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    sample_rows: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
+    attn: PagedAttentionMetadata
+
+
+def _round_up(value: int) -> int:
+    return -(-value // _ALIGN) * _ALIGN
+
+
+def _offsets(lengths: dict[str, int]) -> tuple[dict[str, int], int]:
+    offsets, size = {}, 0
+    for name in _SEGMENTS:
+        offsets[name] = size
+        size = _round_up(size + lengths[name])
+    return offsets, size
+
+
+class StepInputBuilder:
+    """Packs scheduled requests into the host buffer and uploads it (one per model runner)."""
+
+    def __init__(
+        self, block_size: int, tile_tokens: int, device: torch.device, max_model_len: int = 0
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.tile_tokens = tile_tokens
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._host_np = self._host.numpy()
+        self._device = torch.empty(0, dtype=torch.int32, device=device)
+        self._uploaded: torch.cuda.Event | None = None
+        # Block-table rows left in the host buffer by the last decode pack, by row.
+        self._table_rows: list[tuple] = []
+        self._table_shape: tuple[int, int, int] | None = None
+
+    def pack(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepLayout:
+        """Write the step into the host buffer; returns its layout.
+
+        With `pad_to` every request must have exactly one new token (a decode step).
+        """
+        if pad_to:
+            return self._pack_decode(scheduled, pad_to)
+        self._table_shape = None
+        num_real = len(scheduled)
+        num_reqs = pad_to or num_real
+        num_pad = num_reqs - num_real
+        query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_real)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_real)
+        num_real_tokens = int(query_lens.sum())
+        num_tokens = num_real_tokens + num_pad
+        tiles_per_req = -(-query_lens // self.tile_tokens)
+        num_tiles = int(tiles_per_req.sum()) + num_pad
+        samples = [] if pad_to else [i for i, s in enumerate(scheduled) if s.sample]
+        width = max([len(s.block_ids) for s in scheduled] + [1])
+        lengths = {
+            "ids": num_tokens, "positions": num_tokens, "slots": num_tokens,
+            "seq_lens": num_reqs, "query_start": num_reqs + 1, "tile_request": num_tiles,
+            "tile_query_start": num_tiles, "sample_rows": len(samples), "table_stride": 1,
+            "table": num_reqs * width,
+        }
+        offsets, size = _offsets(lengths)
+        host = self._host_buffer(size)
+        seg = {name: host[offsets[name] : offsets[name] + lengths[name]] for name in _SEGMENTS}
+
+        query_start = seg["query_start"]
+        query_start[0] = 0
+        np.cumsum(query_lens, out=query_start[1 : num_real + 1])
+        query_start[num_real + 1 :] = num_real_tokens + np.arange(1, num_pad + 1)
+        seg["seq_lens"][:num_real] = starts + query_lens
+        seg["seq_lens"][num_real:] = 1
+        table = seg["table"].reshape(num_reqs, width)
+        table[:] = 0
+        for row, item in zip(table, scheduled):
+            row[: len(item.block_ids)] = item.block_ids
+        seg["table_stride"][0] = width
+
+        request_of_row = np.repeat(np.arange(num_real), query_lens)
+        positions = np.arange(num_real_tokens) + np.repeat(starts - query_start[:num_real], query_lens)
+        seg["ids"][:num_real_tokens] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in scheduled), np.int32, num_real_tokens
+        )
+        seg["ids"][num_real_tokens:] = 0
+        seg["positions"][:num_real_tokens] = positions
+        seg["positions"][num_real_tokens:] = 0
+        blocks = table[request_of_row, positions // self.block_size]
+        seg["slots"][:num_real_tokens] = blocks * self.block_size + positions % self.block_size
+        seg["slots"][num_real_tokens:] = 0
+
+        tile_start = np.cumsum(tiles_per_req) - tiles_per_req
+        real_tiles = num_tiles - num_pad
+        seg["tile_request"][:real_tiles] = np.repeat(np.arange(num_real), tiles_per_req)
+        seg["tile_request"][real_tiles:] = np.arange(num_real, num_reqs)
+        seg["tile_query_start"][:real_tiles] = (
+            np.arange(real_tiles) - np.repeat(tile_start, tiles_per_req)
+        ) * self.tile_tokens
+        seg["tile_query_start"][real_tiles:] = 0
+        seg["sample_rows"][:] = query_start[1:][samples] - 1
+        decode_only = num_tokens == num_reqs
+        # A graph replays with any context length: bound it by the model's.
+        max_seq_len = self.max_model_len if pad_to else int(seg["seq_lens"].max(initial=1))
+        return StepLayout(offsets, lengths, size, num_tiles, decode_only, max_seq_len)
+
+    def _pack_decode(self, scheduled: list[ScheduledRequest], num_reqs: int) -> StepLayout:
+        """`pack` for padded decode steps (the CUDA-graph path), lean on per-call overhead.
+
+        Consecutive decode steps of one shape rewrite only what changes: the constant
+        segments and padding rows stay in the host buffer, and a block-table row is
+        rewritten only when its request or block count changes (converting block-id
+        lists is the slow part; a request's list only grows while it decodes).
+        """
+        num_real, block_size = len(scheduled), self.block_size
+        width = max([len(s.block_ids) for s in scheduled] + [1])
+        shape = (id(self._host), num_reqs, width)
+        if shape != self._table_shape:
+            lengths = {
+                "ids": num_reqs, "positions": num_reqs, "slots": num_reqs,
+                "seq_lens": num_reqs, "query_start": num_reqs + 1, "tile_request": num_reqs,
+                "tile_query_start": num_reqs, "sample_rows": 0, "table_stride": 1,
+                "table": num_reqs * width,
+            }
+            offsets, size = _offsets(lengths)
+            host = self._host_buffer(size)
+            if id(self._host) != shape[0]:  # the buffer grew: the shape changed after all
+                shape = (id(self._host), num_reqs, width)
+            o = offsets
+            host[:size] = 0
+            host[o["seq_lens"] : o["seq_lens"] + num_reqs] = 1  # padding: position 0, length 1
+            host[o["query_start"] : o["query_start"] + num_reqs + 1] = np.arange(num_reqs + 1)
+            host[o["tile_request"] : o["tile_request"] + num_reqs] = np.arange(num_reqs)
+            host[o["table_stride"]] = width
+            self._decode_layout = StepLayout(
+                offsets, lengths, size, num_reqs, True, self.max_model_len
+            )
+            self._table_rows = [None] * num_reqs
+            self._table_shape = shape
+        else:
+            host = self._host_buffer(self._decode_layout.size)
+        layout = self._decode_layout
+        o = layout.offsets
+        positions = [s.num_computed_tokens for s in scheduled]
+        host[o["ids"] : o["ids"] + num_real] = [s.token_ids[0] for s in scheduled]
+        host[o["positions"] : o["positions"] + num_real] = positions
+        host[o["slots"] : o["slots"] + num_real] = [
+            s.block_ids[p // block_size] * block_size + p % block_size
+            for s, p in zip(scheduled, positions)
+        ]
+        host[o["seq_lens"] : o["seq_lens"] + num_real] = positions
+        host[o["seq_lens"] : o["seq_lens"] + num_real] += 1
+        table = host[o["table"] : o["table"] + num_reqs * width].reshape(num_reqs, width)
+        rows = self._table_rows
+        for index, item in enumerate(scheduled):
+            ids = item.block_ids
+            key = (item.request_id, len(ids), ids[0], ids[-1])
+            if rows[index] != key:
+                table[index, : len(ids)] = ids
+                table[index, len(ids) :] = 0
+                rows[index] = key
+        for index in range(num_real, num_reqs):
+            if rows[index] is not None:  # a row that held a request last step: back to padding
+                table[index] = 0
+                rows[index] = None
+                for name in ("ids", "positions", "slots"):
+                    host[o[name] + index] = 0
+                host[o["seq_lens"] + index] = 1
+        return layout
+
+    def upload(self, layout: StepLayout, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the packed step to `target` (default: a growing device buffer); returns it."""
+        if target is None:
+            if self._device.numel() < layout.size:
+                self._device = torch.empty(
+                    max(layout.size, 2 * self._device.numel()), dtype=torch.int32,
+                    device=self.device,
+                )
+            target = self._device
+        target[: layout.size].copy_(self._host[: layout.size], non_blocking=self._pin)
+        if self._pin:
+            # The next pack must not overwrite the host buffer before this copy ran.
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        return target
+
+    def views(self, layout: StepLayout, buffer: torch.Tensor) -> StepInputs:
+        """The model's inputs as views of an uploaded buffer."""
+        seg = {
+            name: buffer[layout.offsets[name] : layout.offsets[name] + layout.lengths[name]]
+            for name in _SEGMENTS
+        }
+        attn = PagedAttentionMetadata(
+            slot_mapping=seg["slots"],
+            seq_lens=seg["seq_lens"],
+            query_start_loc=seg["query_start"],
+            tile_request=seg["tile_request"],
+            tile_query_start=seg["tile_query_start"],
+            block_tables=seg["table"],
+            block_table_stride=seg["table_stride"],
+            num_tiles=layout.num_tiles,
+            decode_only=layout.decode_only,
+            max_seq_len=layout.max_seq_len,
+        )
+        return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn)
+
+    def _host_buffer(self, size: int) -> np.ndarray:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
+        if self._host.numel() < size:
+            capacity = max(size, 2 * self._host.numel(), 1 << 16)
+            self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pin)
+            self._host_np = self._host.numpy()
+        return self._host_np

@@ -1,0 +1,309 @@
+"""Paged attention on the GPU (Triton): prefill, chunked prefill and decode.
+
+The work is cut into query tiles: a tile is up to `BLOCK_Q` consecutive new
+tokens of one request times all query heads of one KV head (GQA packing, so a
+KV tile is loaded once for its whole head group). A request's context is read
+through its block table in `SEGMENT`-key segments aligned to position 0; each
+segment's online-softmax state is computed from scratch in `BLOCK_N`-key steps,
+and the states are merged in segment order. Prefill programs do the merging
+themselves; decode steps spread the segments over many programs (split context,
+for bandwidth) and merge them in a second kernel, with the same arithmetic.
+
+Batch invariance: a query row's arithmetic depends only on its own query, its
+context and the fixed constants (BLOCK_N, SEGMENT). Key steps or segments past
+the row's causal limit are fully masked, and a fully masked step or segment
+changes nothing bit for bit (the max stays, the rescale factor is exactly 1, the
+added terms are exactly 0), so a token gives the same result whatever tile,
+chunk or batch it is computed in, decode included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+PREFILL_BLOCK_M = 64  # query rows per program (BLOCK_Q tokens x the padded head group)
+DECODE_BLOCK_M = 64
+BLOCK_N = 64  # keys per inner step
+SEGMENT = 256  # keys per softmax segment: the fixed unit of the reduction order
+PREFILL_WARPS, DECODE_WARPS = 4, 4
+NUM_STAGES = 2
+TARGET_PROGRAMS = 1056  # decode programs to keep 132 SMs busy (about 8 each)
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Per-step device indexing for `TritonPagedAttention` (views of one int32 buffer).
+
+    `block_table_stride` is a one-element tensor holding the row stride of
+    `block_tables`, read by the kernel so that a CUDA graph can replay with a
+    different table width. `decode_only` steps (one new token per request) use
+    the split-context kernel; `max_seq_len` bounds its segment count.
+    """
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    seq_lens: torch.Tensor  # [B] context length after this step
+    query_start_loc: torch.Tensor  # [B + 1] first row of each request in the flat batch
+    tile_request: torch.Tensor  # [num_tiles] request of each query tile
+    tile_query_start: torch.Tensor  # [num_tiles] first query (within the request) of each tile
+    block_tables: torch.Tensor  # flat [B * stride] block ids
+    block_table_stride: torch.Tensor  # [1]
+    num_tiles: int
+    decode_only: bool = False
+    max_seq_len: int = 0
+
+
+def tile_tokens(group_size: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Query tokens per prefill tile for `group_size` query heads per KV head."""
+    return max(1, block_m // triton.next_power_of_2(group_size))
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, key_stride, value_stride, value_offset,
+    KV_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < KV_DIM
+    key = tl.load(key_ptr + token * key_stride + cols, mask=mask)
+    value = tl.load(value_ptr + token * value_stride + cols, mask=mask)
+    tl.store(cache_ptr + slot * KV_DIM + cols, key, mask=mask)
+    tl.store(cache_ptr + value_offset + slot * KV_DIM + cols, value, mask=mask)
+
+
+@triton.jit
+def _segment(
+    q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride, block_size,
+    seg_start, seg_end, scale_log2,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online-softmax state (max, sum, unnormalised output) of keys [seg_start, seg_end)."""
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for start in range(seg_start, seg_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_valid = keys < seg_end
+        block = tl.load(table + keys // block_size, mask=key_valid, other=0)
+        slots = block.to(tl.int64) * block_size + keys % block_size
+        kv_offsets = slots[:, None] * slot_stride + kv_base + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(keys[None, :] <= query_pos[:, None], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
+    """Combine two online-softmax states; both kernels merge segments with this, in order."""
+    m = tl.maximum(m_a, m_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    scale_a = tl.math.exp2(m_a - m_safe)
+    scale_b = tl.math.exp2(m_b - m_safe)
+    return m, l_a * scale_a + l_b * scale_b, acc_a * scale_a[:, None] + acc_b * scale_b[:, None]
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_query_start_ptr,
+    block_tables_ptr, block_table_stride_ptr,
+    scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, slot_stride, block_size,
+    max_segments, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    request = tl.load(tile_request_ptr + tile)
+    query_begin = tl.load(tile_query_start_ptr + tile)
+    row_begin = tl.load(query_start_ptr + request)
+    query_len = tl.load(query_start_ptr + request + 1) - row_begin
+    seq_len = tl.load(seq_lens_ptr + request)
+    context = seq_len - query_len
+
+    ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, ROWS)
+    query_index = query_begin + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_valid = (query_index < query_len) & (rows % GROUP_PAD < GROUP)
+    query_pos = context + query_index
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (row_begin + query_index).to(tl.int64) * q_stride_t + head * q_stride_h
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+
+    kv_end = tl.minimum(context + query_begin + BLOCK_Q, seq_len)
+    table = block_tables_ptr + request.to(tl.int64) * tl.load(block_table_stride_ptr)
+    kv_base = kv_head * HEAD_DIM
+    if SPLIT:
+        # Decode: this program computes segments split, split + num_splits, ... and stores
+        # each one's state; the combine kernel merges them in segment order.
+        num_segments = tl.cdiv(kv_end, SEGMENT)
+        state_rows = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_segments
+        first = rows < GROUP_PAD  # a decode tile has one token: rows [0, GROUP_PAD)
+        for segment in range(tl.program_id(2), num_segments, num_splits):
+            seg_start = segment * SEGMENT
+            m_s, l_s, acc_s = _segment(
+                q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride, block_size,
+                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2,
+                ROWS, HEAD_DIM, BLOCK_N, IEEE,
+            )
+            base = (state_rows + segment) * GROUP_PAD
+            tl.store(part_m_ptr + base + rows, m_s, mask=first)
+            tl.store(part_l_ptr + base + rows, l_s, mask=first)
+            tl.store(part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :], acc_s,
+                     mask=first[:, None])
+    else:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for seg_start in range(0, kv_end, SEGMENT):
+            m_s, l_s, acc_s = _segment(
+                q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride, block_size,
+                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2,
+                ROWS, HEAD_DIM, BLOCK_N, IEEE,
+            )
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+        out = acc / l_i[:, None]
+        out_rows = (row_begin + query_index).to(tl.int64) * out_stride_t + head * out_stride_h
+        tl.store(
+            out_ptr + out_rows[:, None] + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _combine_segments_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, query_start_ptr,
+    tile_request_ptr, out_stride_t, out_stride_h, max_segments,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SEGMENT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    request = tl.load(tile_request_ptr + tile)
+    row = tl.load(query_start_ptr + request)
+    num_segments = tl.cdiv(tl.load(seq_lens_ptr + request), SEGMENT)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    state_rows = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_segments
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for segment in range(0, num_segments):
+        base = (state_rows + segment) * GROUP_PAD
+        m_s = tl.load(part_m_ptr + base + rows)
+        l_s = tl.load(part_l_ptr + base + rows)
+        acc_s = tl.load(part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :])
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+    out = acc / l_i[:, None]
+    head = kv_head * GROUP + rows
+    out_rows = row.to(tl.int64) * out_stride_t + head * out_stride_h
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows < GROUP)[:, None])
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write `key`/`value` [T, Hkv, D] (token rows may be strided) into their cache slots."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    kv_dim = num_kv_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping, key.stride(0), value.stride(0), kv_cache.stride(0),
+        KV_DIM=kv_dim, BLOCK=triton.next_power_of_2(kv_dim), num_warps=4,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
+    num_stages: int = NUM_STAGES, prefill_block_m: int = PREFILL_BLOCK_M,
+    prefill_warps: int = PREFILL_WARPS,
+) -> torch.Tensor:
+    """Causal attention of `query` [T, Hq, D] over the paged cache; returns [T, Hq, D].
+
+    `prefill_block_m` must match the tiles of `meta` (see `tile_tokens`).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if meta.num_tiles == 0:
+        return out
+    split = meta.decode_only
+    block_m = DECODE_BLOCK_M if split else prefill_block_m
+    max_segments = triton.cdiv(max(meta.max_seq_len, 1), SEGMENT) if split else 1
+    num_splits = 1
+    if split:
+        num_splits = min(max_segments, triton.cdiv(TARGET_PROGRAMS, meta.num_tiles * num_kv_heads))
+        states = meta.num_tiles * num_kv_heads * max_segments * group_pad
+        part_m = torch.empty(states, dtype=torch.float32, device=query.device)
+        part_l = torch.empty(states, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty((states, head_dim), dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out
+    # Fused multiply-adds are off so that the decode combine kernel and the prefill
+    # kernel round every merge step identically (batch invariance).
+    _paged_attention_kernel[(meta.num_tiles, num_kv_heads, num_splits)](
+        query, kv_cache[0], kv_cache[1], out, part_m, part_l, part_acc,
+        meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
+        meta.block_tables, meta.block_table_stride,
+        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(2), kv_cache.shape[2], max_segments, num_splits,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SPLIT=split, IEEE=query.dtype == torch.float32,
+        num_warps=DECODE_WARPS if split else prefill_warps, num_stages=num_stages,
+        enable_fp_fusion=False,
+    )
+    if split:
+        _combine_segments_kernel[(meta.num_tiles, num_kv_heads)](
+            out, part_m, part_l, part_acc, meta.seq_lens, meta.query_start_loc, meta.tile_request,
+            out.stride(0), out.stride(1), max_segments,
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SEGMENT=SEGMENT,
+            num_warps=1, enable_fp_fusion=False,
+        )
+    return out
+
+
+class TritonPagedAttention:
+    """The GPU attention backend: Triton KV store plus the paged attention kernel."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+        return paged_attention(query, kv_cache, meta, scale)

@@ -1,0 +1,228 @@
+"""Fused row-wise and elementwise ops for the GPU path, in Triton.
+
+Each kernel rounds where the torch reference (`kvrecover.models.llama.TorchOps`)
+rounds, so bf16 results match it up to the order of a row's sum of squares.
+Every op works row by row, so a row's result never depends on the other rows
+of the batch (batch invariance comes for free).
+Import only where Triton exists (CUDA machines, or `TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from kvrecover.models.llama import TorchOps
+from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.worker.batch_invariant import linear as batch_invariant_linear
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Round float32 `x` to `dtype` and widen it again, where torch rounds between ops.
+
+    bf16 is rounded (to nearest even) with integer ops, which the compiler
+    cannot fold away the way it may fold a cast pair.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, out_stride, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / n_cols
+    normed = _round(xf * tl.math.rsqrt(variance + eps), out_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = normed * weight.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    dims = tl.arange(0, HALF)
+    dtype = base.dtype.element_ty
+    rows = tl.arange(0, BLOCK_H)
+    mask = (rows < num_heads)[:, None]
+    first = base + rows[:, None] * stride_h + dims[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    # q*cos + rotate_half(q)*sin, each product rounded like the torch path.
+    out1 = _round(x1 * cos, dtype) + _round(-x2 * sin, dtype)
+    out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, table_stride, num_q_heads, num_k_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    dtype = q_ptr.dtype.element_ty
+    # The torch path casts cos/sin to the activation dtype before multiplying.
+    cos = _round(tl.load(cos_ptr + position * table_stride + dims), dtype)[None, :]
+    sin = _round(tl.load(sin_ptr + position * table_stride + dims), dtype)[None, :]
+    _rotate_heads(q_ptr + token * q_stride_t, q_stride_h, num_q_heads, cos, sin, HALF, BLOCK_HQ)
+    _rotate_heads(k_ptr + token * k_stride_t, k_stride_h, num_k_heads, cos, sin, HALF, BLOCK_HK)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * out_stride + cols, (silu * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _argmax_chunks_kernel(logits_ptr, value_ptr, index_ptr, n_cols, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf"))
+    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(value_ptr + row * tl.num_programs(1) + chunk, value)
+    tl.store(index_ptr + row * tl.num_programs(1) + chunk, chunk * BLOCK + index)
+
+
+@triton.jit
+def _argmax_rows_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK)
+    mask = chunks < num_chunks
+    values = tl.load(value_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
+    indices = tl.load(index_ptr + row * num_chunks + chunks, mask=mask, other=0)
+    _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.sum(tl.where(chunks == best, indices, 0), axis=0))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` (first maximum on ties) in two passes that fill the GPU."""
+    n_rows, n_cols = logits.shape
+    block = 4096
+    num_chunks = triton.cdiv(n_cols, block)
+    values = torch.empty((n_rows, num_chunks), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((n_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    out = torch.empty(n_rows, dtype=torch.int32, device=logits.device)
+    if n_rows:
+        _argmax_chunks_kernel[(n_rows, num_chunks)](
+            logits, values, indices, n_cols, logits.stride(0), BLOCK=block, num_warps=8
+        )
+        _argmax_rows_kernel[(n_rows,)](
+            values, indices, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks),
+            num_warps=1,
+        )
+    return out
+
+
+def _row_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim; with `residual`, first does `residual += x` in place.
+
+    Writes the result into `x` when a residual is given (x is then a dead
+    temporary), else into a new tensor.
+    """
+    shape = x.shape
+    x2d = x.reshape(-1, shape[-1]) if x.dim() != 2 or x.stride(-1) != 1 else x
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    n_rows, n_cols = x2d.shape
+    out = x2d if residual is not None else torch.empty_like(x2d)
+    block = triton.next_power_of_2(n_cols)
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](
+            x2d, residual if residual is not None else x2d, weight, out,
+            x2d.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+            n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=_row_warps(block),
+        )
+    return out.view(shape)
+
+
+def rotary_(
+    rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] in place (rows may be strided)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            query, key, positions, rotary.cos_cache, rotary.sin_cache,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            rotary.cos_cache.stride(0), num_q_heads, key.shape[1],
+            HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(key.shape[1]), num_warps=4,
+        )
+    return query, key
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+    n_rows, width = gate_up.shape
+    n_cols = width // 2
+    out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(2048, triton.next_power_of_2(n_cols))
+    if n_rows:
+        _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
+            gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block,
+            num_warps=_row_warps(block),
+        )
+    return out
+
+
+class TritonOps(TorchOps):
+    """The model's small ops as fused Triton kernels; linears stay on cuBLAS."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, weight, eps, residual=residual), residual
+
+    def rotary(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_(rotary, positions, query, key)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
+
+
+class BatchInvariantOps(TritonOps):
+    """TritonOps whose linears use the fixed-reduction-order Triton matmul."""
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return batch_invariant_linear(x, layer.weight, layer.bias)

@@ -1,0 +1,346 @@
+"""BlockStore: the on-disk format of one KV block, and what `read` rejects.
+
+Stored KV is untrusted input (DESIGN.md, Trust): whatever is on disk, `read`
+returns the exact block that was written or raises BlockLoadError, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+
+import pytest
+import torch
+import xxhash
+
+from kvrecover.kv_transfer.base import KVCacheLayout
+from kvrecover.kv_transfer.block_store import (
+    HEADER,
+    HEADER_CHECKSUM,
+    MAGIC,
+    PREFIX_SIZE,
+    SUFFIX,
+    VERSION,
+    BlockLoadError,
+    BlockStore,
+)
+from kvrecover.kv_transfer.storage_check import check_entry, scan_store
+
+KEY_A = bytes(range(16))
+KEY_B = bytes(range(16, 32))
+
+
+def make_layout(dtype: torch.dtype = torch.float32, **overrides) -> KVCacheLayout:
+    settings = dict(model_identity="test-model", dtype=dtype, block_size=4, num_layers=2,
+                    num_kv_heads=2, head_dim=8)
+    settings.update(overrides)
+    return KVCacheLayout(**settings)
+
+
+def random_block(store: BlockStore, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(store.block_shape, generator=generator).to(store.layout.dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def rewrite_header(path, **changes) -> None:
+    """Rewrite header fields and re-seal the header checksum (a forged, self-consistent header)."""
+    raw = bytearray(path.read_bytes())
+    names = ["magic", "version", "flags", "fingerprint", "key", "num_layers", "block_size",
+             "num_kv_heads", "head_dim", "dtype", "payload_nbytes", "payload_xxh3"]
+    fields = dict(zip(names, HEADER.unpack_from(raw, 0)))
+    fields.update(changes)
+    header = HEADER.pack(*(fields[name] for name in names))
+    raw[: HEADER.size] = header
+    raw[HEADER.size : PREFIX_SIZE] = HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def store(tmp_path) -> BlockStore:
+    return BlockStore(tmp_path / "store", make_layout())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    store = BlockStore(tmp_path, make_layout(dtype))
+    block = random_block(store, seed=1)
+    block[0, 0, 0, 0, :2] = torch.tensor([float("inf"), -0.0])  # odd values survive too
+    store.write(KEY_A, block)
+    path = store.path(KEY_A)
+    assert path == tmp_path / store.layout.fingerprint / KEY_A.hex()[:2] / f"{KEY_A.hex()}{SUFFIX}"
+    assert path.stat().st_size == PREFIX_SIZE + store.layout.block_nbytes
+    stored = store.read(KEY_A)
+    assert same_bits(stored.tensor, block)
+    assert stored.tensor.shape == (2, 2, 4, 2, 8)
+    assert store.exists(KEY_A) and not store.exists(KEY_B)
+    assert [key for key, _ in store.entries()] == [KEY_A]
+    assert check_entry(path) is None
+    # Only the finished entry is left: no temporary files.
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [path.name]
+
+
+def test_write_replaces_an_entry_atomically_and_remove_deletes_it(store):
+    store.write(KEY_A, random_block(store, 1))
+    second = random_block(store, 2)
+    store.write(KEY_A, second)
+    assert same_bits(store.read(KEY_A).tensor, second)
+    store.remove(KEY_A)
+    assert not store.exists(KEY_A)
+    with pytest.raises(BlockLoadError, match="cannot read"):
+        store.read(KEY_A)
+    store.remove(KEY_A)  # removing a missing entry is fine
+
+
+def test_write_rejects_a_block_of_another_shape_or_dtype(store):
+    with pytest.raises(ValueError, match="does not match the layout"):
+        store.write(KEY_A, torch.zeros(2, 2, 4, 2, 7))
+    with pytest.raises(ValueError, match="does not match the layout"):
+        store.write(KEY_A, torch.zeros(store.block_shape, dtype=torch.float16))
+    assert not store.exists(KEY_A)
+
+
+def test_a_write_that_fails_midway_leaves_no_file(store, monkeypatch):
+    import errno
+
+    import kvrecover.kv_transfer.block_store as block_store_module
+
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            self.handle.write(bytes(data)[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        return FullDisk(handle) if "w" in mode else handle
+
+    monkeypatch.setattr(block_store_module, "open", fake_open, raising=False)
+    with pytest.raises(OSError, match="No space"):
+        store.write(KEY_A, random_block(store, 1))
+    assert [p for p in store.root.rglob("*") if p.is_file()] == []
+
+
+# ----- what read rejects ---------------------------------------------------------------
+def test_wrong_magic_or_version_is_rejected(store):
+    store.write(KEY_A, random_block(store, 1))
+    path = store.path(KEY_A)
+    pristine = path.read_bytes()
+    for change in ({"magic": b"XXXX"}, {"version": VERSION + 1}):
+        path.write_bytes(pristine)
+        rewrite_header(path, **change)
+        with pytest.raises(BlockLoadError, match="header does not match"):
+            store.read(KEY_A)
+        assert check_entry(path) == "not a kvrecover block file"
+    # Without re-sealing, a changed magic already fails the header checksum.
+    raw = bytearray(pristine)
+    raw[0:4] = b"KVRX"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BlockLoadError, match="header checksum"):
+        store.read(KEY_A)
+    assert MAGIC == b"KVRB"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("fingerprint", b"0" * 16),
+        ("num_layers", 3),
+        ("block_size", 8),
+        ("num_kv_heads", 1),
+        ("head_dim", 4),
+        ("dtype", b"float16\0"),
+        ("payload_nbytes", 1 << 40),  # a forged size never becomes an allocation
+    ],
+)
+def test_a_self_consistent_header_for_another_layout_is_rejected(store, field, value):
+    store.write(KEY_A, random_block(store, 1))
+    rewrite_header(store.path(KEY_A), **{field: value})
+    assert check_entry(store.path(KEY_A)) is not None
+    with pytest.raises(BlockLoadError, match="header does not match"):
+        store.read(KEY_A)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        make_layout(model_identity="another-model"),  # same sizes, other model
+        make_layout(torch.float16),  # float16 vs bfloat16: same sizes, other dtype
+        make_layout(block_size=8),
+        make_layout(num_layers=4),
+    ],
+)
+def test_a_file_of_another_layout_copied_into_this_layout_is_rejected(tmp_path, other):
+    mine = BlockStore(tmp_path, make_layout(torch.bfloat16))
+    theirs = BlockStore(tmp_path, other)
+    assert mine.folder != theirs.folder
+    theirs.write(KEY_A, random_block(theirs, 1))
+    assert not mine.exists(KEY_A)  # another layout's KV is simply a miss ...
+    mine.path(KEY_A).parent.mkdir(parents=True)
+    shutil.copy(theirs.path(KEY_A), mine.path(KEY_A))
+    with pytest.raises(BlockLoadError):  # ... and never loads even when copied over
+        mine.read(KEY_A)
+
+
+def test_a_file_swapped_with_another_key_is_rejected(store):
+    store.write(KEY_A, random_block(store, 1))
+    store.write(KEY_B, random_block(store, 2))
+    path_a, path_b = store.path(KEY_A), store.path(KEY_B)
+    raw_a, raw_b = path_a.read_bytes(), path_b.read_bytes()
+    path_a.write_bytes(raw_b)
+    path_b.write_bytes(raw_a)
+    for key in (KEY_A, KEY_B):
+        with pytest.raises(BlockLoadError, match="header does not match"):
+            store.read(key)
+    assert check_entry(path_a) == "file name does not match the key in its header"
+
+
+@pytest.mark.parametrize("size", [0, 1, PREFIX_SIZE - 1, PREFIX_SIZE, PREFIX_SIZE + 5, -1])
+def test_truncated_files_are_rejected(store, size):
+    store.write(KEY_A, random_block(store, 1))
+    path = store.path(KEY_A)
+    full = path.stat().st_size
+    os.truncate(path, full + size if size < 0 else size)
+    with pytest.raises(BlockLoadError, match="bytes"):
+        store.read(KEY_A)
+    assert check_entry(path) is not None
+
+
+def test_a_longer_file_is_rejected_without_reading_it(store):
+    store.write(KEY_A, random_block(store, 1))
+    path = store.path(KEY_A)
+    os.truncate(path, 1 << 40)  # sparse: a terabyte that must not be read
+    with pytest.raises(BlockLoadError, match="bytes"):
+        store.read(KEY_A)
+    assert check_entry(path) is not None
+    path.unlink()
+
+
+def test_every_header_bit_flip_is_rejected(store):
+    store.write(KEY_A, random_block(store, 1))
+    path = store.path(KEY_A)
+    pristine = path.read_bytes()
+    for offset in range(PREFIX_SIZE):
+        for bit in (0, 7):
+            raw = bytearray(pristine)
+            raw[offset] ^= 1 << bit
+            with pytest.raises(BlockLoadError):
+                store.parse(KEY_A, bytes(raw))
+    path.write_bytes(pristine)
+    store.read(KEY_A)
+
+
+def test_payload_bit_flips_are_rejected(store):
+    store.write(KEY_A, random_block(store, 1))
+    path = store.path(KEY_A)
+    pristine = path.read_bytes()
+    rng = random.Random(7)
+    offsets = [PREFIX_SIZE, len(pristine) - 1] + [
+        rng.randrange(PREFIX_SIZE, len(pristine)) for _ in range(30)
+    ]
+    for offset in offsets:
+        raw = bytearray(pristine)
+        raw[offset] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(raw))
+        with pytest.raises(BlockLoadError, match="payload checksum"):
+            store.read(KEY_A)
+        assert check_entry(path) == "payload checksum mismatch"
+
+
+def test_a_directory_or_a_fifo_under_the_entry_name_is_rejected_without_blocking(store):
+    store.path(KEY_A).mkdir(parents=True)
+    with pytest.raises(BlockLoadError):
+        store.read(KEY_A)
+    assert not store.exists(KEY_A)
+    fifo = store.path(KEY_B)
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            store.read(KEY_B)
+        except BaseException as error:  # noqa: BLE001 - recorded and checked below
+            outcome.append(error)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    if reader.is_alive():  # unblock the reader so the test process can exit
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("reading a FIFO entry blocked")
+    assert len(outcome) == 1 and isinstance(outcome[0], BlockLoadError)
+
+
+def test_read_raises_only_block_load_error_on_random_damage(store):
+    """Seeded fuzz: any damage yields BlockLoadError; intact bytes yield the exact block."""
+    block = random_block(store, 3)
+    store.write(KEY_A, block)
+    path = store.path(KEY_A)
+    pristine = path.read_bytes()
+    rng = random.Random(1234)
+    for _ in range(200):
+        raw = bytearray(pristine)
+        action = rng.choice(["flip", "truncate", "extend", "garbage", "zero_run"])
+        if action == "flip":
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] ^= rng.randint(1, 255)
+        elif action == "truncate":
+            del raw[rng.randrange(len(raw)) :]
+        elif action == "extend":
+            raw += bytes(rng.randint(1, 64))
+        elif action == "garbage":
+            raw = bytearray(rng.randbytes(len(raw)))
+        else:
+            start, length = rng.randrange(len(raw)), rng.randint(1, 32)
+            raw[start : start + length] = bytes(len(raw[start : start + length]))
+        path.write_bytes(bytes(raw))
+        if bytes(raw) == pristine:
+            assert same_bits(store.read(KEY_A).tensor, block)
+            continue
+        with pytest.raises(BlockLoadError):
+            store.read(KEY_A)
+
+
+# ----- offline verification (storage_check) --------------------------------------------
+def test_scan_store_reports_every_bad_entry_and_leftover_temporary_file(tmp_path):
+    float_store = BlockStore(tmp_path, make_layout())
+    half_store = BlockStore(tmp_path, make_layout(torch.bfloat16))
+    for index in range(3):
+        float_store.write(bytes([index]) * 16, random_block(float_store, index))
+        half_store.write(bytes([index]) * 16, random_block(half_store, index))
+    raw = bytearray(half_store.path(bytes([1]) * 16).read_bytes())
+    raw[-1] ^= 0xFF
+    half_store.path(bytes([1]) * 16).write_bytes(bytes(raw))
+    moved = tmp_path / ("0" * 16) / "02"
+    moved.mkdir(parents=True)
+    shutil.move(float_store.path(bytes([2]) * 16), moved / f"{(bytes([2]) * 16).hex()}{SUFFIX}")
+    leftover = float_store.path(KEY_A).parent / f".{KEY_A.hex()}{SUFFIX}.123.abc.tmp"
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    leftover.write_bytes(b"half a block")
+    (tmp_path / "README").write_text("not an entry")  # other files are ignored
+    problems = {report.path: report.problem for report in scan_store(tmp_path)}
+    assert len(problems) == 7
+    assert sorted(p for p in problems.values() if p) == [
+        "folder does not match the layout fingerprint in its header",
+        "leftover temporary file of an interrupted write",
+        "payload checksum mismatch",
+    ]
