@@ -351,6 +351,9 @@ class _CopiesDiscarded:
     def index_copy_(self, dim, index, source):
         return self  # the copy "succeeds" without writing anything
 
+    def index_select(self, dim, index):
+        return self.cache.index_select(dim, index)
+
     def copy_(self, source, non_blocking=False):
         return self
 
