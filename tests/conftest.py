@@ -129,3 +129,17 @@ def random_prompts(count: int, lengths: list[int], vocab_size: int, seed: int = 
         torch.randint(2, vocab_size, (lengths[i % len(lengths)],), generator=generator).tolist()
         for i in range(count)
     ]
+
+
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny models run faster on one thread: intra-op parallelism only adds barriers
+    (and on a busy machine those barriers cost seconds). Slow (default-model) tests
+    keep every thread."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -6,23 +6,9 @@ import json
 import shutil
 
 import pytest
-import torch
 from conftest import hf_greedy
 
 from kvrecover.cli import main
-
-
-@pytest.fixture(autouse=True)
-def one_thread_for_tiny_models(request):
-    """Tiny models run faster on one thread: intra-op parallelism only adds barriers
-    (and on a busy machine those barriers cost seconds). Default-model tests keep all."""
-    if request.node.get_closest_marker("slow"):
-        yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def test_help_lists_the_commands(capsys):

@@ -27,15 +27,6 @@ MAX_TOKENS = 6
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """The tiny models are far faster on one thread than on two contended ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def random_prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, VOCAB) for _ in range(length)]
@@ -317,15 +308,23 @@ def test_bad_config_is_a_value_error_naming_the_field(tiny_llama, tmp_path, case
 # ----- prefill and decode as two processes (the example scripts) -------------------------
 def _run_example(script: str, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(REPO / "examples" / "disaggregated" / script), *args]
-    # One thread, like this process (one_cpu_thread): the same matmul splits, the same numerics.
+    # One thread, like this process (single_thread): the same matmul splits, the same numerics.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
+@pytest.fixture
+def single_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.mark.slow
-def test_prefill_and_decode_processes_on_the_default_model(tmp_path):
+def test_prefill_and_decode_processes_on_the_default_model(tmp_path, single_thread):
     store = tmp_path / "kv_store"
     prompts_file = tmp_path / "prompts.json"
     prompts = ["Hi " * 120 + "Hello, my name is", "Hi " * 120 + "The capital of France is",

@@ -6,26 +6,12 @@ import json
 import shutil
 
 import pytest
-import torch
 from conftest import random_prompts
 
 from kvrecover import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 VOCAB = 384
 PROMPTS = random_prompts(4, [9, 40, 3, 75], VOCAB, seed=21)
-
-
-@pytest.fixture(autouse=True)
-def one_thread_for_tiny_models(request):
-    """Tiny models run faster on one thread: intra-op parallelism only adds barriers
-    (and on a busy machine those barriers cost seconds). Default-model tests keep all."""
-    if request.node.get_closest_marker("slow"):
-        yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

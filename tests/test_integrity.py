@@ -38,15 +38,6 @@ MAX_TOKENS = 4
 LENGTHS = (70, 93, 50)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """The tiny models are far faster on one thread than on two contended ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def random_prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, VOCAB) for _ in range(length)]

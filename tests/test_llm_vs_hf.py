@@ -24,19 +24,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 _HF_CACHE: dict[tuple, list[list[int]]] = {}
 
 
-@pytest.fixture(autouse=True)
-def one_thread_for_tiny_models(request):
-    """Tiny models run faster on one thread: intra-op parallelism only adds barriers
-    (and on a busy machine those barriers cost seconds). Default-model tests keep all."""
-    if request.node.get_closest_marker("slow"):
-        yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def hf_reference(model_dir: Path, prompts: list[list[int]], max_new_tokens: int = MAX_NEW):
     """hf_greedy, memoised: several tests compare against the same reference."""
     key = (str(model_dir), tuple(map(tuple, prompts)), max_new_tokens)

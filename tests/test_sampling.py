@@ -16,21 +16,6 @@ from kvrecover.worker.sampler import Sampler
 VOCAB = 384
 
 
-@pytest.fixture(autouse=True)
-def one_thread_for_tiny_models(request):
-    """Tiny models run faster on one thread: intra-op parallelism only adds barriers
-    (and on a busy machine those barriers cost seconds). Default-model tests keep all."""
-    if request.node.get_closest_marker("slow"):
-        yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-# ----- the Sampler on fixed logits -------------------------------------------------
-
-
 def random_logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
