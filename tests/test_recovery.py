@@ -311,6 +311,7 @@ def test_abort_while_async_load_in_flight(stored, tmp_path):
             if output.finished:
                 results[output.request_id] = output.outputs[0].token_ids
     assert "0" not in results
+    assert "0" not in scheduler.requests and not scheduler.aborted_in_flight
     assert [results[str(i)] for i in range(1, 4)] == baseline[1:]
     pool = scheduler.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks

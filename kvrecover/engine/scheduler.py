@@ -233,14 +233,7 @@ class Scheduler:
         for request in loaded:
             invalid |= request.deferred_invalid_block_ids
             request.deferred_invalid_block_ids = set()
-        holders = [r for r in self.running if r.block_ids]
-        for request in self.waiting:
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # Its blocks may still be written by the load: act once it finishes.
-                request.deferred_invalid_block_ids |= invalid.intersection(request.block_ids)
-            elif request.block_ids:
-                holders.append(request)
-        actions = self.recovery.apply(invalid, holders)
+        actions = self._recover(invalid) if invalid else {}
         for request in loaded:
             start, end = request.pending_external
             self.stats.prompt_tokens_external += max(0, min(request.num_computed_tokens, end) - start)
@@ -267,13 +260,27 @@ class Scheduler:
                 self._finish(request)
         return progressed
 
+    def _recover(self, invalid: set[int]) -> dict:
+        """Apply the failure policy to every request holding an invalid block."""
+        holders = [r for r in self.running if r.block_ids]
+        for request in self.waiting:
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its blocks may still be written by the load: act once it finishes.
+                request.deferred_invalid_block_ids |= invalid.intersection(request.block_ids)
+            elif request.block_ids:
+                holders.append(request)
+        return self.recovery.apply(invalid, holders)
+
     def _finish_async_loads(self, finished_recving: set[str]) -> list[Request]:
         """Move requests whose async load ended back to schedulable; free aborted ones."""
         ready = []
         for request_id in finished_recving:
             aborted = self.aborted_in_flight.pop(request_id, None)
-            if aborted is not None:
+            if aborted is not None:  # the worker confirmed: its blocks are safe to reuse
+                if self.connector is not None:
+                    self.connector.request_finished(aborted, list(aborted.block_ids))
                 self.kv_manager.free(aborted)
+                self.requests.pop(request_id, None)
                 continue
             request = self.requests.get(request_id)
             if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
