@@ -31,10 +31,10 @@ MAX_NUM_SEQS = 16
 DECODE_MAX_TOKENS = 10
 
 
-def reference_prompts() -> list[str]:
-    """Four prompts: two share a 1000-word prefix, two a 500-word prefix."""
-    long_prefix = "Hi " * 1000
-    short_prefix = "Hey " * 500
+def reference_prompts(long_words: int = 1000, short_words: int = 500) -> list[str]:
+    """Four prompts: two share a `long_words`-word prefix, two a `short_words`-word one."""
+    long_prefix = "Hi " * long_words
+    short_prefix = "Hey " * short_words
     return [
         long_prefix + "Hello, my name is",
         long_prefix + "The capital of France is",

@@ -14,24 +14,14 @@ import json
 from pathlib import Path
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-
-
-def builtin_prompts() -> list[str]:
-    """Four prompts; two pairs share a long prefix, so decode also reuses shared blocks."""
-    long_prefix = "Hi " * 300
-    short_prefix = "Hey " * 150
-    return [
-        long_prefix + "Hello, my name is",
-        long_prefix + "The capital of France is",
-        short_prefix + "Your name is",
-        short_prefix + "The capital of China is",
-    ]
+from kvrecover.scenario import reference_prompts
 
 
 def load_prompts(prompts_file: Path | None) -> list[str]:
     """Prompts from a JSON list of strings (.json) or a text file (one per line), else built-in."""
     if prompts_file is None:
-        return builtin_prompts()
+        # The reference prompts, shorter: two pairs share a prefix, so decode reuses blocks.
+        return reference_prompts(long_words=300, short_words=150)
     text = Path(prompts_file).read_text(encoding="utf-8")
     if str(prompts_file).endswith(".json"):
         prompts = json.loads(text)

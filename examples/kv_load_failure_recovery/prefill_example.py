@@ -4,17 +4,7 @@ import argparse
 import json
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-
-
-def read_prompts() -> list[str]:
-    long_prefix = "Hi " * 1000
-    short_prefix = "Hey " * 500
-    return [
-        long_prefix + "Hello, my name is",
-        long_prefix + "The capital of France is",
-        short_prefix + "Your name is",
-        short_prefix + "The capital of China is",
-    ]
+from kvrecover.scenario import reference_prompts  # 1000-word and 500-word shared prefixes
 
 
 def main() -> None:
@@ -29,7 +19,7 @@ def main() -> None:
             kv_connector_extra_config={"shared_storage_path": "local_storage"},
         ),
     )
-    outputs = llm.generate(read_prompts(), SamplingParams(temperature=0, max_tokens=1))
+    outputs = llm.generate(reference_prompts(), SamplingParams(temperature=0, max_tokens=1))
     with open("prefill_output.txt", "w", encoding="utf-8") as handle:
         for output in outputs:
             # One JSON string per line: a generated newline cannot split a prompt.

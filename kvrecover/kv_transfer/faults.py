@@ -146,7 +146,8 @@ class FaultInjectionConnector(KVConnectorBase):
             self.inner = create_connector(inner_config, role, layout)
         except ValueError as error:
             raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
-        self.load_timeout_s = float(extra.get("load_timeout_s", 30.0))
+        # A "hang" lasts well past the inner connector's (validated) load deadline.
+        self.load_timeout_s = getattr(self.inner, "load_timeout_s", 30.0)
         # Scheduler role: which requests are broken, in order of their first load.
         self._load_order: dict[str, int] = {}
         self._step_faults: dict[str, dict[int, str]] = {}
