@@ -143,3 +143,42 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy, EOS-ignoring generation of token-id prompts; every request runs to length."""
+    from kvrecover import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def simulate_full_disk(monkeypatch, module, bytes_before_failure: int) -> None:
+    """Make files that `module` opens for writing accept `bytes_before_failure` bytes of
+    a write, then fail with ENOSPC, as a disk filling up midway would."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            self.handle.write(bytes(data)[:bytes_before_failure])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        return FullDisk(handle) if "w" in mode else handle
+
+    monkeypatch.setattr(module, "open", open_on_a_full_disk, raising=False)

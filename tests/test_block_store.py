@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 import xxhash
+from conftest import simulate_full_disk
 
 from kvrecover.kv_transfer.base import KVCacheLayout
 from kvrecover.kv_transfer.block_store import (
@@ -108,31 +109,9 @@ def test_write_rejects_a_block_of_another_shape_or_dtype(store):
 
 
 def test_a_write_that_fails_midway_leaves_no_file(store, monkeypatch):
-    import errno
-
     import kvrecover.kv_transfer.block_store as block_store_module
 
-    real_open = open
-
-    class FullDisk:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def write(self, data):
-            self.handle.write(bytes(data)[:10])
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    def fake_open(path, mode="r", *args, **kwargs):
-        handle = real_open(path, mode, *args, **kwargs)
-        return FullDisk(handle) if "w" in mode else handle
-
-    monkeypatch.setattr(block_store_module, "open", fake_open, raising=False)
+    simulate_full_disk(monkeypatch, block_store_module, bytes_before_failure=10)
     with pytest.raises(OSError, match="No space"):
         store.write(KEY_A, random_block(store, 1))
     assert [p for p in store.root.rglob("*") if p.is_file()] == []

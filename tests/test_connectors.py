@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import greedy_token_ids
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_transfer.block_store import SUFFIX
@@ -43,10 +44,7 @@ def make_llm(model: Path, transfer: KVTransferConfig | None = None, block_size: 
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    return [o.outputs[0].token_ids for o in outputs]
+    return greedy_token_ids(llm, prompts, max_tokens)
 
 
 @functools.cache

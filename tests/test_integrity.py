@@ -7,7 +7,6 @@ design (small `load_timeout_s`), never by a test timeout.
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import logging
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, build_tiny_model
+from conftest import LLAMA3_ROPE, build_tiny_model, greedy_token_ids, simulate_full_disk
 
 import kvrecover.kv_transfer.block_store as block_store_module
-from kvrecover import LLM, KVTransferConfig, SamplingParams
+from kvrecover import LLM, KVTransferConfig
 from kvrecover.cli import main as cli_main
 from kvrecover.kv_transfer.base import KVCacheLayout
 from kvrecover.kv_transfer.block_store import PREFIX_SIZE, SUFFIX, BlockStore
@@ -61,10 +60,7 @@ def make_llm(model: Path, kv: KVTransferConfig | None = None, **engine) -> LLM:
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    return [o.outputs[0].token_ids for o in outputs]
+    return greedy_token_ids(llm, prompts, max_tokens)
 
 
 @functools.cache
@@ -408,27 +404,7 @@ def test_saving_into_a_path_that_is_a_file_fails_softly(tiny_llama, tmp_path, ca
 
 def test_a_full_disk_leaves_no_partial_or_temporary_files(tiny_llama, tmp_path, caplog,
                                                           monkeypatch):
-    real_open = open
-
-    class FullDisk:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def write(self, data):
-            self.handle.write(bytes(data)[:100])  # a partial temporary file exists now
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
-        handle = real_open(path, mode, *args, **kwargs)
-        return FullDisk(handle) if "w" in mode else handle
-
-    monkeypatch.setattr(block_store_module, "open", open_on_a_full_disk, raising=False)
+    simulate_full_disk(monkeypatch, block_store_module, bytes_before_failure=100)
     store = tmp_path / "store"
     llm = make_llm(tiny_llama, transfer(store, "kv_both"))
     with caplog.at_level(logging.WARNING):
