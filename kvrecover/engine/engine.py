@@ -66,9 +66,9 @@ class Engine:
         torch.manual_seed(args.seed)
         self.model_runner = ModelRunner(
             self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
-            self.layout, self._num_blocks(),
-            enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
+            self.layout, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
         )
+        self.model_runner.allocate_kv_cache(self._num_blocks())
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
         self.stats = EngineStats()
         kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)

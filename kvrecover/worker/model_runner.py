@@ -40,7 +40,6 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         layout: KVCacheLayout,
-        num_blocks: int,
         *,
         enforce_eager: bool = False,
         batch_invariant: bool = False,
@@ -68,7 +67,7 @@ class ModelRunner:
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
-        self.kv_caches = allocate_kv_caches(layout, num_blocks, device)
+        self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
         self.connector: KVConnectorBase | None = None
         self._warned_save_failure = False
@@ -106,6 +105,11 @@ class ModelRunner:
 
             max_blocks = -(-self.max_model_len // self.layout.block_size)
             self.graphs = DecodeGraphs(self._decode_step, self.inputs, max_blocks, self.device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache. The engine calls this after construction, so a
+        memory budget measured on the device already accounts for the weights."""
+        self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.device)
 
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Give the runner the worker-role connector and the connector the cache."""
