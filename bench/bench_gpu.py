@@ -124,10 +124,10 @@ def _time_graph_replays(graphs) -> list:
         return replays
     run = graphs.run
 
-    def timed(scheduled):
+    def timed(scheduled, *args):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        logits = run(scheduled)
+        logits = run(scheduled, *args)
         end.record()
         replays.append((len(scheduled), start, end))
         return logits
@@ -237,7 +237,8 @@ def matmul_configs() -> None:
     """Time batch-invariant matmul tile configs on prefill shapes; check each against decode rows."""
     from kvrecover.worker.batch_invariant import linear
 
-    configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3)]
+    configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
+               (128, 256, 8, 4), (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4)]
     for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)):
         x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
@@ -296,6 +297,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["default", "batch_invariant", "eager"])
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles at batch 16")
+    parser.add_argument("--matmul-configs", action="store_true",
+                        help="only time the batch-invariant matmul's tile configs")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args()
@@ -304,6 +307,9 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s"
           f"  bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     model_dir = build_checkpoint(args.model_dir)
+    if args.matmul_configs:
+        matmul_configs()
+        return
     if args.profile:
         matmul_configs()
         for batch_invariant in (False, True):

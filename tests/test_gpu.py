@@ -97,7 +97,7 @@ def _schedule(requests, block_tables):
     ]
 
 
-def _triton_attention(q, k, v, cache, scheduled, block_size):
+def _triton_attention(q, k, v, cache, scheduled, block_size, batch_invariant=False):
     from kvrecover.worker.step_inputs import StepInputBuilder
     from kvrecover.worker.triton_attention import TritonPagedAttention, tile_tokens
 
@@ -105,7 +105,9 @@ def _triton_attention(q, k, v, cache, scheduled, block_size):
     builder = StepInputBuilder(block_size, tile_tokens(group), torch.device(DEVICE))
     layout = builder.pack(scheduled)
     inputs = builder.views(layout, builder.upload(layout))
-    return TritonPagedAttention().forward(q, k, v, cache, inputs.attn, q.shape[-1] ** -0.5)
+    backend = TritonPagedAttention()
+    backend.batch_invariant = batch_invariant  # decode: the prefill tiles, or the fast ones
+    return backend.forward(q, k, v, cache, inputs.attn, q.shape[-1] ** -0.5)
 
 
 def _random_step(requests, block_size, heads, kv_heads, head_dim, dtype, seed):
@@ -133,7 +135,10 @@ DECODE_STEP = [(37, 1), (0, 1), (700, 1), (255, 1), (256, 1), (1000, 1)]  # spli
     "block_size,heads,kv_heads,head_dim",
     [(16, 8, 2, 32), (13, 4, 4, 16), (16, 12, 4, 64)],
 )
-def test_paged_attention_matches_reference(dtype, requests, block_size, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "invariant"])
+def test_paged_attention_matches_reference(
+    dtype, requests, block_size, heads, kv_heads, head_dim, batch_invariant
+):
     from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
 
     q, k, v, cache, scheduled = _random_step(requests, block_size, heads, kv_heads, head_dim, dtype, 0)
@@ -143,7 +148,7 @@ def test_paged_attention_matches_reference(dtype, requests, block_size, heads, k
     )
     ref_cache = cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_cache, ref_meta, head_dim**-0.5)
-    out = _triton_attention(q, k, v, cache, scheduled, block_size)
+    out = _triton_attention(q, k, v, cache, scheduled, block_size, batch_invariant)
     assert torch.equal(cache, ref_cache)  # the same K/V landed in the same slots
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -155,7 +160,7 @@ def test_paged_attention_is_batch_and_chunk_invariant(dtype):
     """A request's rows are bit-identical alone, in a batch, in chunks, or as decodes."""
     length, bs = 150, 16
     q, k, v, base, (target,) = _random_step([(0, length)], bs, 8, 2, 32, dtype, 3)
-    alone = _triton_attention(q, k, v, base.clone(), [target], bs)
+    alone = _triton_attention(q, k, v, base.clone(), [target], bs, batch_invariant=True)
 
     others_q, others_k, others_v, _, _ = _random_step([(0, 40), (30, 1)], bs, 8, 2, 32, dtype, 4)
     first, second = _schedule([(0, 40), (30, 1)], [[base.shape[1] - 2] * 3, [base.shape[1] - 1] * 2])
@@ -163,7 +168,8 @@ def test_paged_attention_is_batch_and_chunk_invariant(dtype):
     rows = slice(40, 40 + length)
     cat = lambda a, b: torch.cat([b[:40], a, b[40:]])  # noqa: E731
     batched = _triton_attention(
-        cat(q, others_q), cat(k, others_k), cat(v, others_v), base.clone(), batch, bs
+        cat(q, others_q), cat(k, others_k), cat(v, others_v), base.clone(), batch, bs,
+        batch_invariant=True,
     )
     assert torch.equal(batched[rows], alone)
 
@@ -171,7 +177,9 @@ def test_paged_attention_is_batch_and_chunk_invariant(dtype):
     pieces = []
     for start, end in ((0, 64), (64, 114), (114, 148), (148, 149), (149, 150)):
         step = _schedule([(start, end - start)], [target.block_ids])
-        pieces.append(_triton_attention(q[start:end], k[start:end], v[start:end], cache, step, bs))
+        pieces.append(_triton_attention(
+            q[start:end], k[start:end], v[start:end], cache, step, bs, batch_invariant=True
+        ))
     assert torch.equal(torch.cat(pieces), alone)
 
 
@@ -210,6 +218,40 @@ def test_float32_tokens_match_cpu(gqa_model, enforce_eager):
     assert got == expected
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlapped_decode_matches_eager(gqa_model, dtype):
+    """Graph decode steps overlap (step N+1 launched before N's tokens land); requests
+    end at different steps, by length and on stop tokens, and outputs do not change."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(7, [1, 9, 40, 130, 17, 64, 5], 384)]
+    eager = _make_llm(gqa_model, dtype=dtype, enforce_eager=True, batch_invariant=True)
+    free_run = eager.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    stops = [o.outputs[0].token_ids[4 + i] for i, o in enumerate(free_run) if i % 2 == 0]
+    params = [
+        SamplingParams(temperature=0, max_tokens=[1, 40, 2, 33, 40, 8, 40][i], ignore_eos=True,
+                       stop_token_ids=stops if i % 2 == 0 else None)
+        for i in range(len(prompts))
+    ]
+    expected = eager.generate(prompts, params)
+    graphs = _make_llm(gqa_model, dtype=dtype, batch_invariant=True)
+    runner = graphs.engine.model_runner
+    launches = []
+    launch = runner.launch_decode
+
+    def logged_launch(scheduler_output, previous=None):
+        launches.append(previous is not None)
+        return launch(scheduler_output, previous)
+
+    runner.launch_decode = logged_launch
+    for _ in range(2):
+        got = graphs.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    assert sum(launches) > 20
+    assert {o.outputs[0].finish_reason for o in expected} == {"stop", "length"}
+    assert not graphs.engine.has_unfinished()
+
+
 def _decode_logits(llm: LLM, prompts, target: int) -> list[torch.Tensor]:
     """Logits of prompt number `target` at each of its steps, while generating all prompts."""
     runner = llm.engine.model_runner
@@ -224,10 +266,11 @@ def _decode_logits(llm: LLM, prompts, target: int) -> list[torch.Tensor]:
         return original_sample(logits, sampling, *args)
 
     runner._sample = sample
+    runner.can_overlap = lambda scheduler_output: False  # overlapped steps skip _sample
     try:
         llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     finally:
-        del runner._sample
+        del runner._sample, runner.can_overlap
     return recorded
 
 

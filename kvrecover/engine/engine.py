@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,7 @@ from kvrecover.config import EngineArgs, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager, blocks_needed
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler import Scheduler
+from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
@@ -20,6 +22,9 @@ from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.kv_cache import available_kv_cache_bytes
 from kvrecover.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from kvrecover.worker.overlap import PendingDecode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +87,8 @@ class Engine:
             self.model_runner.attach_connector(worker_connector)
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
+        # A launched, overlapped decode step: (its schedule, its pending tokens).
+        self._in_flight: tuple[SchedulerOutput, PendingDecode] | None = None
 
     def _num_blocks(self) -> int:
         if self.args.num_kv_blocks is not None:
@@ -160,13 +167,43 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether `step()` still has work."""
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     # ----- stepping ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step."""
+        if self._in_flight is not None:
+            return self._land_in_flight()
         scheduler_output = self.scheduler.schedule()
+        if self.model_runner.can_overlap(scheduler_output):
+            pending = self.model_runner.launch_decode(scheduler_output)
+            self._in_flight = (scheduler_output, pending)
+            return self._land_in_flight()
         runner_output = self.model_runner.execute(scheduler_output)
+        return self._apply(scheduler_output, runner_output)
+
+    def _land_in_flight(self) -> list[RequestOutput]:
+        """Finish the launched decode step, launching the one after it first (when the
+        scheduler can tell it already) so the device never waits for the host."""
+        scheduler_output, pending = self._in_flight
+        self._in_flight = None
+        following = self.scheduler.schedule_next_decode(scheduler_output)
+        if following is not None:
+            self._in_flight = (following, self.model_runner.launch_decode(following, pending))
+        outputs = self._apply(scheduler_output, pending.result())
+        if self._in_flight is not None and all(
+            self.scheduler.requests.get(s.request_id) is None
+            or self.scheduler.requests[s.request_id].is_finished
+            for s in following.scheduled
+        ):
+            # Every request it continues stopped on its last token: nothing to report.
+            self._in_flight[1].result()
+            self._in_flight = None
+        return outputs
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not (scheduler_output.scheduled or progressed or runner_output.finished_recving):
             self._check_progress()

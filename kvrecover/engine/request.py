@@ -101,8 +101,10 @@ class Request:
         elif self.num_tokens >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
 
-    def next_sample_seed(self) -> int:
-        """Seed for the next sampled token: a pure function of the request seed and
-        the output position, so a token recomputed after a failure is resampled
-        identically."""
-        return (self.sampling_seed * 0x9E3779B97F4A7C15 + len(self.output_token_ids)) % (1 << 63)
+    def next_sample_seed(self, output_index: int | None = None) -> int:
+        """Seed for the token at `output_index` (default: the next one): a pure
+        function of the request seed and the output position, so a token
+        recomputed after a failure is resampled identically."""
+        if output_index is None:
+            output_index = len(self.output_token_ids)
+        return (self.sampling_seed * 0x9E3779B97F4A7C15 + output_index) % (1 << 63)

@@ -17,7 +17,12 @@ from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.recovery import KVLoadRecovery
 from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvrecover.engine.scheduler_output import (
+    PENDING_TOKEN,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_transfer.base import KVConnectorBase
 
@@ -106,6 +111,47 @@ class Scheduler:
         self._finished_since_last_step = set()
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def schedule_next_decode(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """Schedule the decode step after `previous` while `previous` still runs.
+
+        Every request of `previous` must be decoding one token. Each one that
+        does not end by length in `previous` decodes again, its input being the
+        token `previous` samples (`PENDING_TOKEN` until it lands). A request
+        that turns out to stop on that token simply has the extra step's result
+        dropped. Returns None (schedule normally once `previous` lands) when
+        requests are waiting or the cache would need preemption.
+        """
+        if self.waiting or self.aborted_in_flight:
+            return None
+        scheduled: list[ScheduledRequest] = []
+        for item in previous.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.is_finished:
+                continue
+            num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
+            if (
+                num_outputs >= request.sampling_params.max_tokens
+                or request.num_tokens + 1 >= request.max_model_len
+            ):
+                continue  # ends by length in `previous`
+            position = item.num_computed_tokens + 1
+            if not self.kv_manager.allocate(request, position + 1):
+                return None
+            scheduled.append(ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=[PENDING_TOKEN],
+                num_computed_tokens=position,
+                block_ids=list(request.block_ids),
+                sample=True,
+                sampling_params=request.sampling_params,
+                sample_seed=request.next_sample_seed(num_outputs),
+            ))
+        if not scheduled:
+            return None
+        output = SchedulerOutput(scheduled, self._finished_since_last_step)
+        self._finished_since_last_step = set()
         return output
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:

@@ -7,6 +7,10 @@ from typing import Any
 
 from kvrecover.sampling import SamplingParams
 
+# Stands in `ScheduledRequest.token_ids` for a token that the previous step is still
+# sampling on the device (overlapped decode); the worker reads it from there.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class ScheduledRequest:

@@ -22,7 +22,11 @@ BLOCK_N = 128
 BLOCK_K = 64
 TARGET_PROGRAMS = 128  # enough programs to stream a weight at full bandwidth for one row tile
 SMALL_M_CONFIG = (64, BLOCK_N, 4, 4)  # block_m, block_n, warps, stages
-LARGE_M_CONFIG = (128, BLOCK_N, 8, 3)
+# Large batches, from `bench_gpu.py --matmul-configs` (8192 rows, H200): deeper pipelining
+# suits most shapes; wide weights (gate_up) prefer taller tiles.
+LARGE_M_CONFIG = (128, BLOCK_N, 8, 4)
+LARGE_M_WIDE_CONFIG = (256, BLOCK_N, 8, 3)
+WIDE_N = 8192
 
 
 @triton.jit
@@ -108,6 +112,12 @@ def num_chunks(n: int, k: int) -> int:
     return chunks
 
 
+def _config(m: int, n: int) -> tuple[int, int, int, int]:
+    if m <= 512:
+        return SMALL_M_CONFIG
+    return LARGE_M_WIDE_CONFIG if n >= WIDE_N else LARGE_M_CONFIG
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
@@ -133,7 +143,7 @@ def linear(
         block_m, block_n, warps, stages = 32, 64, 4, 2
         chunks, chunk_k = 1, triton.cdiv(k, BLOCK_K) * BLOCK_K
     else:
-        block_m, block_n, warps, stages = config or (SMALL_M_CONFIG if m <= 512 else LARGE_M_CONFIG)
+        block_m, block_n, warps, stages = config or _config(m, n)
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = chunks > 1 and num_tiles < TARGET_PROGRAMS
     partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out

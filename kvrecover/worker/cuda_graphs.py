@@ -53,15 +53,27 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        scheduled: list[ScheduledRequest],
+        token_source: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay (capturing first if needed) a one-token-per-request step.
 
+        With `token_source` = (tokens on the device, row per request), the input
+        tokens are gathered on the device instead of taken from `scheduled`: the
+        host need not wait for the step that samples them.
         Returns the logits [B, V] and their argmax [B] (views valid until the next replay).
         """
         size = self.bucket(len(scheduled))
         graph = self.graphs.get(size) or self._capture(size)
-        layout = self.builder.pack(scheduled, pad_to=size)
+        rows = None if token_source is None else token_source[1]
+        layout = self.builder.pack(scheduled, pad_to=size, input_ids=rows)
         self.builder.upload(layout, self.buffer)
+        if token_source is not None:
+            start = layout.offsets["ids"]
+            ids = self.buffer[start : start + len(scheduled)]
+            ids.copy_(token_source[0].index_select(0, ids))  # uploaded rows -> token ids
         graph.graph.replay()
         return graph.logits[: len(scheduled)], graph.greedy[: len(scheduled)]
 

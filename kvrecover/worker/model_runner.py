@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.sampler import Sampler
+
+if TYPE_CHECKING:
+    from kvrecover.worker.overlap import PendingDecode
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -73,6 +77,7 @@ class ModelRunner:
         self._warned_save_failure = False
         self.inputs = None
         self.graphs = None
+        self._token_buffers = None  # pinned host buffers for overlapped decode tokens
         if self.backend.name == "triton":
             from kvrecover.worker.step_inputs import StepInputBuilder
             from kvrecover.worker.triton_attention import tile_tokens
@@ -100,6 +105,7 @@ class ModelRunner:
         from kvrecover.worker.triton_ops import BatchInvariantOps, TritonOps
 
         self.model.set_ops(BatchInvariantOps() if batch_invariant else TritonOps())
+        self.backend.batch_invariant = batch_invariant
         if self.device.type == "cuda" and not enforce_eager:
             from kvrecover.worker.cuda_graphs import DecodeGraphs
 
@@ -130,6 +136,35 @@ class ModelRunner:
         if connector is not None:
             self._finish_connector_step(scheduler_output, output)
         return output
+
+    def can_overlap(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether `launch_decode` may run this step: greedy decode on CUDA graphs,
+        no connector (its loads, saves and failures stay on the synchronous path)."""
+        if self.connector is not None or not self._can_replay(scheduler_output):
+            return False
+        return all(s.sample and s.sampling_params.is_greedy for s in scheduler_output.scheduled)
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, scheduler_output: SchedulerOutput, previous: PendingDecode | None = None
+    ) -> PendingDecode:
+        """Start a step that `can_overlap` accepted, without waiting for its tokens.
+
+        With `previous`, every request's input is the token `previous` samples for it.
+        """
+        from kvrecover.worker.cuda_graphs import BUCKETS
+        from kvrecover.worker.overlap import PendingDecode, TokenBuffers
+
+        scheduled = scheduler_output.scheduled
+        source = None
+        if previous is not None:
+            rows = previous.rows()
+            source = (previous.device_tokens, [rows[s.request_id] for s in scheduled])
+        _, greedy = self.graphs.run(scheduled, source)
+        if self._token_buffers is None:
+            self._token_buffers = TokenBuffers(BUCKETS[-1])
+        request_ids = [s.request_id for s in scheduled]
+        return PendingDecode(request_ids, greedy, self._token_buffers.next())
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         if self.inputs is None:

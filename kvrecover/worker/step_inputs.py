@@ -77,13 +77,19 @@ class StepInputBuilder:
         self._table_rows: list[tuple] = []
         self._table_shape: tuple[int, int, int] | None = None
 
-    def pack(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepLayout:
+    def pack(
+        self,
+        scheduled: list[ScheduledRequest],
+        pad_to: int | None = None,
+        input_ids: list[int] | None = None,
+    ) -> StepLayout:
         """Write the step into the host buffer; returns its layout.
 
-        With `pad_to` every request must have exactly one new token (a decode step).
+        With `pad_to` every request must have exactly one new token (a decode step),
+        and `input_ids` may replace those tokens in the buffer.
         """
         if pad_to:
-            return self._pack_decode(scheduled, pad_to)
+            return self._pack_decode(scheduled, pad_to, input_ids)
         self._table_shape = None
         num_real = len(scheduled)
         num_reqs = pad_to or num_real
@@ -144,7 +150,9 @@ class StepInputBuilder:
         max_seq_len = self.max_model_len if pad_to else int(seg["seq_lens"].max(initial=1))
         return StepLayout(offsets, lengths, size, num_tiles, decode_only, max_seq_len)
 
-    def _pack_decode(self, scheduled: list[ScheduledRequest], num_reqs: int) -> StepLayout:
+    def _pack_decode(
+        self, scheduled: list[ScheduledRequest], num_reqs: int, input_ids: list[int] | None
+    ) -> StepLayout:
         """`pack` for padded decode steps (the CUDA-graph path), lean on per-call overhead.
 
         Consecutive decode steps of one shape rewrite only what changes: the constant
@@ -182,7 +190,9 @@ class StepInputBuilder:
         layout = self._decode_layout
         o = layout.offsets
         positions = [s.num_computed_tokens for s in scheduled]
-        host[o["ids"] : o["ids"] + num_real] = [s.token_ids[0] for s in scheduled]
+        if input_ids is None:
+            input_ids = [s.token_ids[0] for s in scheduled]
+        host[o["ids"] : o["ids"] + num_real] = input_ids
         host[o["positions"] : o["positions"] + num_real] = positions
         host[o["slots"] : o["slots"] + num_real] = [
             s.block_ids[p // block_size] * block_size + p % block_size

@@ -34,6 +34,26 @@ NUM_STAGES = 2
 TARGET_PROGRAMS = 1056  # decode programs to keep 132 SMs busy (about 8 each)
 
 
+@dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Tiles of the split-context decode kernel.
+
+    The batch-invariant mode keeps `INVARIANT_DECODE` (the prefill kernel's
+    tiles, so a token's bits do not depend on being decoded or prefilled);
+    the default mode may use smaller, faster ones.
+    """
+
+    block_m: int  # query rows per program (one token x the padded head group, padded)
+    block_n: int  # keys per inner step; divides SEGMENT
+    num_warps: int
+    num_stages: int
+
+
+INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
+# The smallest tile tl.dot takes: a decode tile holds one token, the rest is padding.
+FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2)
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Per-step device indexing for `TritonPagedAttention` (views of one int32 buffer).
@@ -242,7 +262,7 @@ def store_kv(
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
     num_stages: int = NUM_STAGES, prefill_block_m: int = PREFILL_BLOCK_M,
-    prefill_warps: int = PREFILL_WARPS,
+    prefill_warps: int = PREFILL_WARPS, decode: DecodeKernelConfig = INVARIANT_DECODE,
 ) -> torch.Tensor:
     """Causal attention of `query` [T, Hq, D] over the paged cache; returns [T, Hq, D].
 
@@ -256,7 +276,7 @@ def paged_attention(
     if meta.num_tiles == 0:
         return out
     split = meta.decode_only
-    block_m = DECODE_BLOCK_M if split else prefill_block_m
+    block_m = decode.block_m if split else prefill_block_m
     max_segments = triton.cdiv(max(meta.max_seq_len, 1), SEGMENT) if split else 1
     num_splits = 1
     if split:
@@ -276,8 +296,10 @@ def paged_attention(
         scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(2), kv_cache.shape[2], max_segments, num_splits,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SPLIT=split, IEEE=query.dtype == torch.float32,
-        num_warps=DECODE_WARPS if split else prefill_warps, num_stages=num_stages,
+        BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=SEGMENT, SPLIT=split,
+        IEEE=query.dtype == torch.float32,
+        num_warps=decode.num_warps if split else prefill_warps,
+        num_stages=decode.num_stages if split else num_stages,
         enable_fp_fusion=False,
     )
     if split:
@@ -291,9 +313,15 @@ def paged_attention(
 
 
 class TritonPagedAttention:
-    """The GPU attention backend: Triton KV store plus the paged attention kernel."""
+    """The GPU attention backend: Triton KV store plus the paged attention kernel.
+
+    `batch_invariant` (set by the model runner) keeps decode on the prefill tiles.
+    """
 
     name = "triton"
+
+    def __init__(self) -> None:
+        self.batch_invariant = False
 
     def forward(
         self,
@@ -306,4 +334,5 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
-        return paged_attention(query, kv_cache, meta, scale)
+        decode = INVARIANT_DECODE if self.batch_invariant else FAST_DECODE
+        return paged_attention(query, kv_cache, meta, scale, decode=decode)
