@@ -11,6 +11,7 @@ with the ratios to HF and to the roofline.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -195,7 +196,12 @@ def _attention_microbench(engine) -> None:
     """Attention alone over the running requests' caches (decode, and prefill of the prompts)."""
     from kvrecover.engine.scheduler_output import ScheduledRequest
     from kvrecover.worker.step_inputs import StepInputBuilder
-    from kvrecover.worker.triton_attention import paged_attention, tile_tokens
+    from kvrecover.worker.triton_attention import (
+        FAST_DECODE,
+        INVARIANT_DECODE,
+        paged_attention,
+        tile_tokens,
+    )
 
     runner = engine.model_runner
     running = engine.scheduler.running
@@ -211,9 +217,11 @@ def _attention_microbench(engine) -> None:
     group = heads // cache.shape[3]
     kv_bytes = sum(r.num_tokens for r in running) * 2 * cache.shape[3] * cache.shape[4] * 2
     flops = len(running) * 4 * heads * cache.shape[-1] * prompt_len**2 / 2
-    variants = [("decode", 64, 4, s) for s in (1, 2, 3)]
+    variants = [("decode", INVARIANT_DECODE.block_m, INVARIANT_DECODE.num_warps, 0),
+                ("decode", FAST_DECODE.block_m, FAST_DECODE.num_warps, 0)]
     variants += [("prefill", bm, w, s) for bm, w in ((64, 4), (128, 8)) for s in (1, 2, 3)]
     for label, block_m, warps, stages in variants:
+        decode = FAST_DECODE if block_m == FAST_DECODE.block_m else INVARIANT_DECODE
         builder = StepInputBuilder(runner.layout.block_size, tile_tokens(group, block_m),
                                    torch.device("cuda"), runner.max_model_len)
         layout = builder.pack(steps[label])
@@ -221,8 +229,8 @@ def _attention_microbench(engine) -> None:
         num_tokens = sum(len(s.token_ids) for s in steps[label])
         query = torch.randn(num_tokens, heads, cache.shape[-1], device="cuda", dtype=cache.dtype)
         seconds = _time_cuda(
-            lambda q=query, m=meta, s=stages, b=block_m, w=warps: paged_attention(
-                q, cache, m, 0.125, num_stages=s, prefill_block_m=b, prefill_warps=w
+            lambda q=query, m=meta, s=stages or 2, b=block_m, w=warps, d=decode: paged_attention(
+                q, cache, m, 0.125, num_stages=s, prefill_block_m=b, prefill_warps=w, decode=d
             ),
             10, inner=10,
         )
@@ -253,6 +261,51 @@ def matmul_configs() -> None:
             except Exception as error:  # a config that does not compile (shared memory)
                 line += f" | {config}: failed ({type(error).__name__})"
         print(line, flush=True)
+
+
+def _graph_time(fn, calls: int = 20, reps: int = 10) -> float:
+    """Seconds per call of `fn`, replayed in a CUDA graph (no launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _time_cuda(graph.replay, reps) / calls
+
+
+def _time_cycling(weights: list[torch.Tensor], call) -> float:
+    """Seconds per `call(weight)`, graph-timed, each call on the next of `weights`."""
+    turn = iter(range(1 << 62))
+    return _graph_time(lambda: call(weights[next(turn) % len(weights)]), calls=2 * len(weights))
+
+
+@torch.inference_mode()
+def decode_linears(batch: int = 16) -> None:
+    """cuBLAS against the split-K Triton matmul on the decode linears (graph-timed, weights
+    cycled through more than the L2 cache so every call streams its weight)."""
+    from kvrecover.worker.batch_invariant import linear
+
+    shapes = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+              "down": (2048, 8192), "lm_head": (128256, 2048)}
+    configs = [(16, 64, 4, 4), (16, 128, 4, 4), (64, 128, 4, 4)]
+    for name, (n, k) in shapes.items():
+        copies = max(1, -(-400_000_000 // (2 * n * k)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
+        timed = functools.partial(_time_cycling, weights)
+        nbytes = 2 * n * k
+        cublas = timed(lambda w, x=x: x @ w.T)
+        line = f"decode linear {name} {batch}x{n}x{k}: cuBLAS {cublas * 1e6:.1f} us ({nbytes / cublas / 1e12:.2f} TB/s)"
+        for config in configs:
+            for chunks in (1, 2, 4, 8, 16):
+                if k % (chunks * 64) or (name == "lm_head" and chunks > 1):
+                    continue
+                seconds = timed(lambda w, x=x, c=config, s=chunks: linear(x, w, config=c, chunks=s))
+                line += f" | {config[:3]}x{chunks}: {seconds * 1e6:.1f}"
+        print(line, flush=True)
+        del weights
+        _free_memory()
 
 
 def _free_memory() -> None:
@@ -296,9 +349,10 @@ def main() -> None:
                         help="HF decodes fewer tokens (it is slow); its rate is per step anyway")
     parser.add_argument("--modes", nargs="+", default=["default", "batch_invariant", "eager"])
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print kernel profiles at batch 16")
+    parser.add_argument("--profile", action="store_true",
+                        help="print kernel profiles and attention variants at batch 16")
     parser.add_argument("--matmul-configs", action="store_true",
-                        help="only time the batch-invariant matmul's tile configs")
+                        help="only time the Triton matmul's configs (prefill and decode shapes)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args()
@@ -309,9 +363,9 @@ def main() -> None:
     model_dir = build_checkpoint(args.model_dir)
     if args.matmul_configs:
         matmul_configs()
+        decode_linears()
         return
     if args.profile:
-        matmul_configs()
         for batch_invariant in (False, True):
             profile_steps(model_dir, 16, args.prompt_len, batch_invariant)
             _free_memory()

@@ -120,11 +120,12 @@ def _config(m: int, n: int) -> tuple[int, int, int, int]:
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None, chunks: int | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` with a reduction order independent of the rows of `x`.
 
-    `config` (block_m, block_n, warps, stages) overrides the tile choice (benchmarks).
+    `config` (block_m, block_n, warps, stages) overrides the tile choice and `chunks`
+    the K split (benchmarks; another split is another, equally fixed, order).
     """
     shape = x.shape
     x2d = x.reshape(-1, shape[-1])
@@ -136,7 +137,7 @@ def linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*shape[:-1], n)
-    chunks = num_chunks(n, k)
+    chunks = chunks or num_chunks(n, k)
     chunk_k = triton.cdiv(triton.cdiv(k, chunks), BLOCK_K) * BLOCK_K
     ieee = x.dtype == torch.float32
     if ieee:  # float32 is for correctness checks: small tiles, CUDA-core dot
