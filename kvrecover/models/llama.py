@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -10,6 +11,33 @@ from torch import nn
 
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.rope import RotaryEmbedding
+
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def _onednn_weight(layer: nn.Linear) -> torch.Tensor:
+    """The layer's weight in oneDNN's packed layout, replacing the dense parameter
+    on first use (so the dense copy is freed unless another module shares it).
+
+    Packed, oneDNN's float32 matmul beats MKL's at every batch size we run
+    (measured on AVX2: ~1.3x at decode sizes, ~1.1x for prefill chunks).
+    """
+    weight = layer.weight
+    if not weight.is_mkldnn:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)  # 8: decode batch hint
+        layer.weight = weight = nn.Parameter(packed, requires_grad=False)
+        _trim_heap()
+    return weight
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the OS. The dense weights just freed sit inside
+    glibc's heap, which keeps them resident: without this the peak RSS grows by
+    ~200 MB for SmolLM2-135M."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError, TypeError):  # not glibc
+        pass
 
 
 class TorchOps:
@@ -20,16 +48,23 @@ class TorchOps:
     """
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if x.shape[0] <= 16 and x.device.type == "cpu" and layer.bias is None:
-            # Decode-sized batches: MKL runs W @ x^T about twice as fast as x @ W^T.
-            return (layer.weight @ x.T).T
-        return F.linear(x, layer.weight, layer.bias)
+        """`x @ layer.weight.T + layer.bias`; on the CPU in float32 through oneDNN
+        with the weight packed on first use (see `_onednn_weight`)."""
+        weight = layer.weight
+        if weight.is_mkldnn or (
+            _ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+        ):
+            return torch.ops.mkldnn._linear_pointwise(
+                x, _onednn_weight(layer), layer.bias, "none", [], ""
+            )
+        return F.linear(x, weight, layer.bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x.to(input_dtype)
+        # In place on fresh tensors only: each new large temporary costs page faults.
+        x = (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(input_dtype)
+        return x.mul_(weight) if weight.dtype == input_dtype else weight * x
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -46,7 +81,7 @@ class TorchOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
 
 class RMSNorm(nn.Module):

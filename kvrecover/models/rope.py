@@ -43,18 +43,24 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+        # [cos | sin with rotate_half's sign folded in]: one lookup per call, see `_rotate`.
+        half = head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.register_buffer("cos_sin_cache", torch.cat((cos, signed_sin), dim=-1), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by their token positions [T]."""
-        cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        cos, signed_sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x) = [-x2, x1] is
+    the roll [x2, x1] times the sign folded into `signed_sin`."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+    return (x * cos).add_(rotated)

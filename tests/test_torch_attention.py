@@ -1,0 +1,115 @@
+"""The torch paged attention and the torch small ops against plain references.
+
+Covers each branch of `TorchPagedAttention.forward`: decode-only steps, fresh
+prompts (causal, with and without padding rows), chunks after a cached prefix,
+and mixed prefill + decode batches; GQA and plain multi-head; several block sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrecover.models.llama import TorchOps
+from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
+
+# (tokens already cached, new tokens) per request.
+CASES = {
+    "decode": [(5, 1), (17, 1), (0, 1), (40, 1)],
+    "fresh_equal": [(0, 9), (0, 9)],
+    "fresh_padded": [(0, 1), (0, 23), (0, 7)],
+    "chunk_after_prefix": [(16, 8), (3, 20)],
+    "mixed": [(30, 1), (0, 12), (7, 5), (19, 1)],
+    "single_long": [(0, 300)],
+}
+
+
+def _reference(query, cache_keys, cache_values, new_keys, new_values, requests, scale):
+    """Per-request softmax attention in float64 over [cached prefix, new tokens]."""
+    outputs, row = [], 0
+    group = query.shape[1] // new_keys.shape[1]
+    for (computed, length), prefix_k, prefix_v in zip(requests, cache_keys, cache_values):
+        k = torch.cat((prefix_k, new_keys[row : row + length])).double()
+        v = torch.cat((prefix_v, new_values[row : row + length])).double()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        q = query[row : row + length].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        causal = torch.arange(computed + length)[None, :] <= computed + torch.arange(length)[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        row += length
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
+def test_paged_attention_matches_reference(case, block_size, heads, kv_heads):
+    requests = CASES[case]
+    head_dim, num_blocks = 16, 1 + sum(-(-(c + n) // block_size) for c, n in requests) + 3
+    generator = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    kv_cache[:, 0] = 0  # the null block, as allocated
+    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in requests]
+    cached_k, cached_v = [], []
+    for (computed, _), table in zip(requests, tables):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(computed)]
+        cached_k.append(kv_cache[0].view(-1, kv_heads, head_dim)[slots].clone())
+        cached_v.append(kv_cache[1].view(-1, kv_heads, head_dim)[slots].clone())
+    total = sum(n for _, n in requests)
+    query = torch.randn(total, heads, head_dim, generator=generator)
+    key = torch.randn(total, kv_heads, head_dim, generator=generator)
+    value = torch.randn(total, kv_heads, head_dim, generator=generator)
+    meta = AttentionMetadata.build(
+        [c for c, _ in requests], [n for _, n in requests], tables, block_size, torch.device("cpu")
+    )
+    scale = head_dim**-0.5
+    out = TorchPagedAttention().forward(query, key, value, kv_cache, meta, scale)
+    expected = _reference(query, cached_k, cached_v, key, value, requests, scale)
+    assert out.shape == (total, heads, head_dim)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bitwise_hf_rotate_half(dtype):
+    rotary = RotaryEmbedding(64, 512, 10000.0, None)
+    qkv = torch.randn(37, 12 * 64).to(dtype)
+    query, key = qkv[:, : 8 * 64].view(37, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(37, 2, 64)
+    positions = torch.randint(0, 512, (37,))
+    cos = rotary.cos_cache[positions].to(dtype).unsqueeze(1)
+    sin = rotary.sin_cache[positions].to(dtype).unsqueeze(1)
+    out_q, out_k = TorchOps().rotary(rotary, positions, query, key)
+    assert torch.equal(out_q, query * cos + _rotate_half(query) * sin)
+    assert torch.equal(out_k, key * cos + _rotate_half(key) * sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_are_bitwise_hf(dtype):
+    x = torch.randn(11, 96).to(dtype)
+    weight = torch.randn(96).to(dtype)
+    hf = x.float()
+    hf = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    before = x.clone()
+    assert torch.equal(TorchOps().rms_norm(x, weight, 1e-6), hf)
+    assert torch.equal(x, before)  # the input is never written
+    gate_up = torch.randn(11, 2 * 96).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(TorchOps().silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(rows, bias):
+    layer = torch.nn.Linear(96, 40, bias=bias)
+    dense = layer.weight.detach().clone()
+    x = torch.randn(rows, 96)
+    expected = torch.nn.functional.linear(x, dense, layer.bias)
+    for _ in range(2):  # the first call packs the weight, the second reuses it
+        torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=1e-5, atol=1e-5)
