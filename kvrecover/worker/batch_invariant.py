@@ -18,14 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: the pointer-load kernel serves every size
+    TensorDescriptor = None
+
 BLOCK_N = 128
 BLOCK_K = 64
 TARGET_PROGRAMS = 128  # enough programs to stream a weight at full bandwidth for one row tile
 SMALL_M_CONFIG = (64, BLOCK_N, 4, 4)  # block_m, block_n, warps, stages
-# Large batches, from `bench_gpu.py --matmul-configs` (8192 rows, H200): deeper pipelining
-# suits most shapes; wide weights (gate_up) prefer taller tiles.
-LARGE_M_CONFIG = (128, BLOCK_N, 8, 4)
-LARGE_M_WIDE_CONFIG = (256, BLOCK_N, 8, 3)
+SMALL_M_ROWS = 512  # up to here SMALL_M_CONFIG (and maybe split K); beyond, the large configs
+# Large batches (TMA kernel), from `bench_gpu.py --matmul-configs` (8192 rows, H200):
+# wider tiles for most shapes, square ones for wide weights (gate_up).
+LARGE_M_CONFIG = (128, 256, 8, 3)
+LARGE_M_WIDE_CONFIG = (128, 128, 8, 3)
 WIDE_N = 8192
 
 
@@ -82,6 +88,39 @@ def _matmul_kernel(
 
 
 @triton.jit
+def _matmul_tma_kernel(
+    a_desc, w_desc, bias_ptr, out_ptr, M, N, chunk_k, num_chunks, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """`_matmul_kernel`'s unsplit path with tiles fetched by the TMA unit (Hopper and
+    later): the same additions in the same order, out-of-range elements read as zero."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % size_m
+    pid_n = (pid % group_size) // size_m
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for chunk in range(0, num_chunks):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(chunk * chunk_k, (chunk + 1) * chunk_k, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, w.T, acc)
+        total += acc
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _sum_chunks_kernel(
     partial_ptr, bias_ptr, out_ptr, M, N, num_chunks, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -112,8 +151,22 @@ def num_chunks(n: int, k: int) -> int:
     return chunks
 
 
+@functools.cache
+def _compute_capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """TMA needs a Hopper-class GPU and 16-byte aligned bases and row strides."""
+    if TensorDescriptor is None or _compute_capability(tensors[0].device.index)[0] < 9:
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+    )
+
+
 def _config(m: int, n: int) -> tuple[int, int, int, int]:
-    if m <= 512:
+    if m <= SMALL_M_ROWS:
         return SMALL_M_CONFIG
     return LARGE_M_WIDE_CONFIG if n >= WIDE_N else LARGE_M_CONFIG
 
@@ -147,8 +200,17 @@ def linear(
         block_m, block_n, warps, stages = config or _config(m, n)
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = chunks > 1 and num_tiles < TARGET_PROGRAMS
-    partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
+    if not split and not ieee and m > SMALL_M_ROWS and _tma_ready(x2d, weight):
+        a_desc = TensorDescriptor.from_tensor(x2d, [block_m, BLOCK_K])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K])
+        _matmul_tma_kernel[(num_tiles,)](
+            a_desc, w_desc, bias if has_bias else weight, out, m, n, chunk_k, chunks,
+            out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages,
+        )
+        return out.view(*shape[:-1], n)
+    partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     _matmul_kernel[(num_tiles, chunks if split else 1)](
         x2d, weight, bias if has_bias else weight, out, partial, m, n, k, chunk_k, chunks,
         x2d.stride(0), weight.stride(0), out.stride(0),
