@@ -34,7 +34,7 @@ def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], blo
         block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
 
 
-@dataclass
+@dataclass(slots=True)  # tens of thousands exist: slots make creating them faster
 class KVCacheBlock:
     """One block of the KV cache and its prefix-cache identity."""
 
