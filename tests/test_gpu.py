@@ -88,6 +88,40 @@ def test_rotary_and_silu_match_reference(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (12, 4)])
+def test_fused_rotary_store_matches_rotary_then_store(dtype, heads, kv_heads):
+    """One kernel for rotary + KV store gives the two kernels' bits: query, cache, and
+    the unrotated key left alone."""
+    from kvrecover.models.rope import RotaryEmbedding
+    from kvrecover.worker.triton_attention import store_kv
+    from kvrecover.worker.triton_ops import rotary_, rotary_store_
+
+    gen = torch.Generator().manual_seed(2)
+    head_dim, tokens, block_size = 64, 21, 16
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, generator=gen)
+    positions = torch.randint(0, 512, (tokens,), generator=gen).to(DEVICE, torch.int32)
+    slots = (torch.randperm(5 * block_size, generator=gen)[:tokens] + block_size).to(DEVICE, torch.int32)
+    cache = torch.zeros(2, 7, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+
+    def views(tensor):
+        q, k, v = tensor.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        return (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
+                v.view(tokens, kv_heads, head_dim))
+
+    ref_qkv, ref_cache = qkv.clone(), cache.clone()
+    q, k, v = views(ref_qkv)
+    rotary_(rotary, positions, q, k)
+    store_kv(k, v, ref_cache, slots)
+    fused_qkv = qkv.clone()
+    q, k, v = views(fused_qkv)
+    rotary_store_(rotary, positions, q, k, v, cache, slots)
+    assert torch.equal(cache, ref_cache)
+    assert torch.equal(views(fused_qkv)[0], views(ref_qkv)[0])
+    assert torch.equal(views(fused_qkv)[1], views(qkv)[1])
+
+
 # ----- attention ----------------------------------------------------------------------
 def _schedule(requests, block_tables):
     """ScheduledRequests for [(num_computed, num_new)] with the given block tables."""

@@ -143,8 +143,13 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.rotary(self.rotary, positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)
+        if self.backend.fuses_rotary:
+            out = self.backend.forward_rotary(
+                self.rotary, positions, q, k, v, kv_cache, attn_meta, self.scale
+            )
+        else:
+            q, k = ops.rotary(self.rotary, positions, q, k)
+            out = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 

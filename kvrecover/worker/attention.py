@@ -83,6 +83,7 @@ class TorchPagedAttention:
     """Reference paged attention in plain torch (CPU and GPU): gather, mask, SDPA."""
 
     name = "torch"
+    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
 
     def forward(
         self,

@@ -18,7 +18,9 @@ class PendingDecode:
 
     def __init__(self, request_ids: list[str], device_tokens: torch.Tensor, host: torch.Tensor) -> None:
         self.request_ids = request_ids
-        self.device_tokens = device_tokens  # [B] valid until the step after next is launched
+        # [B], a graph output: the next replay of that graph overwrites it, after (in stream
+        # order) every read of it that was launched before.
+        self.device_tokens = device_tokens
         self._host = host[: len(request_ids)]
         self._host.copy_(device_tokens, non_blocking=True)
         self._ready = torch.cuda.Event()

@@ -20,10 +20,14 @@ chunk or batch it is computed in, decode included.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from kvrecover.models.rope import RotaryEmbedding
 
 PREFILL_BLOCK_M = 64  # query rows per program (BLOCK_Q tokens x the padded head group)
 DECODE_BLOCK_M = 64
@@ -319,6 +323,7 @@ class TritonPagedAttention:
     """
 
     name = "triton"
+    fuses_rotary = True  # see `forward_rotary`
 
     def __init__(self) -> None:
         self.batch_invariant = False
@@ -334,5 +339,29 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
+        return self._attend(query, kv_cache, meta, scale)
+
+    def forward_rotary(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`forward` for a query and key not yet rotated by `positions`: one kernel
+        rotates both and stores the key (`key` itself stays as it was)."""
+        from kvrecover.worker.triton_ops import rotary_store_
+
+        rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
+        return self._attend(query, kv_cache, meta, scale)
+
+    def _attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         decode = INVARIANT_DECODE if self.batch_invariant else FAST_DECODE
         return paged_attention(query, kv_cache, meta, scale, decode=decode)

@@ -56,7 +56,11 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotate_heads(
+    base, stride_h, out_base, out_stride_h, num_heads, cos, sin,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Rotate the heads at `base` into `out_base` (the same place for in-place)."""
     dims = tl.arange(0, HALF)
     dtype = base.dtype.element_ty
     rows = tl.arange(0, BLOCK_H)
@@ -67,8 +71,18 @@ def _rotate_heads(base, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK
     # q*cos + rotate_half(q)*sin, each product rounded like the torch path.
     out1 = _round(x1 * cos, dtype) + _round(-x2 * sin, dtype)
     out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    out_first = out_base + rows[:, None] * out_stride_h + dims[None, :]
+    tl.store(out_first, out1.to(dtype), mask=mask)
+    tl.store(out_first + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, position, table_stride, dtype: tl.constexpr, HALF: tl.constexpr):
+    # The torch path casts cos/sin to the activation dtype before multiplying.
+    dims = tl.arange(0, HALF)
+    cos = _round(tl.load(cos_ptr + position * table_stride + dims), dtype)[None, :]
+    sin = _round(tl.load(sin_ptr + position * table_stride + dims), dtype)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -79,13 +93,34 @@ def _rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF)
-    dtype = q_ptr.dtype.element_ty
-    # The torch path casts cos/sin to the activation dtype before multiplying.
-    cos = _round(tl.load(cos_ptr + position * table_stride + dims), dtype)[None, :]
-    sin = _round(tl.load(sin_ptr + position * table_stride + dims), dtype)[None, :]
-    _rotate_heads(q_ptr + token * q_stride_t, q_stride_h, num_q_heads, cos, sin, HALF, BLOCK_HQ)
-    _rotate_heads(k_ptr + token * k_stride_t, k_stride_h, num_k_heads, cos, sin, HALF, BLOCK_HK)
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, position, table_stride, q_ptr.dtype.element_ty, HALF)
+    q = q_ptr + token * q_stride_t
+    k = k_ptr + token * k_stride_t
+    _rotate_heads(q, q_stride_h, q, q_stride_h, num_q_heads, cos, sin, HALF, BLOCK_HQ)
+    _rotate_heads(k, k_stride_h, k, k_stride_h, num_k_heads, cos, sin, HALF, BLOCK_HK)
+
+
+@triton.jit
+def _rotary_store_kernel(
+    q_ptr, k_ptr, v_ptr, cache_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, value_offset, table_stride,
+    num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_KV: tl.constexpr,
+):
+    """`_rotary_kernel` for q, then the rotated key and the value straight into the cache."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, position, table_stride, q_ptr.dtype.element_ty, HALF)
+    q = q_ptr + token * q_stride_t
+    _rotate_heads(q, q_stride_h, q, q_stride_h, num_q_heads, cos, sin, HALF, BLOCK_HQ)
+    kv_dim = num_kv_heads * 2 * HALF
+    _rotate_heads(k_ptr + token * k_stride_t, k_stride_h, cache_ptr + slot * kv_dim, 2 * HALF,
+                  num_kv_heads, cos, sin, HALF, BLOCK_HK)
+    cols = tl.arange(0, BLOCK_KV)
+    mask = cols < kv_dim
+    value = tl.load(v_ptr + token * v_stride_t + cols, mask=mask)
+    tl.store(cache_ptr + value_offset + slot * kv_dim + cols, value, mask=mask)
 
 
 @triton.jit
@@ -184,6 +219,26 @@ def rotary_(
             BLOCK_HK=triton.next_power_of_2(key.shape[1]), num_warps=4,
         )
     return query, key
+
+
+def rotary_store_(
+    rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    """`rotary_` on `query` (in place) and on `key`, whose result goes with `value` straight
+    into the cache slots (one kernel instead of rotary plus `store_kv`; `key` is unchanged)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if num_tokens:
+        _rotary_store_kernel[(num_tokens,)](
+            query, key, value, kv_cache, positions, slot_mapping, rotary.cos_cache,
+            rotary.sin_cache, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            value.stride(0), kv_cache.stride(0), rotary.cos_cache.stride(0),
+            num_q_heads, num_kv_heads, HALF=head_dim // 2,
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), num_warps=4,
+        )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
