@@ -113,3 +113,21 @@ def test_linear_matches_f_linear(rows, bias):
     expected = torch.nn.functional.linear(x, dense, layer.bias)
     for _ in range(2):  # the first call packs the weight, the second reuses it
         torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_falls_back_where_weights_cannot_be_packed(monkeypatch):
+    """A torch build whose oneDNN cannot pack weights gets F.linear, not an error."""
+    from kvrecover.models import llama
+
+    def cannot_pack(*args):
+        raise RuntimeError("no packed linear weights in this build")
+
+    monkeypatch.setattr(llama, "_ONEDNN", True)  # restored (and re-armed) after the test
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", cannot_pack)
+    layer = torch.nn.Linear(96, 40)
+    x = torch.randn(5, 96)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    for _ in range(2):
+        torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=0, atol=0)
+    assert not layer.weight.is_mkldnn
+    assert not llama._ONEDNN

@@ -12,19 +12,25 @@ from torch import nn
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.rope import RotaryEmbedding
 
-_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN = torch.backends.mkldnn.is_available()  # cleared if this build cannot pack weights
 
 
-def _onednn_weight(layer: nn.Linear) -> torch.Tensor:
+def _onednn_weight(layer: nn.Linear) -> torch.Tensor | None:
     """The layer's weight in oneDNN's packed layout, replacing the dense parameter
-    on first use (so the dense copy is freed unless another module shares it).
+    on first use (so the dense copy is freed unless another module shares it);
+    None where this torch build cannot pack, and the caller uses `F.linear`.
 
     Packed, oneDNN's float32 matmul beats MKL's at every batch size we run
     (measured on AVX2: ~1.3x at decode sizes, ~1.1x for prefill chunks).
     """
+    global _ONEDNN
     weight = layer.weight
     if not weight.is_mkldnn:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)  # 8: decode batch hint
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)  # 8: batch hint
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _ONEDNN = False
+            return None
         layer.weight = weight = nn.Parameter(packed, requires_grad=False)
         _trim_heap()
     return weight
@@ -54,9 +60,9 @@ class TorchOps:
         if weight.is_mkldnn or (
             _ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
         ):
-            return torch.ops.mkldnn._linear_pointwise(
-                x, _onednn_weight(layer), layer.bias, "none", [], ""
-            )
+            packed = _onednn_weight(layer)
+            if packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
         return F.linear(x, weight, layer.bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
