@@ -191,9 +191,9 @@ class Engine:
         if following is not None:
             self._in_flight = (following, self.model_runner.launch_decode(following, pending))
         outputs = self._apply(scheduler_output, pending.result())
+        requests = self.scheduler.requests
         if self._in_flight is not None and all(
-            self.scheduler.requests.get(s.request_id) is None
-            or self.scheduler.requests[s.request_id].is_finished
+            (request := requests.get(s.request_id)) is None or request.is_finished
             for s in following.scheduled
         ):
             # Every request it continues stopped on its last token: nothing to report.
