@@ -217,11 +217,11 @@ def _attention_microbench(engine) -> None:
     group = heads // cache.shape[3]
     kv_bytes = sum(r.num_tokens for r in running) * 2 * cache.shape[3] * cache.shape[4] * 2
     flops = len(running) * 4 * heads * cache.shape[-1] * prompt_len**2 / 2
-    variants = [("decode", INVARIANT_DECODE.block_m, INVARIANT_DECODE.num_warps, 0),
-                ("decode", FAST_DECODE.block_m, FAST_DECODE.num_warps, 0)]
-    variants += [("prefill", bm, w, s) for bm, w in ((64, 4), (128, 8)) for s in (1, 2, 3)]
-    for label, block_m, warps, stages in variants:
-        decode = FAST_DECODE if block_m == FAST_DECODE.block_m else INVARIANT_DECODE
+    variants = [("decode", c.block_m, c.num_warps, c.num_stages, c)
+                for c in (INVARIANT_DECODE, FAST_DECODE)]
+    variants += [("prefill", bm, w, s, INVARIANT_DECODE)
+                 for bm, w in ((64, 4), (128, 8)) for s in (1, 2, 3)]
+    for label, block_m, warps, stages, decode in variants:
         builder = StepInputBuilder(runner.layout.block_size, tile_tokens(group, block_m),
                                    torch.device("cuda"), runner.max_model_len)
         layout = builder.pack(steps[label])
@@ -229,7 +229,7 @@ def _attention_microbench(engine) -> None:
         num_tokens = sum(len(s.token_ids) for s in steps[label])
         query = torch.randn(num_tokens, heads, cache.shape[-1], device="cuda", dtype=cache.dtype)
         seconds = _time_cuda(
-            lambda q=query, m=meta, s=stages or 2, b=block_m, w=warps, d=decode: paged_attention(
+            lambda q=query, m=meta, s=stages, b=block_m, w=warps, d=decode: paged_attention(
                 q, cache, m, 0.125, num_stages=s, prefill_block_m=b, prefill_warps=w, decode=d
             ),
             10, inner=10,
@@ -360,11 +360,11 @@ def main() -> None:
     ceilings = device_ceilings()
     print(f"device: {torch.cuda.get_device_name()}  copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s"
           f"  bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
-    model_dir = build_checkpoint(args.model_dir)
-    if args.matmul_configs:
+    if args.matmul_configs:  # random matrices only: no checkpoint needed
         matmul_configs()
         decode_linears()
         return
+    model_dir = build_checkpoint(args.model_dir)
     if args.profile:
         for batch_invariant in (False, True):
             profile_steps(model_dir, 16, args.prompt_len, batch_invariant)
