@@ -24,4 +24,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    error: str | None = None
+    error: str | None = None  # a message when finish_reason is "error"
+    error_type: str | None = None  # "kv_load_failed" or "internal_error" with an error

@@ -244,6 +244,7 @@ class Engine:
             outputs=[completion],
             finished=finished,
             error=request.error,
+            error_type=request.error_type,
         )
 
 

@@ -73,6 +73,7 @@ class KVLoadRecovery:
         if failed:
             self.stats.kv_load_failed_requests += 1
             request.error = f"KV load failed for {len(bad_positions)} block(s)"
+            request.error_type = "kv_load_failed"
             logger.warning(
                 "request %s: KV load failed for %d block(s); policy 'fail' ends it with an error",
                 request.request_id, len(bad_positions),

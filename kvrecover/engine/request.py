@@ -77,6 +77,7 @@ class Request:
         self.pending_external: tuple[int, int] | None = None  # token range being loaded
         self.deferred_invalid_block_ids: set[int] = set()  # reported while its load ran
         self.error: str | None = None
+        self.error_type: str | None = None  # see RequestOutput.error_type
 
     @property
     def num_prompt_tokens(self) -> int:
