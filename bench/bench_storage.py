@@ -33,7 +33,8 @@ import torch
 import xxhash
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorRole
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import HEADER, PREFIX_SIZE, BlockStore
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,

@@ -1,38 +1,11 @@
-"""BlockPool: chain hashes, allocation, reference counts and the prefix cache."""
+"""BlockPool: allocation, reference counts and the prefix cache."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvrecover.engine.block_pool import (
-    NULL_BLOCK_ID,
-    BlockPool,
-    hash_block_tokens,
-    update_block_hashes,
-)
-
-
-def test_hash_chain_depends_on_parent_and_tokens():
-    first = hash_block_tokens(None, [1, 2, 3, 4])
-    assert first == hash_block_tokens(None, [1, 2, 3, 4])
-    assert len(first) == 16
-    assert first != hash_block_tokens(None, [1, 2, 3, 5])
-    # Same tokens after different prefixes are different blocks.
-    assert hash_block_tokens(first, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
-    other_parent = hash_block_tokens(None, [9, 9, 9, 9])
-    assert hash_block_tokens(first, [5, 6, 7, 8]) != hash_block_tokens(other_parent, [5, 6, 7, 8])
-
-
-def test_update_block_hashes_covers_full_blocks_only_and_extends():
-    tokens = list(range(10))
-    hashes: list[bytes] = []
-    update_block_hashes(hashes, tokens, block_size=4)
-    assert len(hashes) == 2  # tokens 8, 9 are a partial block
-    assert hashes[0] == hash_block_tokens(None, [0, 1, 2, 3])
-    assert hashes[1] == hash_block_tokens(hashes[0], [4, 5, 6, 7])
-    update_block_hashes(hashes, tokens + [10, 11], block_size=4)
-    assert len(hashes) == 3
-    assert hashes[2] == hash_block_tokens(hashes[1], [8, 9, 10, 11])
+from kvrecover.engine.block_pool import BlockPool
+from kvrecover.kv_layout import NULL_BLOCK_ID, hash_block_tokens
 
 
 def test_null_block_is_never_allocated():

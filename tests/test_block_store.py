@@ -16,7 +16,7 @@ import torch
 import xxhash
 from conftest import simulate_full_disk
 
-from kvrecover.kv_transfer.base import KVCacheLayout
+from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import (
     HEADER,
     HEADER_CHECKSUM,

@@ -25,7 +25,7 @@ from conftest import LLAMA3_ROPE, build_tiny_model, greedy_token_ids, simulate_f
 import kvrecover.kv_transfer.block_store as block_store_module
 from kvrecover import LLM, KVTransferConfig
 from kvrecover.cli import main as cli_main
-from kvrecover.kv_transfer.base import KVCacheLayout
+from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import PREFIX_SIZE, SUFFIX, BlockStore
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
 from kvrecover.kv_transfer.storage_check import check_entry
@@ -85,7 +85,7 @@ def pristine_store(tiny_llama, tmp_path_factory) -> tuple[Path, list[list[Path]]
     generate(llm, PROMPTS, max_tokens=1)
     layout = llm.engine.layout
     store = BlockStore(root, layout)
-    from kvrecover.engine.block_pool import update_block_hashes
+    from kvrecover.kv_layout import update_block_hashes
 
     chains = []
     for prompt in PROMPTS:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvrecover.engine.block_pool import NULL_BLOCK_ID
-from kvrecover.engine.kv_cache_manager import KVCacheManager, blocks_needed
+from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request
+from kvrecover.kv_layout import NULL_BLOCK_ID
 from kvrecover.sampling import SamplingParams
 
 BLOCK = 4
@@ -20,10 +20,6 @@ def run_prefill(manager: KVCacheManager, request: Request) -> None:
     assert manager.allocate(request, request.num_tokens, hits)
     request.num_computed_tokens = request.num_tokens
     manager.cache_computed_blocks(request)
-
-
-def test_blocks_needed():
-    assert [blocks_needed(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_allocate_and_free_return_every_block():

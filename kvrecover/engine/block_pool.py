@@ -1,37 +1,18 @@
 """Fixed-size KV blocks: allocation, reference counts and the prefix cache.
 
-A full block is identified by a chain hash: `hash(parent_hash, block token ids)`,
-so equal hashes mean equal prefixes. The token ids are stored beside the hash and
+A full block is identified by its chain hash (`kv_layout.hash_block_tokens`), so
+equal hashes mean equal prefixes. The token ids are stored beside the hash and
 compared on every hit, which rules out collisions. Freed blocks keep their hash
 and stay hit-able until they are reused (least recently freed first).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-NULL_BLOCK_ID = 0  # never allocated: padding in block tables points here
-
-
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chain hash of one full block; stable across processes and machines."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(parent_hash or b"\0" * 16)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return digest.digest()
-
-
-def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
-    """Extend `block_hashes` to cover every full block of `token_ids`."""
-    for index in range(len(block_hashes), len(token_ids) // block_size):
-        parent = block_hashes[-1] if block_hashes else None
-        start = index * block_size
-        block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+from kvrecover.kv_layout import NULL_BLOCK_ID
 
 
 @dataclass(slots=True)  # tens of thousands exist: slots make creating them faster

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrecover.config import EngineArgs, SchedulerConfig
-from kvrecover.engine.kv_cache_manager import KVCacheManager, blocks_needed
+from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler import Scheduler
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorRole
+from kvrecover.kv_layout import KVCacheLayout, blocks_needed, update_block_hashes
+from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.loader import checkpoint_fingerprint
@@ -87,6 +88,9 @@ class Engine:
             self.model_runner.attach_connector(worker_connector)
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
+        # Prefix caching and connectors key blocks by their chain hash: hash the
+        # prompt once here; connectors only read `request.block_hashes`.
+        self._hash_prompts = args.enable_prefix_caching or connector is not None
         # A launched, overlapped decode step: (its schedule, its pending tokens).
         self._in_flight: tuple[SchedulerOutput, PendingDecode] | None = None
 
@@ -145,6 +149,8 @@ class Engine:
             str(request_id), text, token_ids, sampling_params, self.eos_token_ids, seed,
             self.max_model_len,
         )
+        if self._hash_prompts:
+            update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
         self.scheduler.add_request(request)
 
     def _prompt_tokens(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:

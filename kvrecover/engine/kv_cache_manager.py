@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from kvrecover.engine.block_pool import BlockPool, KVCacheBlock, update_block_hashes
+from kvrecover.engine.block_pool import BlockPool, KVCacheBlock
 from kvrecover.engine.request import Request
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Number of blocks that hold `num_tokens` tokens."""
-    return -(-num_tokens // block_size)
+from kvrecover.kv_layout import blocks_needed, update_block_hashes
 
 
 class KVCacheManager:

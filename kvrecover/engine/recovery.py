@@ -12,9 +12,10 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvrecover.engine.kv_cache_manager import KVCacheManager, blocks_needed
+from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.stats import EngineStats
+from kvrecover.kv_layout import blocks_needed
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ per layer (`wait_for_layer_load` before attention reads the cache,
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrecover.config import KVTransferConfig
+from kvrecover.kv_layout import KVCacheLayout
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
@@ -51,38 +51,6 @@ class KVConnectorMetadata:
     def num_save_blocks(self) -> int:
         """How many blocks this step saves."""
         return 0
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """The engine's KV cache layout; KV stored under another layout is never loaded."""
-
-    model_identity: str
-    dtype: torch.dtype
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block of one layer: [2 (K, V), block_size, kv_heads, head_dim]."""
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block across all layers."""
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * per_layer * self.dtype.itemsize
-
-    @property
-    def fingerprint(self) -> str:
-        """A digest of everything above; part of every stored key and header."""
-        text = (
-            f"{self.model_identity}|{self.dtype}|{self.block_size}|"
-            f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}"
-        )
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class KVConnectorBase:

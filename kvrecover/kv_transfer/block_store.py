@@ -1,7 +1,7 @@
 """On-disk store of KV cache blocks: one verified file per block.
 
 Layout: `<root>/<layout fingerprint>/<first 2 hex of key>/<key hex>.kvblock`, where
-the key is the block's prefix-chain hash (`engine.block_pool.hash_block_tokens`)
+the key is the block's prefix-chain hash (`kv_layout.hash_block_tokens`)
 and the fingerprint digests model identity, dtype, block size, layers, KV heads
 and head dim: KV of another model or layout sits under another folder and is
 simply a miss.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvrecover.kv_transfer.base import KVCacheLayout
+from kvrecover.kv_layout import KVCacheLayout
 
 MAGIC = b"KVRB"
 VERSION = 1

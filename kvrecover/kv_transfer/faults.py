@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrecover.config import KVTransferConfig
+from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import (
-    KVCacheLayout,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorBase, KVConnectorRole
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorRole
 
 # name -> "module:Class", imported on first use.
 _REGISTRY: dict[str, str] = {

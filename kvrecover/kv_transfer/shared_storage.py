@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.engine.block_pool import update_block_hashes
+from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import (
-    KVCacheLayout,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -129,15 +128,10 @@ class SharedStorageConnector(KVConnectorBase):
         self._suspect_keys: set[bytes] = set()
 
     # ----- scheduler role -----------------------------------------------------------
-    def _prompt_keys(self, request: Request) -> list[bytes]:
-        keys = request.block_hashes
-        update_block_hashes(keys, request.token_ids, self.block_size)
-        return keys
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.config.is_consumer:
             return 0, False
-        keys = self._prompt_keys(request)
+        keys = request.block_hashes  # the engine hashed every full prompt block
         last_loadable = (request.num_prompt_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
         end = first
@@ -152,7 +146,7 @@ class SharedStorageConnector(KVConnectorBase):
             return
         first = request.num_computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
-        keys = self._prompt_keys(request)
+        keys = request.block_hashes
         self._pending_loads.append(BlockTransfer(
             request.request_id, block_ids[first : first + count], keys[first : first + count],
             is_async=self.async_load,
@@ -171,7 +165,7 @@ class SharedStorageConnector(KVConnectorBase):
             first, last = item.num_computed_tokens // self.block_size, end // self.block_size
             if last <= first:
                 continue
-            keys = self._prompt_keys(request)
+            keys = request.block_hashes
             metadata.saves.append(BlockTransfer(
                 item.request_id, item.block_ids[first:last], keys[first:last],
             ))

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from kvrecover.kv_transfer.base import KVCacheLayout
+from kvrecover.kv_layout import KVCacheLayout
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvrecover.kv_transfer.base import KVCacheLayout, KVConnectorBase
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.llama import LlamaForCausalLM, TorchOps
 from kvrecover.models.loader import load_weights, skip_weight_init

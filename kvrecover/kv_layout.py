@@ -1,0 +1,74 @@
+"""The KV vocabulary every layer shares: cache layout, block hashes, block arithmetic.
+
+The engine (block pool, scheduler), the worker (cache tensors) and the KV
+connectors all import this module and nothing of each other for these facts, so
+`kv_transfer/` never needs `engine/` at run time.
+
+A full block is named by a chain hash, `hash(parent_hash, block token ids)`:
+equal hashes mean equal prefixes, in every process and on every machine, which
+makes the hash both the prefix-cache key and the key of stored KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+NULL_BLOCK_ID = 0  # never allocated: padding in block tables points here
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The engine's KV cache layout; KV stored under another layout is never loaded."""
+
+    model_identity: str
+    dtype: torch.dtype
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block of one layer: [2 (K, V), block_size, kv_heads, head_dim]."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * self.dtype.itemsize
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of everything above; part of every stored key and header."""
+        text = (
+            f"{self.model_identity}|{self.dtype}|{self.block_size}|"
+            f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}"
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Number of blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chain hash of one full block; stable across processes and machines."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent_hash or b"\0" * 16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
+    """Extend `block_hashes` to cover every full block of `token_ids`."""
+    for index in range(len(block_hashes), len(token_ids) // block_size):
+        parent = block_hashes[-1] if block_hashes else None
+        start = index * block_size
+        block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
