@@ -7,6 +7,7 @@ from typing import Any
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -97,8 +98,14 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.85
     batch_invariant: bool = False
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}"

@@ -21,7 +21,9 @@ class LLM:
     cache size comes from a memory budget (`kv_cache_memory_gb`, or
     `gpu_memory_utilization` of the GPU) unless `num_kv_blocks` fixes it.
     `batch_invariant=True` makes each request's numerics independent of what
-    else is in the batch (exact recovery on GPUs in bf16).
+    else is in the batch (exact recovery on GPUs in bf16). `attention_backend`
+    picks the kernels: "auto" (Triton on CUDA, the torch reference elsewhere),
+    "torch" or "triton".
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class LLM:
         kv_cache_memory_gb: float | None = None,
         gpu_memory_utilization: float = 0.85,
         batch_invariant: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -59,6 +62,7 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb,
             gpu_memory_utilization=gpu_memory_utilization,
             batch_invariant=batch_invariant,
+            attention_backend=attention_backend,
         )
         self.engine = Engine(args)
         self._batch_counter = 0

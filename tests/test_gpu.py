@@ -35,19 +35,14 @@ def _randn(*shape, dtype=torch.float32, generator=None) -> torch.Tensor:
 
 def _make_llm(model_dir, **kwargs) -> LLM:
     """An LLM on the Triton path (on the CPU too, under the interpreter)."""
-    os.environ["KVRECOVER_ATTENTION_BACKEND"] = "triton"
-    try:
-        llm = LLM(str(model_dir), device=ENGINE_DEVICE, **kwargs)
-    finally:
-        del os.environ["KVRECOVER_ATTENTION_BACKEND"]
-    return llm
+    return LLM(str(model_dir), device=ENGINE_DEVICE, attention_backend="triton", **kwargs)
 
 
 # ----- small ops ----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_residual_match_reference(dtype):
-    from kvrecover.models.llama import TorchOps
-    from kvrecover.worker.triton_ops import TritonOps
+    from kvrecover.ops.torch_ops import TorchOps
+    from kvrecover.ops.triton_ops import TritonOps
 
     gen = torch.Generator().manual_seed(0)
     x, residual, weight = _randn(37, 320, dtype=dtype, generator=gen), _randn(37, 320, dtype=dtype, generator=gen), _randn(320, dtype=dtype, generator=gen)
@@ -63,9 +58,9 @@ def test_rms_norm_and_residual_match_reference(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_and_silu_match_reference(dtype):
-    from kvrecover.models.llama import TorchOps
     from kvrecover.models.rope import RotaryEmbedding
-    from kvrecover.worker.triton_ops import TritonOps
+    from kvrecover.ops.torch_ops import TorchOps
+    from kvrecover.ops.triton_ops import TritonOps
 
     gen = torch.Generator().manual_seed(1)
     rotary = RotaryEmbedding(32, 512, 500000.0, None).to(DEVICE)
@@ -94,8 +89,8 @@ def test_fused_rotary_store_matches_rotary_then_store(dtype, heads, kv_heads):
     """One kernel for rotary + KV store gives the two kernels' bits: query, cache, and
     the unrotated key left alone."""
     from kvrecover.models.rope import RotaryEmbedding
-    from kvrecover.worker.triton_attention import store_kv
-    from kvrecover.worker.triton_ops import rotary_, rotary_store_
+    from kvrecover.ops.triton_attention import store_kv
+    from kvrecover.ops.triton_ops import rotary_, rotary_store_
 
     gen = torch.Generator().manual_seed(2)
     head_dim, tokens, block_size = 64, 21, 16
@@ -132,15 +127,15 @@ def _schedule(requests, block_tables):
 
 
 def _triton_attention(q, k, v, cache, scheduled, block_size, batch_invariant=False):
+    from kvrecover.ops.triton_attention import TritonPagedAttention, tile_tokens
     from kvrecover.worker.step_inputs import StepInputBuilder
-    from kvrecover.worker.triton_attention import TritonPagedAttention, tile_tokens
 
     group = q.shape[1] // k.shape[1]
     builder = StepInputBuilder(block_size, tile_tokens(group), torch.device(DEVICE))
     layout = builder.pack(scheduled)
     inputs = builder.views(layout, builder.upload(layout))
-    backend = TritonPagedAttention()
-    backend.batch_invariant = batch_invariant  # decode: the prefill tiles, or the fast ones
+    # batch_invariant: decode on the prefill tiles, else on the fast ones.
+    backend = TritonPagedAttention(batch_invariant)
     return backend.forward(q, k, v, cache, inputs.attn, q.shape[-1] ** -0.5)
 
 
@@ -173,7 +168,8 @@ DECODE_STEP = [(37, 1), (0, 1), (700, 1), (255, 1), (256, 1), (1000, 1)]  # spli
 def test_paged_attention_matches_reference(
     dtype, requests, block_size, heads, kv_heads, head_dim, batch_invariant
 ):
-    from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
+    from kvrecover.ops.attention_metadata import AttentionMetadata
+    from kvrecover.ops.torch_attention import TorchPagedAttention
 
     q, k, v, cache, scheduled = _random_step(requests, block_size, heads, kv_heads, head_dim, dtype, 0)
     ref_meta = AttentionMetadata.build(
@@ -221,7 +217,7 @@ def test_paged_attention_is_batch_and_chunk_invariant(dtype):
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(2048, 8192), (3072, 2048), (384, 64)])
 def test_batch_invariant_linear(n, k):
-    from kvrecover.worker.batch_invariant import linear
+    from kvrecover.ops.batch_invariant import linear
 
     gen = torch.Generator().manual_seed(0)
     x = _randn(1500, k, dtype=torch.bfloat16, generator=gen)
@@ -310,7 +306,7 @@ def _decode_logits(llm: LLM, prompts, target: int) -> list[torch.Tensor]:
 
 @needs_cuda
 def test_greedy_tokens_match_argmax():
-    from kvrecover.worker.triton_ops import greedy_tokens
+    from kvrecover.ops.triton_ops import greedy_tokens
 
     logits = torch.randn(37, 128256, device=DEVICE)
     logits[3, 5000] = logits[3, 70000] = 1e4  # a tie: the first index wins, as in torch

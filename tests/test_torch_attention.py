@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrecover.models.llama import TorchOps
 from kvrecover.models.rope import RotaryEmbedding
-from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
+from kvrecover.ops import onednn
+from kvrecover.ops.attention_metadata import AttentionMetadata
+from kvrecover.ops.torch_attention import TorchPagedAttention
+from kvrecover.ops.torch_ops import TorchOps
 
 # (tokens already cached, new tokens) per request.
 CASES = {
@@ -106,28 +108,41 @@ def test_rms_norm_and_silu_mul_are_bitwise_hf(dtype):
 
 @pytest.mark.parametrize("rows", [0, 1, 8, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(rows, bias):
+def test_linear_matches_f_linear_dense_and_packed(rows, bias):
     layer = torch.nn.Linear(96, 40, bias=bias)
     dense = layer.weight.detach().clone()
     x = torch.randn(rows, 96)
     expected = torch.nn.functional.linear(x, dense, layer.bias)
-    for _ in range(2):  # the first call packs the weight, the second reuses it
-        torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=0, atol=0)
+    assert not layer.weight.is_mkldnn  # a forward never repacks a weight
+    if not onednn.pack_linear(layer):
+        pytest.skip("this torch build cannot pack oneDNN weights")
+    assert layer.weight.is_mkldnn
+    torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linear_weights_packs_every_float32_linear_once():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4).to(torch.bfloat16))
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    assert onednn.pack_linear_weights(model) == 1  # the bf16 linear stays dense
+    assert model[0].weight.is_mkldnn and not model[1].weight.is_mkldnn
+    packed = model[0].weight
+    assert onednn.pack_linear_weights(model) == 1  # already packed: kept as it is
+    assert model[0].weight is packed
 
 
 def test_linear_falls_back_where_weights_cannot_be_packed(monkeypatch):
     """A torch build whose oneDNN cannot pack weights gets F.linear, not an error."""
-    from kvrecover.models import llama
 
     def cannot_pack(*args):
         raise RuntimeError("no packed linear weights in this build")
 
-    monkeypatch.setattr(llama, "_ONEDNN", True)  # restored (and re-armed) after the test
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", cannot_pack)
     layer = torch.nn.Linear(96, 40)
+    model = torch.nn.Sequential(layer)
+    assert onednn.pack_linear_weights(model) == 0
+    assert not layer.weight.is_mkldnn
     x = torch.randn(5, 96)
     expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    for _ in range(2):
-        torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=0, atol=0)
-    assert not layer.weight.is_mkldnn
-    assert not llama._ONEDNN
+    torch.testing.assert_close(TorchOps().linear(x, layer), expected, rtol=0, atol=0)

@@ -1,94 +1,22 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a paged KV cache.
+
+Only the model definition: every kernel (linears, norms, rotary, attention)
+comes from the `KernelBackend` the model runner passes in (`kvrecover.ops`).
+"""
 
 from __future__ import annotations
 
-import ctypes
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.rope import RotaryEmbedding
 
-_ONEDNN = torch.backends.mkldnn.is_available()  # cleared if this build cannot pack weights
-
-
-def _onednn_weight(layer: nn.Linear) -> torch.Tensor | None:
-    """The layer's weight in oneDNN's packed layout, replacing the dense parameter
-    on first use (so the dense copy is freed unless another module shares it);
-    None where this torch build cannot pack, and the caller uses `F.linear`.
-
-    Packed, oneDNN's float32 matmul beats MKL's at every batch size we run
-    (measured on AVX2: ~1.3x at decode sizes, ~1.1x for prefill chunks).
-    """
-    global _ONEDNN
-    weight = layer.weight
-    if not weight.is_mkldnn:
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)  # 8: batch hint
-        except (RuntimeError, AttributeError, NotImplementedError):
-            _ONEDNN = False
-            return None
-        layer.weight = weight = nn.Parameter(packed, requires_grad=False)
-        _trim_heap()
-    return weight
-
-
-def _trim_heap() -> None:
-    """Return free heap pages to the OS. The dense weights just freed sit inside
-    glibc's heap, which keeps them resident: without this the peak RSS grows by
-    ~200 MB for SmolLM2-135M."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError, TypeError):  # not glibc
-        pass
-
-
-class TorchOps:
-    """The model's linears and small ops in plain torch: the reference (CPU, tests).
-
-    The model runner may hand the model a subclass with fused kernels
-    (`kvrecover.worker.triton_ops`); every method must round like these.
-    """
-
-    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        """`x @ layer.weight.T + layer.bias`; on the CPU in float32 through oneDNN
-        with the weight packed on first use (see `_onednn_weight`)."""
-        weight = layer.weight
-        if weight.is_mkldnn or (
-            _ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-        ):
-            packed = _onednn_weight(layer)
-            if packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
-        return F.linear(x, weight, layer.bias)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        # In place on fresh tensors only: each new large temporary costs page faults.
-        x = (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(input_dtype)
-        return x.mul_(weight) if weight.dtype == input_dtype else weight * x
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(residual + x), residual + x)."""
-        residual = residual + x
-        return self.rms_norm(residual, weight, eps), residual
-
-    def rotary(
-        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
-        key: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary(positions, query, key)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
-
+if TYPE_CHECKING:
+    from kvrecover.ops.backend import KernelBackend
+    from kvrecover.ops.torch_ops import TorchOps
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
@@ -114,7 +42,7 @@ class LlamaAttention(nn.Module):
     """Self-attention with fused QKV projection, GQA and an optional per-head q/k norm."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: Any, ops: TorchOps
+        self, config: ModelConfig, rotary: RotaryEmbedding, attention: Any, ops: TorchOps
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -130,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
-        self.backend = backend
+        self.attention = attention
         self.scale = self.head_dim**-0.5
         shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                   "v": (self.q_size + self.kv_size, self.kv_size)}
@@ -149,13 +77,13 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        if self.backend.fuses_rotary:
-            out = self.backend.forward_rotary(
+        if self.attention.fuses_rotary:
+            out = self.attention.forward_rotary(
                 self.rotary, positions, q, k, v, kv_cache, attn_meta, self.scale
             )
         else:
             q, k = ops.rotary(self.rotary, positions, q, k)
-            out = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)
+            out = self.attention.forward(q, k, v, kv_cache, attn_meta, self.scale)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
@@ -185,12 +113,12 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: Any, ops: TorchOps
+        self, config: ModelConfig, rotary: RotaryEmbedding, attention: Any, ops: TorchOps
     ) -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, backend, ops)
+        self.self_attn = LlamaAttention(config, rotary, attention, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, ops)
 
@@ -221,23 +149,23 @@ class LlamaForCausalLM(nn.Module):
     where a KV connector waits for a layer's load and saves a layer's KV.
     """
 
-    def __init__(
-        self, config: ModelConfig, backend: Any, max_positions: int, ops: TorchOps | None = None
-    ) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.ops = ops = ops or TorchOps()
+        self.ops = ops = backend.ops
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, ops)
+            LlamaDecoderLayer(config, self.rotary, backend.attention, ops)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
+            # One tensor, unless the backend repacks the LM head's weight for its
+            # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
@@ -258,12 +186,6 @@ class LlamaForCausalLM(nn.Module):
             if after_layer is not None:
                 after_layer(index)
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
-
-    def set_ops(self, ops: TorchOps) -> None:
-        """Switch every module to another implementation of the small ops and linears."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given final hidden states."""

@@ -1,4 +1,8 @@
-"""Rotary position embeddings, including Llama 3's frequency scaling."""
+"""Rotary position embedding tables, including Llama 3's frequency scaling.
+
+The model owns the tables; the kernels that rotate by them live in `kvrecover.ops`
+(`rotary.apply_rotary`, `triton_ops.rotary_`).
+"""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | 
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE (rotate-half layout, as in Hugging Face Llama) by position lookup."""
+    """RoPE cos/sin tables by position (rotate-half layout, as in Hugging Face Llama)."""
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
@@ -46,21 +50,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
-        # [cos | sin with rotate_half's sign folded in]: one lookup per call, see `_rotate`.
+        # [cos | sin with rotate_half's sign folded in]: one lookup per call (`apply_rotary`).
         half = head_dim // 2
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.register_buffer("cos_sin_cache", torch.cat((cos, signed_sin), dim=-1), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by their token positions [T]."""
-        cos, signed_sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x) = [-x2, x1] is
-    the roll [x2, x1] times the sign folded into `signed_sin`."""
-    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
-    return (x * cos).add_(rotated)

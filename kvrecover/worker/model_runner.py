@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.llama import LlamaForCausalLM, TorchOps
+from kvrecover.models.llama import LlamaForCausalLM
 from kvrecover.models.loader import load_weights, skip_weight_init
-from kvrecover.worker.attention import AttentionMetadata, TorchPagedAttention
+from kvrecover.ops.backend import select_backend
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.sampler import Sampler
+from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs, reference_step_inputs
 
 if TYPE_CHECKING:
+    from kvrecover.engine.scheduler_output import ScheduledRequest
     from kvrecover.worker.overlap import PendingDecode
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +29,12 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the model, the KV cache tensors and the worker half of the connector.
 
-    `attention_backend` (default: env `KVRECOVER_ATTENTION_BACKEND`, else
-    "auto"): "auto" runs the Triton kernels (paged attention and fused small
-    ops) on CUDA and the torch reference elsewhere; "torch" and "triton" force
-    one (Triton off CUDA only under `TRITON_INTERPRET=1`). See `configure` for
-    `enforce_eager` and `batch_invariant`.
+    The kernels come from one `KernelBackend` (`ops.backend.select_backend`,
+    from `attention_backend`: "auto", "torch" or "triton"), chosen here once and
+    shared with the model. On the Triton path `batch_invariant` routes every
+    linear through the fixed-order Triton matmul (a request's numerics no longer
+    depend on its batch or chunking) and, unless `enforce_eager`, decode steps on
+    CUDA replay CUDA graphs. The torch reference path ignores both.
     """
 
     def __init__(
@@ -48,70 +48,40 @@ class ModelRunner:
         *,
         enforce_eager: bool = False,
         batch_invariant: bool = False,
-        attention_backend: str | None = None,
+        attention_backend: str = "auto",
     ) -> None:
-        attention_backend = attention_backend or os.environ.get(
-            "KVRECOVER_ATTENTION_BACKEND", "auto"
-        )
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
-            )
+        self.backend = select_backend(attention_backend, device, batch_invariant=batch_invariant)
         self.device = device
         self.dtype = dtype
         self.layout = layout
         self.max_model_len = max_model_len
-        if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
-            from kvrecover.worker.triton_attention import TritonPagedAttention
-
-            self.backend = TritonPagedAttention()
-        else:
-            self.backend = TorchPagedAttention()
+        self.enforce_eager = enforce_eager
+        self.batch_invariant = batch_invariant
         with torch.device(device), skip_weight_init():
             model = LlamaForCausalLM(model_config, self.backend, max_model_len)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
+        self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
         self.connector: KVConnectorBase | None = None
         self._warned_save_failure = False
-        self.inputs = None
+        self.inputs = None  # the Triton path's packed step inputs
         self.graphs = None
         self._token_buffers = None  # pinned host buffers for overlapped decode tokens
         if self.backend.name == "triton":
-            from kvrecover.worker.step_inputs import StepInputBuilder
-            from kvrecover.worker.triton_attention import tile_tokens
+            from kvrecover.ops.triton_attention import tile_tokens
 
             group = model_config.num_attention_heads // model_config.num_key_value_heads
             self.inputs = StepInputBuilder(
                 layout.block_size, tile_tokens(group), device, max_model_len
             )
-        self.configure(enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+            if device.type == "cuda" and not enforce_eager:
+                from kvrecover.worker.cuda_graphs import DecodeGraphs
 
-    def configure(self, *, enforce_eager: bool, batch_invariant: bool) -> None:
-        """Choose the kernels; call before the first step (the engine passes its args here).
-
-        On the Triton path: `batch_invariant` routes every linear through the
-        fixed-order Triton matmul (a request's numerics no longer depend on its
-        batch or chunking); unless `enforce_eager`, decode steps on CUDA replay
-        CUDA graphs. The torch reference path ignores both.
-        """
-        self.enforce_eager = enforce_eager
-        self.batch_invariant = batch_invariant
-        self.graphs = None
-        if self.backend.name != "triton":
-            self.model.set_ops(TorchOps())
-            return
-        from kvrecover.worker.triton_ops import BatchInvariantOps, TritonOps
-
-        self.model.set_ops(BatchInvariantOps() if batch_invariant else TritonOps())
-        self.backend.batch_invariant = batch_invariant
-        if self.device.type == "cuda" and not enforce_eager:
-            from kvrecover.worker.cuda_graphs import DecodeGraphs
-
-            max_blocks = -(-self.max_model_len // self.layout.block_size)
-            self.graphs = DecodeGraphs(self._decode_step, self.inputs, max_blocks, self.device)
+                max_blocks = blocks_needed(max_model_len, layout.block_size)
+                self.graphs = DecodeGraphs(self._decode_step, self.inputs, max_blocks, device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache. The engine calls this after construction, so a
@@ -168,8 +138,6 @@ class ModelRunner:
         return PendingDecode(request_ids, greedy, self._token_buffers.next())
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        if self.inputs is None:
-            return self._forward_reference(scheduler_output)
         scheduled = scheduler_output.scheduled
         sampling = [s for s in scheduled if s.sample]
         greedy = None
@@ -180,8 +148,7 @@ class ModelRunner:
                                     device=self.device)
                 logits, greedy = logits[rows], greedy[rows]
         else:
-            layout = self.inputs.pack(scheduled)
-            inputs = self.inputs.views(layout, self.inputs.upload(layout))
+            inputs = self._step_inputs(scheduled)
             before_layer, after_layer = self._connector_hooks(inputs.attn)
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
@@ -195,6 +162,13 @@ class ModelRunner:
         tokens = self._sample(logits, sampling, greedy)
         return {s.request_id: token for s, token in zip(sampling, tokens)}
 
+    def _step_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        """The step's inputs on the device, in the form the backend's attention reads."""
+        if self.inputs is None:
+            return reference_step_inputs(scheduled, self.layout.block_size, self.device)
+        layout = self.inputs.pack(scheduled)
+        return self.inputs.views(layout, self.inputs.upload(layout))
+
     def _sample(
         self, logits: torch.Tensor, sampling: list, greedy: torch.Tensor | None = None
     ) -> list[int]:
@@ -207,7 +181,7 @@ class ModelRunner:
 
     def _decode_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and argmax for every row."""
-        from kvrecover.worker.triton_ops import greedy_tokens
+        from kvrecover.ops.triton_ops import greedy_tokens
 
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         logits = self.model.logits(hidden)
@@ -244,42 +218,6 @@ class ModelRunner:
                             on_error="save")
 
         return before_layer, after_layer
-
-    def _forward_reference(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        scheduled = scheduler_output.scheduled
-        token_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        for item in scheduled:
-            token_ids.extend(item.token_ids)
-            start = item.num_computed_tokens
-            positions.extend(range(start, start + len(item.token_ids)))
-            if item.sample:
-                sample_rows.append(len(token_ids) - 1)
-        meta = AttentionMetadata.build(
-            [s.num_computed_tokens for s in scheduled],
-            [len(s.token_ids) for s in scheduled],
-            [s.block_ids for s in scheduled],
-            self.layout.block_size,
-            self.device,
-        )
-        before_layer, after_layer = self._connector_hooks(meta)
-        hidden = self.model(
-            torch.tensor(token_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_caches,
-            meta,
-            before_layer,
-            after_layer,
-        )
-        if not sample_rows:
-            return {}
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        sampling = [s for s in scheduled if s.sample]
-        tokens = self.sampler(
-            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
-        )
-        return {s.request_id: token for s, token in zip(sampling, tokens)}
 
     def _guard(self, method, *args, on_error: str) -> None:
         """Call a connector method; a connector exception must never crash the engine.

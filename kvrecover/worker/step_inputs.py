@@ -1,4 +1,8 @@
-"""One step's integer inputs for the GPU path, packed into one buffer and copied once.
+"""One step's model inputs: token ids, positions, rows to sample and attention metadata.
+
+`reference_step_inputs` builds them for the torch reference attention.
+`StepInputBuilder` serves the Triton path: one step's integer inputs, packed into
+one buffer and copied once.
 
 Token ids, positions, cache slots, the attention tiles, the rows to sample and
 the block table all go into one pinned int32 host buffer, reach the device in
@@ -17,7 +21,7 @@ import numpy as np
 import torch
 
 from kvrecover.engine.scheduler_output import ScheduledRequest
-from kvrecover.worker.triton_attention import PagedAttentionMetadata
+from kvrecover.ops.attention_metadata import AttentionMetadata, PagedAttentionMetadata
 
 _ALIGN = 32  # int32 elements (128 bytes) between segments, for aligned kernel loads
 _SEGMENTS = ("ids", "positions", "slots", "seq_lens", "query_start", "tile_request",
@@ -38,12 +42,40 @@ class StepLayout:
 
 @dataclass
 class StepInputs:
-    """Device views of one packed step."""
+    """One step's inputs on the device (views of one buffer on the Triton path)."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     sample_rows: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
-    attn: PagedAttentionMetadata
+    attn: PagedAttentionMetadata | AttentionMetadata
+
+
+def reference_step_inputs(
+    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
+) -> StepInputs:
+    """The inputs of one step for the torch reference attention."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    for item in scheduled:
+        token_ids.extend(item.token_ids)
+        start = item.num_computed_tokens
+        positions.extend(range(start, start + len(item.token_ids)))
+        if item.sample:
+            sample_rows.append(len(token_ids) - 1)
+    attn = AttentionMetadata.build(
+        [s.num_computed_tokens for s in scheduled],
+        [len(s.token_ids) for s in scheduled],
+        [s.block_ids for s in scheduled],
+        block_size,
+        device,
+    )
+    return StepInputs(
+        torch.tensor(token_ids, device=device),
+        torch.tensor(positions, device=device),
+        torch.tensor(sample_rows, device=device, dtype=torch.int64),
+        attn,
+    )
 
 
 def _round_up(value: int) -> int:

@@ -1,6 +1,6 @@
 """Fused row-wise and elementwise ops for the GPU path, in Triton.
 
-Each kernel rounds where the torch reference (`kvrecover.models.llama.TorchOps`)
+Each kernel rounds where the torch reference (`kvrecover.ops.torch_ops.TorchOps`)
 rounds, so bf16 results match it up to the order of a row's sum of squares.
 Every op works row by row, so a row's result never depends on the other rows
 of the batch (batch invariance comes for free).
@@ -9,14 +9,18 @@ Import only where Triton exists (CUDA machines, or `TRITON_INTERPRET=1`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from kvrecover.models.llama import TorchOps
-from kvrecover.models.rope import RotaryEmbedding
-from kvrecover.worker.batch_invariant import linear as batch_invariant_linear
+from kvrecover.ops.batch_invariant import linear as batch_invariant_linear
+from kvrecover.ops.torch_ops import TorchOps
+
+if TYPE_CHECKING:
+    from kvrecover.models.rope import RotaryEmbedding
 
 
 @triton.jit
@@ -278,6 +282,9 @@ class TritonOps(TorchOps):
 
 class BatchInvariantOps(TritonOps):
     """TritonOps whose linears use the fixed-reduction-order Triton matmul."""
+
+    def prepare_weights(self, model: nn.Module) -> None:
+        """Nothing to pack: the Triton matmul reads the dense weights."""
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return batch_invariant_linear(x, layer.weight, layer.bias)

@@ -1,8 +1,12 @@
-"""Paged attention: the reference torch backend and the per-step metadata it reads.
+"""Per-step attention metadata: what each attention backend reads besides q, k, v.
 
 KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 keys, 1 values). A token at position `p` of a request lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
+
+`AttentionMetadata` serves the torch reference backend, `PagedAttentionMetadata`
+the Triton kernels; both are plain records (no Triton import), built by the
+worker's step inputs.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -79,73 +82,23 @@ class AttentionMetadata:
         )
 
 
-class TorchPagedAttention:
-    """Reference paged attention in plain torch (CPU and GPU): gather, mask, SDPA."""
+@dataclass
+class PagedAttentionMetadata:
+    """Per-step device indexing for `TritonPagedAttention` (views of one int32 buffer).
 
-    name = "torch"
-    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
+    `block_table_stride` is a one-element tensor holding the row stride of
+    `block_tables`, read by the kernel so that a CUDA graph can replay with a
+    different table width. `decode_only` steps (one new token per request) use
+    the split-context kernel; `max_seq_len` bounds its segment count.
+    """
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, meta.slot_mapping, key)
-        value_cache.index_copy_(0, meta.slot_mapping, value)
-        # index_select on the flat slots is several times faster than advanced indexing.
-        slots = meta.key_slots.reshape(-1)
-        context_shape = (*meta.key_slots.shape, num_kv_heads, head_dim)
-        keys = key_cache.index_select(0, slots).view(context_shape)  # [B, Lmax, Hkv, D]
-        values = value_cache.index_select(0, slots).view(context_shape)
-        batch, max_query = meta.query_index.shape
-        if max_query == 1:
-            return self._decode(query, keys, values, meta.mask, scale)
-        padded = query.shape[0] != batch * max_query  # else the rows are already [B, Qmax]
-        if padded:
-            padded_query = F.pad(query, (0, 0, 0, 0, 0, 1))[meta.query_index]  # [B, Qmax, Hq, D]
-        else:
-            padded_query = query.reshape(batch, max_query, *query.shape[1:])
-        # Nothing cached before the new tokens: the mask is plain causal (padding rows
-        # aside, whose output is dropped), and SDPA skips the blocks above the diagonal.
-        causal = meta.seq_lens == meta.query_lens
-        out = F.scaled_dot_product_attention(
-            padded_query.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=None if causal else meta.mask,
-            scale=scale,
-            is_causal=causal,
-            enable_gqa=query.shape[1] != num_kv_heads,
-        )
-        out = out.transpose(1, 2).reshape(batch * max_query, out.shape[1], head_dim)
-        return out[meta.output_index] if padded else out
-
-    @staticmethod
-    def _decode(
-        query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """Attention for one new token per request (T == B, no padding rows).
-
-        The query heads that share a KV head go to SDPA as that head's query rows,
-        so each key is read once per KV head (no GQA expansion) and no query
-        padding or output gather is needed.
-        """
-        batch, num_heads, head_dim = query.shape
-        num_kv_heads = keys.shape[2]
-        out = F.scaled_dot_product_attention(
-            query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,  # [B, 1, 1, Lmax]: broadcast over the grouped query rows
-            scale=scale,
-        )
-        return out.reshape(batch, num_heads, head_dim)
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    seq_lens: torch.Tensor  # [B] context length after this step
+    query_start_loc: torch.Tensor  # [B + 1] first row of each request in the flat batch
+    tile_request: torch.Tensor  # [num_tiles] request of each query tile
+    tile_query_start: torch.Tensor  # [num_tiles] first query (within the request) of each tile
+    block_tables: torch.Tensor  # flat [B * stride] block ids
+    block_table_stride: torch.Tensor  # [1]
+    num_tiles: int
+    decode_only: bool = False
+    max_seq_len: int = 0

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrecover.ops.attention_metadata import PagedAttentionMetadata
+
 if TYPE_CHECKING:
     from kvrecover.models.rope import RotaryEmbedding
 
@@ -56,28 +58,6 @@ class DecodeKernelConfig:
 INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
 # The smallest tile tl.dot takes: a decode tile holds one token, the rest is padding.
 FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2)
-
-
-@dataclass
-class PagedAttentionMetadata:
-    """Per-step device indexing for `TritonPagedAttention` (views of one int32 buffer).
-
-    `block_table_stride` is a one-element tensor holding the row stride of
-    `block_tables`, read by the kernel so that a CUDA graph can replay with a
-    different table width. `decode_only` steps (one new token per request) use
-    the split-context kernel; `max_seq_len` bounds its segment count.
-    """
-
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    seq_lens: torch.Tensor  # [B] context length after this step
-    query_start_loc: torch.Tensor  # [B + 1] first row of each request in the flat batch
-    tile_request: torch.Tensor  # [num_tiles] request of each query tile
-    tile_query_start: torch.Tensor  # [num_tiles] first query (within the request) of each tile
-    block_tables: torch.Tensor  # flat [B * stride] block ids
-    block_table_stride: torch.Tensor  # [1]
-    num_tiles: int
-    decode_only: bool = False
-    max_seq_len: int = 0
 
 
 def tile_tokens(group_size: int, block_m: int = PREFILL_BLOCK_M) -> int:
@@ -319,14 +299,14 @@ def paged_attention(
 class TritonPagedAttention:
     """The GPU attention backend: Triton KV store plus the paged attention kernel.
 
-    `batch_invariant` (set by the model runner) keeps decode on the prefill tiles.
+    `batch_invariant` keeps decode on the prefill tiles.
     """
 
     name = "triton"
     fuses_rotary = True  # see `forward_rotary`
 
-    def __init__(self) -> None:
-        self.batch_invariant = False
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -354,7 +334,7 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """`forward` for a query and key not yet rotated by `positions`: one kernel
         rotates both and stores the key (`key` itself stays as it was)."""
-        from kvrecover.worker.triton_ops import rotary_store_
+        from kvrecover.ops.triton_ops import rotary_store_
 
         rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
         return self._attend(query, kv_cache, meta, scale)

@@ -1,0 +1,61 @@
+"""The model's linears and small ops in plain torch: the reference (CPU, tests).
+
+Faster backends subclass `TorchOps` (`triton_ops.TritonOps`); every override
+must round where these round.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrecover.ops.onednn import pack_linear_weights, packed_linear
+from kvrecover.ops.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from kvrecover.models.rope import RotaryEmbedding
+
+
+class TorchOps:
+    """Linears, RMSNorm, rotary and SwiGLU as plain torch ops."""
+
+    def prepare_weights(self, model: nn.Module) -> None:
+        """Called once right after loading: pack the float32 CPU linears for oneDNN."""
+        pack_linear_weights(model)
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """`x @ layer.weight.T + layer.bias`; through oneDNN when the weight was
+        packed after loading (`onednn.pack_linear_weights`), else `F.linear`."""
+        if layer.weight.is_mkldnn:
+            return packed_linear(x, layer)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim in float32, rounded to `x`'s dtype before the weight."""
+        input_dtype = x.dtype
+        x = x.float()
+        # In place on fresh tensors only: each new large temporary costs page faults.
+        x = (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(input_dtype)
+        return x.mul_(weight) if weight.dtype == input_dtype else weight * x
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(residual + x), residual + x)."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate `query` and `key` by `positions` with the model's tables."""
+        return apply_rotary(rotary.cos_sin_cache, positions, query, key)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
