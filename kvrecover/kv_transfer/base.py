@@ -11,11 +11,25 @@ Step order on the worker: `bind_connector_metadata` -> `start_load_kv` ->
 per layer (`wait_for_layer_load` before attention reads the cache,
 `save_kv_layer` after it wrote it) -> `wait_for_save` ->
 `get_finished` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
+
+What every method may assume about a `Request`: `request.block_hashes` already
+holds the chain hash (`kv_layout.hash_block_tokens`) of every full block of the
+prompt; the engine computes it, a connector only reads it (and never extends or
+edits the list, which the prefix cache shares). Those hashes are the keys of
+stored KV.
+
+Seams for wrappers (a connector that delegates to inner connectors, such as
+`FaultInjectionConnector`): `load_timeout_s`, `set_read_filter` and
+`discard_saves_for` are declared here with safe defaults, so a wrapper calls
+them on any inner connector and forwards them to its own inner ones; nobody
+probes a connector with `hasattr`.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +41,13 @@ from kvrecover.kv_layout import KVCacheLayout
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
     from kvrecover.engine.scheduler_output import SchedulerOutput
+
+DEFAULT_LOAD_TIMEOUT_S = 30.0
+
+# (request id, block id, store key, raw stored bytes, cancelled) -> the bytes to parse.
+# May raise (the block then failed to load) or wait on `cancelled` (a hang that
+# the load deadline ends).
+ReadFilter = Callable[[str, int, bytes, bytes, threading.Event], bytes]
 
 
 class KVConnectorRole(enum.Enum):
@@ -55,6 +76,11 @@ class KVConnectorMetadata:
 
 class KVConnectorBase:
     """Base class of every KV connector; subclasses override what they support."""
+
+    # Seconds an asynchronous load may run before all its blocks count as failed.
+    # Connectors that load set it from their config; wrappers read it (an emulated
+    # hang must outlast it) and report their inner connector's.
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.config = config
@@ -135,3 +161,18 @@ class KVConnectorBase:
     def get_save_failures(self) -> int:
         """Worker calls this after each step: blocks whose save failed since the last call."""
         return 0
+
+    # ----- seams for wrapping connectors (both roles) -----------------------------
+    def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
+        """A wrapping connector calls this once, right after creating this one, to
+        see (and alter, fail or delay) every raw stored entry this connector reads
+        before it is parsed and verified; None removes the filter. Returns whether
+        this connector applies filters: False (the default: it has no raw reads)
+        tells the wrapper to emulate its faults around `start_load_kv` instead."""
+        return False
+
+    def discard_saves_for(self, request_ids: set[str]) -> None:
+        """A wrapping worker-role connector calls this during a step, before
+        `wait_for_save`, when it knows the KV loaded for these requests is bad:
+        this step's saves of their blocks must not be stored. Connectors that save
+        override it; the default (for connectors that never save) does nothing."""

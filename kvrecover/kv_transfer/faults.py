@@ -147,15 +147,16 @@ class FaultInjectionConnector(KVConnectorBase):
         except ValueError as error:
             raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
         # A "hang" lasts well past the inner connector's (validated) load deadline.
-        self.load_timeout_s = getattr(self.inner, "load_timeout_s", 30.0)
+        self.load_timeout_s = self.inner.load_timeout_s
         # Scheduler role: which requests are broken, in order of their first load.
         self._load_order: dict[str, int] = {}
         self._step_faults: dict[str, dict[int, str]] = {}
         # Worker role.
         self._active: dict[str, dict[int, str]] = {}
         self._missing_reported: set[int] = set()
-        if hasattr(self.inner, "read_filter"):
-            self.inner.read_filter = self._filter_read
+        # Faults go into the inner connector's raw reads where it takes a filter,
+        # else they are emulated around its loads (`_poison`).
+        self._filters_reads = self.inner.set_read_filter(self._filter_read)
 
     # ----- scheduler role -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -217,7 +218,7 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         self.inner.start_load_kv(kv_caches)
-        if hasattr(self.inner, "read_filter"):
+        if self._filters_reads:
             return
         # An inner connector without a read hook: emulate the faults around it.
         metadata: FaultMetadata = self._get_connector_metadata()
@@ -241,7 +242,7 @@ class FaultInjectionConnector(KVConnectorBase):
         self.inner.save_kv_layer(layer_index, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        if self._missing_reported and hasattr(self.inner, "discard_saves_for"):
+        if self._missing_reported:
             metadata: FaultMetadata = self._get_connector_metadata()
             self.inner.discard_saves_for(set(metadata.faults))
         self.inner.wait_for_save()
@@ -250,7 +251,7 @@ class FaultInjectionConnector(KVConnectorBase):
         sending, recving = self.inner.get_finished(finished_req_ids)
         for request_id in recving or ():
             faults = self._active.pop(request_id, None)
-            if faults and not hasattr(self.inner, "read_filter"):
+            if faults and not self._filters_reads:
                 self._poison(faults)
         for request_id in finished_req_ids:
             self._active.pop(request_id, None)
@@ -264,3 +265,6 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def get_save_failures(self) -> int:
         return self.inner.get_save_failures()
+
+    def discard_saves_for(self, request_ids: set[str]) -> None:
+        self.inner.discard_saves_for(request_ids)

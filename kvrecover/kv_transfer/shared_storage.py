@@ -34,6 +34,7 @@ from kvrecover.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
+    ReadFilter,
 )
 from kvrecover.kv_transfer.block_store import (
     BlockLoadError,
@@ -112,9 +113,7 @@ class SharedStorageConnector(KVConnectorBase):
         self.load_timeout_s = _extra_seconds(config, "load_timeout_s", 30.0)
         self.verify_after_load = _extra_flag(config, "verify_after_load", True)
         self.block_size = layout.block_size
-        # Optional hook on raw entry bytes, (request id, block id, key, raw, cancelled)
-        # -> raw; fault injection uses it to make reads fail, corrupt or hang.
-        self.read_filter = None
+        self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         # Scheduler role state.
         self._requests: dict[str, Request] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -202,8 +201,8 @@ class SharedStorageConnector(KVConnectorBase):
                 break
             try:
                 raw = self.store.read_raw(key)
-                if self.read_filter is not None:
-                    raw = self.read_filter(transfer.request_id, block_id, key, raw, cancelled)
+                if self._read_filter is not None:
+                    raw = self._read_filter(transfer.request_id, block_id, key, raw, cancelled)
                 blocks.append(self.store.parse(key, raw))
             except BlockLoadError as error:
                 logger.warning("KV block %s failed to load: %s", key.hex(), error)
@@ -298,6 +297,11 @@ class SharedStorageConnector(KVConnectorBase):
         for layer, cache in enumerate(self._kv_caches):
             gathered[:, layer].copy_(cache.index_select(1, index).transpose(0, 1))
         return gathered.to("cpu")
+
+    def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
+        """Every raw entry read goes through `read_filter` before it is parsed."""
+        self._read_filter = read_filter
+        return True
 
     def discard_saves_for(self, request_ids: set[str]) -> None:
         """Skip this step's saves of these requests (a wrapper found their loads bad)."""
