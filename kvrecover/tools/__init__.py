@@ -1,0 +1,1 @@
+"""Developer tools that check the code base itself (run as `python -m kvrecover.tools.NAME`)."""
