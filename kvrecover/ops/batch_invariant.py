@@ -36,21 +36,25 @@ WIDE_N = 8192
 
 
 @triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid`. Grouped ordering keeps a band of
+    weight tiles hot in L2 across row tiles."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % size_m, (pid % group_size) // size_m
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, chunk_k, num_chunks,
     stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering keeps a band of weight tiles hot in L2 across row tiles.
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % size_m
-    pid_n = (pid % group_size) // size_m
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -95,14 +99,7 @@ def _matmul_tma_kernel(
 ):
     """`_matmul_kernel`'s unsplit path with tiles fetched by the TMA unit (Hopper and
     later): the same additions in the same order, out-of-range elements read as zero."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % size_m
-    pid_n = (pid % group_size) // size_m
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for chunk in range(0, num_chunks):
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -19,13 +19,8 @@ class TorchPagedAttention:
     fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
 
     def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
         num_kv_heads, head_dim = key.shape[1], key.shape[2]

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kvrecover.ops.attention_metadata import PagedAttentionMetadata
+from kvrecover.ops.triton_ops import rotary_store_
 
 if TYPE_CHECKING:
     from kvrecover.models.rope import RotaryEmbedding
@@ -309,33 +310,20 @@ class TritonPagedAttention:
         self.batch_invariant = batch_invariant
 
     def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: PagedAttentionMetadata,
-        scale: float,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
         return self._attend(query, kv_cache, meta, scale)
 
     def forward_rotary(
-        self,
-        rotary: RotaryEmbedding,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: PagedAttentionMetadata,
-        scale: float,
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """`forward` for a query and key not yet rotated by `positions`: one kernel
         rotates both and stores the key (`key` itself stays as it was)."""
-        from kvrecover.ops.triton_ops import rotary_store_
-
         rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
         return self._attend(query, kv_cache, meta, scale)
 
