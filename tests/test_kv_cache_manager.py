@@ -104,12 +104,12 @@ def test_can_allocate_counts_free_hit_blocks_as_used():
     assert second.num_cached_blocks == 2
 
 
-def test_invalidate_from_keeps_private_blocks_and_uncaches_them():
+def test_make_private_from_keeps_private_blocks_and_uncaches_them():
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
     request = make_request("a", list(range(13)))
     run_prefill(manager, request)
     block_ids = list(request.block_ids)
-    manager.invalidate_from(request, 1, {block_ids[2]})
+    manager.make_private_from(request, 1)
     assert request.block_ids == block_ids  # recomputed in place
     assert request.num_cached_blocks == 1
     assert manager.block(block_ids[0]).block_hash is not None
@@ -117,7 +117,7 @@ def test_invalidate_from_keeps_private_blocks_and_uncaches_them():
     assert len(manager.find_cached_prefix(make_request("b", list(range(13))))) == 1
 
 
-def test_invalidate_from_swaps_shared_blocks_for_fresh_ones():
+def test_make_private_from_swaps_shared_blocks_for_fresh_ones():
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
     owner = make_request("a", list(range(13)))
     run_prefill(manager, owner)
@@ -126,7 +126,8 @@ def test_invalidate_from_swaps_shared_blocks_for_fresh_ones():
     shared = owner.block_ids[:3]
     assert sharer.block_ids[:3] == shared
     # Block 1 of the shared prefix failed to load for `sharer`; block 2 is valid but shared.
-    manager.invalidate_from(sharer, 1, {shared[1]})
+    manager.uncache_blocks({shared[1]})
+    manager.make_private_from(sharer, 1)
     assert sharer.block_ids[0] == shared[0]
     assert sharer.block_ids[1] not in owner.block_ids
     assert sharer.block_ids[2] not in owner.block_ids
@@ -140,7 +141,7 @@ def test_invalidate_from_swaps_shared_blocks_for_fresh_ones():
     assert [b.block_id for b in hits] == shared[:1]
 
 
-def test_invalidate_from_without_spare_blocks_drops_the_tail():
+def test_make_private_from_without_spare_blocks_drops_the_tail():
     manager = KVCacheManager(num_blocks=4, block_size=BLOCK, enable_prefix_caching=True)
     owner = make_request("a", list(range(9)))  # 3 blocks, 2 full and cached
     run_prefill(manager, owner)
@@ -149,7 +150,8 @@ def test_invalidate_from_without_spare_blocks_drops_the_tail():
     assert len(hits) == 2
     assert manager.allocate(sharer, 8, hits)
     assert manager.pool.num_free_blocks == 0
-    manager.invalidate_from(sharer, 1, {owner.block_ids[1]})
+    manager.uncache_blocks({owner.block_ids[1]})
+    manager.make_private_from(sharer, 1)
     assert sharer.block_ids == owner.block_ids[:1]
     assert manager.block(owner.block_ids[1]).ref_count == 1
     assert manager.block(owner.block_ids[1]).block_hash is None
@@ -176,3 +178,27 @@ def test_blocks_completed_by_later_chunks_and_decodes_get_cached():
     assert request.num_cached_blocks == 4
     probe = make_request("b", list(range(17)))
     assert [b.block_id for b in manager.find_cached_prefix(probe)] == request.block_ids
+
+
+def test_uncache_blocks_ignores_ids_outside_the_pool():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    request = make_request("a", list(range(9)))
+    run_prefill(manager, request)
+    manager.uncache_blocks({NULL_BLOCK_ID, -3, 8, 10**9})
+    assert len(manager.find_cached_prefix(make_request("b", list(range(9))))) == 2
+    manager.uncache_blocks({request.block_ids[1]})
+    assert len(manager.find_cached_prefix(make_request("c", list(range(9))))) == 1
+
+
+def test_take_and_release_blocks_hand_references_over():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    request = make_request("a", list(range(12)))
+    assert manager.allocate(request, 12)
+    taken = manager.take_blocks(request, 1)
+    assert len(taken) == 2 and len(request.block_ids) == 1
+    assert all(manager.block(i).ref_count == 1 for i in taken)
+    assert manager.pool.num_free_blocks == 4
+    manager.release_blocks(taken)
+    assert manager.pool.num_free_blocks == 6
+    manager.free(request)
+    assert manager.pool.num_free_blocks == 7

@@ -243,13 +243,13 @@ def test_new_request_never_hits_an_invalid_block(stored, tmp_path):
     engine = llm.engine
     engine.add_request("0", {"prompt_token_ids": prompts[0]}, PARAMS)
     invalid_seen: set[int] = set()
-    original_apply = engine.scheduler.recovery.apply
+    original_plan = engine.scheduler.recovery.plan
 
     def spy(invalid, requests):
         invalid_seen.update(invalid)
-        return original_apply(invalid, requests)
+        return original_plan(invalid, requests)
 
-    engine.scheduler.recovery.apply = spy
+    engine.scheduler.recovery.plan = spy
     for _ in range(3):
         engine.step()
     assert invalid_seen, "the late report should have arrived"
@@ -303,7 +303,7 @@ def test_abort_while_async_load_in_flight(stored, tmp_path):
     assert victim.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     held = list(victim.block_ids)
     engine.abort_request("0")
-    assert "0" in scheduler.aborted_in_flight
+    assert scheduler.loads.orphans["0"].block_ids == held
     assert all(scheduler.kv_manager.block(b).ref_count == 1 for b in held)
     results = {}
     while engine.has_unfinished():
@@ -311,7 +311,7 @@ def test_abort_while_async_load_in_flight(stored, tmp_path):
             if output.finished:
                 results[output.request_id] = output.outputs[0].token_ids
     assert "0" not in results
-    assert "0" not in scheduler.requests and not scheduler.aborted_in_flight
+    assert "0" not in scheduler.requests and not scheduler.loads.orphans
     assert [results[str(i)] for i in range(1, 4)] == baseline[1:]
     pool = scheduler.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks

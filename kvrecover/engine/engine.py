@@ -222,16 +222,11 @@ class Engine:
 
     def _check_progress(self) -> None:
         """An idle step is fine only while async loads are in flight."""
-        scheduler = self.scheduler
-        in_flight = scheduler.aborted_in_flight or any(
-            r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.waiting
-        )
-        if in_flight:
+        if self.scheduler.loads_in_flight():
             time.sleep(0.0005)  # let the loader threads run instead of spinning
-        elif scheduler.waiting:
-            raise RuntimeError(
-                "the scheduler could not place any waiting request; the KV cache is too small"
-            )
+        elif self.scheduler.waiting:
+            # The scheduler fails a request it cannot place; reaching this is a bug.
+            raise RuntimeError("the scheduler could not place any waiting request")
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished

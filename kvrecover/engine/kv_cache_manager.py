@@ -1,6 +1,12 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool.
+
+Only block operations live here; what to do about a failed block is decided in
+`engine/recovery.py`.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from kvrecover.engine.block_pool import BlockPool, KVCacheBlock
 from kvrecover.engine.request import Request
@@ -75,32 +81,44 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first so the tail is evicted first."""
-        for block_id in reversed(request.block_ids):
-            self.pool.release(self.block(block_id))
-        request.block_ids = []
-        request.num_cached_blocks = 0
+        self.release_blocks(self.take_blocks(request, 0))
 
-    def invalidate_from(
-        self, request: Request, first_block_index: int, invalid_block_ids: set[int]
-    ) -> None:
-        """Make the request's blocks from `first_block_index` on private and uncached.
+    def uncache_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop these blocks from the prefix cache (ids outside the pool are ignored)."""
+        blocks = self.pool.blocks
+        for block_id in block_ids:
+            if 0 < block_id < len(blocks):
+                self.pool.uncache(blocks[block_id])
 
-        Those blocks will be recomputed: unshared ones in place, shared ones are
-        swapped for fresh blocks so no other request ever sees a half-rewritten
-        block. Invalid blocks leave the prefix cache for good.
+    def make_private_from(self, request: Request, first_block_index: int) -> None:
+        """Prepare the request to rewrite its blocks from `first_block_index` on.
+
+        A block only this request holds is rewritten in place and leaves the prefix
+        cache; a shared one is swapped for a fresh block, so no other request ever
+        sees a half-rewritten block. Without a spare block the tail is dropped and
+        allocated again when the request grows.
         """
         request.num_cached_blocks = min(request.num_cached_blocks, first_block_index)
         for index in range(first_block_index, len(request.block_ids)):
             block = self.block(request.block_ids[index])
-            if block.ref_count == 1 or block.block_id in invalid_block_ids:
-                self.pool.uncache(block)
             if block.ref_count == 1:
+                self.pool.uncache(block)
                 continue
             if self.pool.num_free_blocks == 0:
-                # No spare block: drop the tail; the scheduler allocates it again later.
-                for tail_id in reversed(request.block_ids[index:]):
-                    self.pool.release(self.block(tail_id))
-                del request.block_ids[index:]
+                self.release_blocks(self.take_blocks(request, index))
                 return
             self.pool.release(block)
             request.block_ids[index] = self.pool.allocate(1)[0].block_id
+
+    def take_blocks(self, request: Request, first_block_index: int) -> list[int]:
+        """Detach the request's blocks from `first_block_index` on; the caller now holds
+        their references (and must `release_blocks` them)."""
+        taken = request.block_ids[first_block_index:]
+        del request.block_ids[first_block_index:]
+        request.num_cached_blocks = min(request.num_cached_blocks, first_block_index)
+        return taken
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block, tail first (see `free`)."""
+        for block_id in reversed(block_ids):
+            self.pool.release(self.block(block_id))

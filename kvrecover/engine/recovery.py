@@ -1,92 +1,139 @@
-"""KV load failure recovery: turn reported invalid blocks into rolled-back requests.
+"""KV load failure recovery: decides what a failed load rolls back, fails and uncaches.
 
-Given the block ids whose load failed, every request that counts such a block
-among its computed tokens is cut back to the start of its first invalid block
-(policy `recompute`), or marked failed (policy `fail`). Invalid blocks leave the
-prefix cache; shared ones are swapped for private copies (KVCacheManager).
+This module alone decides (DESIGN.md, rules 1-7); it never touches blocks or
+queues. The scheduler hands it the step's invalid block ids and the requests
+that hold blocks, and gets back a `RecoveryPlan`; the scheduler applies the
+plan and the KV cache manager executes its block operations.
+
+- Every request that counts an invalid block among its computed tokens is cut
+  back to the start of its first invalid block (policy `recompute`) or ends with
+  an error (policy `fail`). Invalid blocks leave the prefix cache, so no request
+  treats them as computed until one recomputes them (rule 3).
+- A request whose async load is still in flight is judged once the load ends:
+  its invalid blocks are remembered until then (rule 2; rule 7 keeps its blocks).
+- An async load past its deadline is a failure of all its blocks (rule 5); they
+  stay held until the worker confirms, and the request recomputes in fresh ones.
+- After a failure a request may ask the connector again only `retry_limit`
+  times (rule 6).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import blocks_needed
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RecoveryAction:
-    """What recovery did to one request."""
+class RequestRecovery:
+    """Recovery's verdict for one request."""
 
     request_id: str
-    first_invalid_block: int
+    rollback_to: int  # the request's num_computed_tokens from now on (block aligned)
+    first_invalid_block: int  # index in its block table of the first block to redo
     num_invalid_blocks: int
-    num_tokens_lost: int
-    failed: bool  # policy `fail`: the request must end with an error
+    num_tokens_lost: int  # computed or loaded tokens that must be loaded or computed again
+    fail: bool  # policy `fail`: end the request with `error`
+    may_reconsult: bool  # it may ask the connector for its KV again
+    error: str = ""
+    # An expired async load may still write its blocks from `first_invalid_block` on:
+    # hold them until the worker confirms, and recompute in fresh blocks (rules 5, 7).
+    orphan_blocks: bool = False
+
+
+@dataclass
+class RecoveryPlan:
+    """What the scheduler must do about one report of failed loads."""
+
+    requests: list[RequestRecovery] = field(default_factory=list)
+    uncache_block_ids: set[int] = field(default_factory=set)  # drop from the prefix cache
+    num_failed_blocks: int = 0  # newly failed blocks (for the counters)
 
 
 class KVLoadRecovery:
-    """Applies the failure policy to the requests that hold invalid blocks."""
+    """Applies the failure policy and the retry bound; remembers failures of in-flight loads."""
 
-    def __init__(
-        self, kv_manager: KVCacheManager, policy: str, retry_limit: int, stats: EngineStats
-    ) -> None:
-        self.kv_manager = kv_manager
+    def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1) -> None:
+        self.block_size = block_size
         self.policy = policy
         self.retry_limit = retry_limit
-        self.stats = stats
+        # Invalid blocks reported while the request's async load was in flight.
+        self._deferred: dict[str, set[int]] = {}
 
-    def apply(self, invalid_block_ids: set[int], requests: Iterable[Request]) -> dict[str, RecoveryAction]:
-        """Roll back (or fail) each request holding one of `invalid_block_ids`."""
-        if not invalid_block_ids:
-            return {}
-        self.stats.kv_load_failed_blocks += len(invalid_block_ids)
-        pool = self.kv_manager.pool
-        for block_id in invalid_block_ids:
-            if 0 < block_id < len(pool.blocks):
-                pool.uncache(pool.blocks[block_id])
-        actions = {}
+    @property
+    def has_deferred(self) -> bool:
+        """Whether some in-flight load already has failed blocks waiting to be judged."""
+        return bool(self._deferred)
+
+    def may_consult_connector(self, request: Request) -> bool:
+        """Rule 6: after `retry_limit` failed loads the prompt is computed locally."""
+        return request.num_kv_load_failures <= self.retry_limit
+
+    def plan(self, invalid_block_ids: Iterable[int], requests: Iterable[Request]) -> RecoveryPlan:
+        """Judge a step's invalid blocks against every request that holds blocks."""
+        invalid = set(invalid_block_ids)
+        plan = RecoveryPlan(uncache_block_ids=set(invalid), num_failed_blocks=len(invalid))
         for request in requests:
-            action = self._apply_one(request, invalid_block_ids)
-            if action is not None:
-                actions[request.request_id] = action
-        return actions
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                hit = invalid.intersection(request.block_ids)
+                if hit:  # its load may still write these blocks: judge it once it ends
+                    self._deferred.setdefault(request.request_id, set()).update(hit)
+                continue
+            bad = invalid | self._deferred.pop(request.request_id, set())
+            verdict = self._judge(request, bad) if bad else None
+            if verdict is not None:
+                plan.requests.append(verdict)
+        return plan
 
-    def _apply_one(self, request: Request, invalid: set[int]) -> RecoveryAction | None:
-        block_size = self.kv_manager.block_size
-        computed_blocks = request.block_ids[: blocks_needed(request.num_computed_tokens, block_size)]
-        bad_positions = [i for i, block_id in enumerate(computed_blocks) if block_id in invalid]
+    def plan_expired_loads(self, requests: Iterable[Request]) -> RecoveryPlan:
+        """Rule 5: each of these async loads outlived its deadline; all its blocks failed."""
+        plan = RecoveryPlan()
+        for request in requests:
+            self._deferred.pop(request.request_id, None)
+            start, end = request.pending_external
+            first = start // self.block_size
+            block_ids = request.block_ids[first : blocks_needed(end, self.block_size)]
+            plan.uncache_block_ids.update(block_ids)
+            plan.num_failed_blocks += len(block_ids)
+            plan.requests.append(RequestRecovery(
+                request.request_id, start, first, len(block_ids), end - start,
+                fail=self.policy == "fail", may_reconsult=False,
+                error=f"KV load of {len(block_ids)} block(s) did not finish before its deadline",
+                orphan_blocks=True,
+            ))
+        return plan
+
+    def plan_connector_error(self, request: Request, error: str) -> RequestRecovery:
+        """The connector failed before any block of `request` was claimed: nothing to roll
+        back; policy `fail` ends it, `recompute` computes its prompt locally."""
+        return RequestRecovery(
+            request.request_id, request.num_computed_tokens,
+            blocks_needed(request.num_computed_tokens, self.block_size), 0, 0,
+            fail=self.policy == "fail", may_reconsult=False, error=f"KV connector error: {error}",
+        )
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop what was remembered for it."""
+        self._deferred.pop(request_id, None)
+
+    def _judge(self, request: Request, invalid: set[int]) -> RequestRecovery | None:
+        computed = request.block_ids[: blocks_needed(request.num_computed_tokens, self.block_size)]
+        bad_positions = [i for i, block_id in enumerate(computed) if block_id in invalid]
         if not bad_positions:
             return None
         first_bad = bad_positions[0]
-        cut = first_bad * block_size
-        lost = request.num_computed_tokens - cut
-        self.kv_manager.invalidate_from(request, first_bad, invalid)
-        request.num_computed_tokens = cut
-        request.num_kv_load_failures += 1
-        failed = self.policy == "fail"
-        if failed:
-            self.stats.kv_load_failed_requests += 1
-            request.error = f"KV load failed for {len(bad_positions)} block(s)"
-            request.error_type = "kv_load_failed"
-            logger.warning(
-                "request %s: KV load failed for %d block(s); policy 'fail' ends it with an error",
-                request.request_id, len(bad_positions),
-            )
-        else:
-            self.stats.kv_load_recovered_requests += 1
-            self.stats.kv_load_recomputed_tokens += lost
-            if request.status is RequestStatus.WAITING and request.num_kv_load_failures <= self.retry_limit:
-                request.connector_consulted = False  # may ask the connector again, boundedly
-            logger.info(
-                "request %s: KV load failed for %d block(s); rolled back to token %d, "
-                "%d token(s) to reload or recompute",
-                request.request_id, len(bad_positions), cut, lost,
-            )
-        return RecoveryAction(request.request_id, first_bad, len(bad_positions), lost, failed)
+        cut = first_bad * self.block_size
+        fail = self.policy == "fail"
+        # Only a request that has not run past its load may ask again (rule 6 bounds it).
+        may_reconsult = (
+            not fail
+            and request.status is RequestStatus.WAITING
+            and request.num_kv_load_failures + 1 <= self.retry_limit
+        )
+        return RequestRecovery(
+            request.request_id, cut, first_bad, len(bad_positions),
+            request.num_computed_tokens - cut, fail=fail, may_reconsult=may_reconsult,
+            error=f"KV load failed for {len(bad_positions)} block(s)",
+        )

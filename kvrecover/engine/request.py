@@ -75,7 +75,6 @@ class Request:
         self.connector_consulted = False  # asked the connector since (re)start
         self.num_kv_load_failures = 0
         self.pending_external: tuple[int, int] | None = None  # token range being loaded
-        self.deferred_invalid_block_ids: set[int] = set()  # reported while its load ran
         self.error: str | None = None
         self.error_type: str | None = None  # see RequestOutput.error_type
 
@@ -90,6 +89,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def restart(self) -> None:
+        """Start over once the scheduler released all the request's blocks (preemption,
+        or making room for another request): nothing is computed any more and the
+        connector may be asked for the KV again (within the retry bound)."""
+        if self.block_ids:
+            raise RuntimeError(f"request {self.request_id} restarts while holding blocks")
+        self.num_computed_tokens = 0
+        self.num_cached_blocks = 0
+        self.pending_external = None
+        self.connector_consulted = False
 
     def append_output_token(self, token_id: int) -> None:
         """Record a sampled token and set a finished status if it ends the request."""

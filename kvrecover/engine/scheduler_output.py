@@ -47,3 +47,7 @@ class ModelRunnerOutput:
     finished_recving: set[str] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
     kv_save_failed_blocks: int = 0
+    # The connector's load report was unusable (it raised or returned garbage): every
+    # load the scheduler sees end in this step counts as failed.
+    kv_load_report_failed: bool = False
+    kv_connector_errors: int = 0  # worker-side connector failures contained in this step

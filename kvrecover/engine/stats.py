@@ -19,6 +19,7 @@ class EngineStats:
     kv_load_recomputed_tokens: int = 0
     kv_load_failed_requests: int = 0
     kv_save_failed_blocks: int = 0
+    kv_connector_errors: int = 0  # connector calls that raised or broke the contract (contained)
 
     def snapshot(self) -> dict[str, int]:
         """A plain copy of all counters."""

@@ -11,6 +11,11 @@ import torch
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
+from kvrecover.kv_transfer.errors import (
+    ConnectorErrorLog,
+    checked_block_ids,
+    checked_request_ids,
+)
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.llama import LlamaForCausalLM
 from kvrecover.models.loader import load_weights, skip_weight_init
@@ -67,6 +72,7 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.connector: KVConnectorBase | None = None
         self._warned_save_failure = False
+        self.connector_errors = ConnectorErrorLog(logger)
         self.inputs = None  # the Triton path's packed step inputs
         self.graphs = None
         self._token_buffers = None  # pinned host buffers for overlapped decode tokens
@@ -227,8 +233,9 @@ class ModelRunner:
         """
         try:
             method(*args)
-        except Exception:
-            logger.exception("KV connector %s raised", getattr(method, "__name__", method))
+        except Exception as error:
+            name = getattr(method, "__name__", repr(method))
+            self.connector_errors.report(name, f"raised {error!r}", exc_info=True)
             if on_error == "load":
                 self._load_error = True
             else:
@@ -241,28 +248,45 @@ class ModelRunner:
         metadata = scheduler_output.kv_connector_metadata
         if not self._save_error:
             self._guard(connector.wait_for_save, on_error="save")
+        errors = self.connector_errors
         try:
             # get_finished first: finishing an async load may reveal invalid blocks.
             sending, recving = connector.get_finished(scheduler_output.finished_request_ids)
-            output.finished_sending = set(sending or ())
-            output.finished_recving = set(recving or ())
-            output.invalid_block_ids = set(connector.get_block_ids_with_load_errors() or ())
+            output.finished_sending = checked_request_ids(sending)
+            output.finished_recving = checked_request_ids(recving)
+        except Exception as error:  # unknown which loads ended: the engine's deadline decides
+            errors.report("get_finished", f"failed: {error!r}", exc_info=True)
+            output.kv_load_report_failed = True
+        try:
+            invalid = connector.get_block_ids_with_load_errors()
+            output.invalid_block_ids = checked_block_ids(invalid, self.kv_caches[0].shape[1])
+        except Exception as error:  # unknown which blocks failed: all that ended did
+            errors.report("get_block_ids_with_load_errors", f"failed: {error!r}", exc_info=True)
+            output.kv_load_report_failed = True
+        try:
             output.kv_save_failed_blocks = int(connector.get_save_failures() or 0)
-        except Exception:
-            logger.exception("KV connector failed to report its step")
-            self._load_error = True
-        if self._load_error:
-            # Everything this step loads is suspect; async loads started now are over.
-            for request_id, (block_ids, is_async) in metadata.loads_by_request().items():
+        except Exception as error:
+            errors.report("get_save_failures", f"failed: {error!r}", exc_info=True)
+        if self._load_error or output.kv_load_report_failed:
+            # Everything this step loads is suspect. Async loads started now stay in
+            # flight until the connector reports them or the engine's deadline passes.
+            try:
+                loads = metadata.loads_by_request()
+            except Exception as error:
+                errors.report("loads_by_request", f"failed: {error!r}", exc_info=True)
+                loads = {}
+            for block_ids, _ in loads.values():
                 output.invalid_block_ids.update(block_ids)
-                if is_async:
-                    output.finished_recving.add(request_id)
         if self._save_error:
-            output.kv_save_failed_blocks += metadata.num_save_blocks()
+            try:
+                output.kv_save_failed_blocks += metadata.num_save_blocks()
+            except Exception:
+                output.kv_save_failed_blocks += 1
         if output.kv_save_failed_blocks and not self._warned_save_failure:
             self._warned_save_failure = True
             logger.warning(
                 "KV save failed for %d block(s); outputs are unaffected, later loads of "
                 "those blocks will miss", output.kv_save_failed_blocks,
             )
-        connector.clear_connector_metadata()
+        self._guard(connector.clear_connector_metadata, on_error="save")
+        output.kv_connector_errors = errors.take_count()

@@ -1,0 +1,100 @@
+"""The scheduler's guarded view of the scheduler-role KV connector.
+
+A connector is someone else's code talking to someone else's store: every call
+is contained and every answer validated here, so a connector bug never escapes
+`generate()`. A call that raises, or an answer that breaks the contract, raises
+`ConnectorError`, which the scheduler treats as a KV failure of the request
+concerned (handled by the failure policy). Each kind of failure is logged once.
+
+Claims from `get_num_new_matched_tokens` are validated: a count that is not an
+int or is negative is a miss; a count is capped so at least the last prompt
+token is computed here and rounded down to whole blocks, so what the connector
+claimed but will not load is computed locally.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvrecover.engine.request import Request
+from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from kvrecover.kv_transfer.errors import ConnectorErrorLog
+
+if TYPE_CHECKING:
+    from kvrecover.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ConnectorError(Exception):
+    """The connector raised or answered outside its contract; `kind` names the call."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class SchedulerConnector:
+    """Calls the scheduler-role connector; contains its exceptions, validates its claims."""
+
+    def __init__(self, connector: KVConnectorBase, block_size: int) -> None:
+        self.connector = connector
+        self.block_size = block_size
+        self.errors = ConnectorErrorLog(logger)
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The validated claim (tokens after `num_computed_tokens`, load asynchronously)."""
+        kind = "get_num_new_matched_tokens"
+        answer = self._call(kind, self.connector.get_num_new_matched_tokens, request,
+                            num_computed_tokens)
+        try:
+            num_tokens, load_async = answer
+        except (TypeError, ValueError):
+            self.errors.report(kind, f"returned {answer!r}, not (num_tokens, load_async)")
+            raise ConnectorError(kind, f"returned {answer!r}") from None
+        if load_async not in (True, False):
+            self.errors.report(kind, f"returned load_async={load_async!r}, not a bool")
+            raise ConnectorError(kind, f"returned load_async={load_async!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            self.errors.report("claim", f"claimed {num_tokens!r} tokens; treated as 0")
+            return 0, False
+        # The last prompt token is always computed here (its logits give the next
+        # token), and only whole blocks are loaded: the rest is computed.
+        limit = max(request.num_prompt_tokens - 1, num_computed_tokens)
+        end = min(num_computed_tokens + num_tokens, limit)
+        end -= end % self.block_size
+        valid = max(0, end - num_computed_tokens)
+        if valid != num_tokens:
+            self.errors.report(
+                "claim", f"claimed {num_tokens} tokens after {num_computed_tokens} for a "
+                f"{request.num_prompt_tokens}-token prompt; {valid} accepted (whole blocks, "
+                "the last prompt token computed locally)",
+            )
+        return valid, bool(load_async) and valid > 0
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Tell the connector where the request's external tokens go."""
+        self._call("update_state_after_alloc", self.connector.update_state_after_alloc,
+                   request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's metadata for the worker role."""
+        return self._call("build_connector_meta", self.connector.build_connector_meta,
+                          scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        """Tell the connector a request ended; a failure here affects nobody else."""
+        try:
+            self._call("request_finished", self.connector.request_finished, request, block_ids)
+        except ConnectorError:
+            pass
+
+    def _call(self, kind: str, method, *args):
+        try:
+            return method(*args)
+        except Exception as error:
+            self.errors.report(kind, f"raised {error!r}", exc_info=True)
+            raise ConnectorError(kind, repr(error)) from error
