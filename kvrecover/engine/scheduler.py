@@ -128,7 +128,9 @@ class Scheduler:
             scheduled.append(self._slice(request, num_new))
             budget -= num_new
             index += 1
-        if self.stats.num_preemptions == preemptions_before:
+        # After a preemption the freed blocks go to running requests first; but when
+        # the last running request preempted itself, the waiting ones must go on.
+        if self.stats.num_preemptions == preemptions_before or not scheduled:
             stalled = self._schedule_waiting(scheduled, budget)
             if stalled is not None and not scheduled and not self.running:
                 self._fail_stalled(stalled)
@@ -183,6 +185,8 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks, preempting the newest running requests if needed."""
         while not self.kv_manager.allocate(request, num_tokens):
+            if self.running[-1] is request and self._release_parked_blocks(request, num_tokens, []):
+                return True  # restarting parked requests beats preempting the last runner
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
@@ -358,9 +362,6 @@ class Scheduler:
             request.pending_external = None
             self.kv_manager.cache_computed_blocks(request)
         self.stats.kv_save_failed_blocks += output.kv_save_failed_blocks
-        self.stats.kv_connector_errors += output.kv_connector_errors
-        if self._connector is not None:
-            self.stats.kv_connector_errors += self._connector.errors.take_count()
         for request in stepped:
             if request.request_id in recovered:
                 continue  # its step read invalid KV: the sampled token is discarded
@@ -372,6 +373,9 @@ class Scheduler:
             self.kv_manager.cache_computed_blocks(request)
             if request.is_finished:
                 self._finish(request)
+        self.stats.kv_connector_errors += output.kv_connector_errors
+        if self._connector is not None:
+            self.stats.kv_connector_errors += self._connector.errors.take_count()
         return progressed
 
     def _apply_plan(self, plan: RecoveryPlan, progressed: list[Request]) -> set[str]:

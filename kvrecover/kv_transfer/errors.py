@@ -26,8 +26,9 @@ class ConnectorErrorLog:
             return
         self._seen.add(kind)
         self._logger.error(
-            "KV connector %s: %s (treated as a KV load failure; later %s failures are "
-            "logged at debug level)", kind, message, kind, exc_info=exc_info,
+            "KV connector %s: %s (contained: the requests it touches are handled as KV "
+            "load failures; later %s failures are logged at debug level)",
+            kind, message, kind, exc_info=exc_info,
         )
 
     def take_count(self) -> int:

@@ -1,0 +1,502 @@
+"""The Scheduler driven directly with fabricated runner outputs: no model, no worker.
+
+Like vLLM's tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py: a
+scheduler-role connector that claims what each test says, a step helper that
+plays the worker (sampled tokens, invalid block ids, finished loads), and exact
+checks of what the scheduler schedules next. Covers DESIGN rules 1-7, sync and
+async loads, both policies, and the contained connector failures of issue 15.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from kvrecover.config import KVTransferConfig, SchedulerConfig
+from kvrecover.engine.kv_cache_manager import KVCacheManager
+from kvrecover.engine.request import Request, RequestStatus
+from kvrecover.engine.scheduler import Scheduler
+from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvrecover.engine.stats import EngineStats
+from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvrecover.sampling import SamplingParams
+
+BLOCK = 4
+TOKEN = 7  # every fabricated sample
+TIMEOUT = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeConnector(KVConnectorBase):
+    """Scheduler role only. `claims[request_id]` is a list of answers, one per lookup
+    (the last one repeats); `raise_in` names methods that raise."""
+
+    def __init__(self, claims: dict | None = None, raise_in: set[str] = frozenset()):
+        super().__init__(KVTransferConfig("Fake", "kv_consumer"), KVConnectorRole.SCHEDULER, None)
+        self.claims = claims or {}
+        self.raise_in = set(raise_in)
+        self.lookups: list[tuple[str, int]] = []
+        self.allocs: list[tuple[str, list[int], int, int]] = []  # id, blocks, external, start
+        self.finished: list[str] = []
+
+    def _maybe_raise(self, method: str) -> None:
+        if method in self.raise_in:
+            raise RuntimeError(f"{method} exploded")
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self._maybe_raise("get_num_new_matched_tokens")
+        self.lookups.append((request.request_id, num_computed_tokens))
+        answers = self.claims.get(request.request_id, [(0, False)])
+        return answers[min(len(self.lookups_of(request.request_id)), len(answers)) - 1]
+
+    def lookups_of(self, request_id: str) -> list[int]:
+        return [n for r, n in self.lookups if r == request_id]
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocs.append((request.request_id, list(block_ids), num_external_tokens,
+                            request.num_computed_tokens))
+        self._maybe_raise("update_state_after_alloc")
+
+    def build_connector_meta(self, scheduler_output):
+        self._maybe_raise("build_connector_meta")
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        self.finished.append(request.request_id)
+        self._maybe_raise("request_finished")
+        return False
+
+
+def make_scheduler(connector=None, *, num_blocks=64, policy="recompute", retry_limit=1,
+                   clock=None, budget=64) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256,
+                             block_size=BLOCK)
+    transfer = KVTransferConfig("Fake", "kv_consumer", {"load_timeout_s": TIMEOUT},
+                                kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit)
+    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, True), EngineStats(),
+                     connector, transfer, clock=clock or FakeClock())
+
+
+def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request = Request(request_id, None, prompt, params, frozenset(), 0, 256)
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler: Scheduler, invalid=(), finished_recving=(), **output_fields):
+    """Schedule one step and report it as the worker would; returns (schedule, progressed).
+
+    `invalid` may be a function, called once the step is scheduled (blocks are known).
+    """
+    output = scheduler.schedule()
+    if callable(invalid):
+        invalid = invalid()
+    sampled = {s.request_id: TOKEN for s in output.scheduled if s.sample}
+    runner_output = ModelRunnerOutput(sampled, set(invalid), set(finished_recving),
+                                      **output_fields)
+    return output, scheduler.update_from_output(output, runner_output)
+
+
+def slice_of(output: SchedulerOutput, request_id: str):
+    return next((s for s in output.scheduled if s.request_id == request_id), None)
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 200, **report) -> None:
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return
+        step(scheduler, **report)
+    raise AssertionError("the scheduler did not finish within the step bound")
+
+
+def all_blocks_free(scheduler: Scheduler) -> bool:
+    pool = scheduler.kv_manager.pool
+    return pool.num_free_blocks == pool.num_usable_blocks
+
+
+PROMPT = list(range(100, 121))  # 21 tokens: 5 full blocks + 1; the connector may offer 20
+
+
+# ----- rule 1: sync loads -------------------------------------------------------------
+def test_sync_failure_cuts_back_discards_the_token_and_recomputes_in_place():
+    connector = FakeConnector({"a": [(20, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))  # no KV stored: unaffected
+    output, progressed = step(scheduler)
+    assert slice_of(output, "a").num_computed_tokens == 20  # only the last token computed
+    assert connector.allocs[0][2] == 20
+    blocks = list(a.block_ids)
+    output, progressed = step(scheduler, invalid={blocks[2]})
+    # `a`'s second step read invalid KV: its token is discarded, it is cut to block 2.
+    assert a.output_token_ids == [TOKEN]  # from step 1, before the failure was known
+    assert a.num_computed_tokens == 8 and a.block_ids == blocks
+    assert a.status is RequestStatus.RUNNING
+    assert b.output_token_ids == [TOKEN, TOKEN] and [r.request_id for r in progressed] == ["b"]
+    output, _ = step(scheduler)
+    recompute = slice_of(output, "a")
+    assert recompute.num_computed_tokens == 8  # nothing valid before the cut is redone
+    assert recompute.token_ids == PROMPT[8:] + [TOKEN]
+    stats = scheduler.stats
+    assert (stats.kv_load_failed_blocks, stats.kv_load_recovered_requests) == (1, 1)
+    assert stats.kv_load_recomputed_tokens == 22 - 8
+    assert connector.lookups_of("a") == [0]  # a running request never asks again
+    run_to_completion(scheduler)
+    assert len(a.output_token_ids) == 3 and all_blocks_free(scheduler)
+
+
+def test_sync_failure_reported_in_the_loading_step():
+    scheduler = make_scheduler(FakeConnector({"a": [(20, False)]}))
+    a = add(scheduler, "a", PROMPT)
+    scheduler_output = scheduler.schedule()
+    blocks = list(a.block_ids)
+    sampled = {"a": TOKEN}
+    scheduler.update_from_output(scheduler_output, ModelRunnerOutput(sampled, {blocks[0]}))
+    assert a.output_token_ids == [] and a.num_computed_tokens == 0
+    assert scheduler.stats.prompt_tokens_external == 0
+    output, _ = step(scheduler)
+    assert slice_of(output, "a").num_computed_tokens == 0
+    assert slice_of(output, "a").token_ids == PROMPT
+
+
+# ----- rule 4: policy fail --------------------------------------------------------------
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_policy_fail_ends_only_the_affected_request(async_load):
+    connector = FakeConnector({"a": [(20, async_load)]})
+    scheduler = make_scheduler(connector, policy="fail")
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    if async_load:
+        step(scheduler)
+        report = {"finished_recving": {"a"}}
+    else:
+        report = {}  # reported in the step that loads
+    _, progressed = step(scheduler, invalid=lambda: {a.block_ids[3]}, **report)
+    assert a.status is RequestStatus.FINISHED_ERROR
+    assert (a.error_type, a.output_token_ids) == ("kv_load_failed", [])
+    assert "1 block(s)" in a.error
+    assert a in progressed and a.block_ids == []
+    assert connector.finished == ["a"]
+    assert scheduler.stats.kv_load_failed_requests == 1
+    assert scheduler.stats.kv_load_recovered_requests == 0
+    run_to_completion(scheduler)
+    assert b.status is RequestStatus.FINISHED_LENGTH and b.output_token_ids == [TOKEN] * 3
+    assert all_blocks_free(scheduler)
+
+
+# ----- rule 2: async loads ---------------------------------------------------------------
+def test_async_load_waits_until_finished_then_cuts_back_before_running():
+    connector = FakeConnector({"a": [(20, True), (0, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    for _ in range(3):  # not finished yet: never scheduled
+        output, _ = step(scheduler)
+        assert slice_of(output, "a") is None
+        assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = list(a.block_ids)
+    # A failure reported while the load is in flight is remembered, not applied yet.
+    step(scheduler, invalid={blocks[3]})
+    assert a.num_computed_tokens == 20 and a.block_ids == blocks
+    output, _ = step(scheduler, invalid={blocks[1]}, finished_recving={"a"})
+    assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 4
+    # The next step asks the connector again (retry 1 of 1), which now has nothing.
+    output, _ = step(scheduler)
+    assert connector.lookups_of("a") == [0, 4]
+    assert slice_of(output, "a").num_computed_tokens == 4
+    assert slice_of(output, "a").token_ids == PROMPT[4:]
+    assert scheduler.stats.kv_load_failed_blocks == 2
+    assert scheduler.stats.prompt_tokens_external == 4
+    run_to_completion(scheduler)
+    assert len(a.output_token_ids) == 3 and all_blocks_free(scheduler)
+
+
+def test_async_load_that_succeeds_is_counted_and_cached():
+    scheduler = make_scheduler(FakeConnector({"a": [(20, True)]}))
+    a = add(scheduler, "a", PROMPT)
+    step(scheduler)
+    output, _ = step(scheduler, finished_recving={"a"})
+    assert slice_of(output, "a") is None  # it runs from the next step on
+    output, _ = step(scheduler)
+    assert slice_of(output, "a").num_computed_tokens == 20
+    assert scheduler.stats.prompt_tokens_external == 20
+    assert a.num_cached_blocks == 5
+
+
+# ----- rule 3: shared prefix blocks -------------------------------------------------------
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_shared_block_leaves_the_cache_and_every_holder(policy):
+    scheduler = make_scheduler(FakeConnector(), policy=policy)
+    owner = add(scheduler, "owner", PROMPT[:13], max_tokens=6)
+    step(scheduler)  # owner computed its prompt; 3 full blocks cached
+    sharer = add(scheduler, "sharer", PROMPT[:12] + [1, 2, 3, 4, 5], max_tokens=6)
+    output, _ = step(scheduler)
+    assert slice_of(output, "sharer").num_computed_tokens == 12  # 3 hit blocks
+    shared = owner.block_ids[:3]
+    assert sharer.block_ids[:3] == shared
+    bystander = add(scheduler, "bystander", list(range(300, 310)))
+    step(scheduler, invalid={shared[1]})  # e.g. a late integrity check
+    if policy == "fail":
+        assert owner.status is sharer.status is RequestStatus.FINISHED_ERROR
+    else:
+        assert owner.num_computed_tokens == sharer.num_computed_tokens == 4
+        # Nobody reads a block another request is rewriting.
+        assert owner.block_ids[1] != sharer.block_ids[1]
+    # A newcomer with the same prefix hits only the valid first block.
+    newcomer = add(scheduler, "newcomer", PROMPT[:13])
+    output, _ = step(scheduler)
+    assert slice_of(output, "newcomer").num_computed_tokens == 4
+    run_to_completion(scheduler)
+    assert bystander.output_token_ids == [TOKEN] * 3
+    assert all_blocks_free(scheduler)
+
+
+# ----- rule 5: the engine's own deadline --------------------------------------------------
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_load_never_reported_finished_expires_and_its_blocks_stay_held(policy):
+    clock = FakeClock()
+    connector = FakeConnector({"a": [(16, True)]})
+    scheduler = make_scheduler(connector, policy=policy, clock=clock)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    step(scheduler)
+    loading = list(a.block_ids[:4])
+    clock.now += TIMEOUT - 0.01
+    step(scheduler)
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    clock.now += 0.02
+    output, progressed = step(scheduler)
+    assert "a" in output.finished_request_ids  # the worker may cancel the load
+    assert scheduler.loads.orphans["a"].block_ids[:4] == loading
+    assert all(scheduler.kv_manager.block(i).ref_count == 1 for i in loading)
+    assert scheduler.stats.kv_load_failed_blocks == 4
+    if policy == "fail":
+        assert a.status is RequestStatus.FINISHED_ERROR and a in progressed
+        assert "deadline" in a.error
+    else:
+        recompute = slice_of(output, "a")
+        assert recompute.num_computed_tokens == 0 and not set(loading) & set(a.block_ids)
+        assert connector.lookups_of("a") == [0]  # never asks again for an expired load
+    run_to_completion(scheduler)
+    assert b.output_token_ids == [TOKEN] * 3
+    assert len(a.output_token_ids) == (0 if policy == "fail" else 3)
+    # The engine is done although the worker never confirmed; the blocks stay held...
+    assert not scheduler.has_unfinished() and not all_blocks_free(scheduler)
+    # ...until it does.
+    step(scheduler, finished_recving={"a"})
+    assert all_blocks_free(scheduler) and not scheduler.loads.orphans
+
+
+# ----- rule 6: bounded re-offers ----------------------------------------------------------
+@pytest.mark.parametrize("retry_limit", [0, 1, 3])
+def test_reoffers_after_total_failures_are_bounded(retry_limit):
+    connector = FakeConnector({"a": [(20, True)]})
+    scheduler = make_scheduler(connector, retry_limit=retry_limit)
+    a = add(scheduler, "a", PROMPT)
+    for _ in range(50):
+        if not scheduler.has_unfinished():
+            break
+        in_flight = a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        step(scheduler, invalid=set(a.block_ids) if in_flight else (),
+             finished_recving={"a"} if in_flight else ())
+    assert a.status is RequestStatus.FINISHED_LENGTH
+    assert len(connector.lookups_of("a")) == retry_limit + 1
+    assert scheduler.stats.kv_load_recovered_requests == retry_limit + 1
+    assert all_blocks_free(scheduler)
+
+
+# ----- rule 7: nobody's blocks are written by someone else's load -------------------------
+def test_abort_keeps_in_flight_blocks_until_the_worker_confirms():
+    scheduler = make_scheduler(FakeConnector({"a": [(20, True)]}), num_blocks=9)
+    a = add(scheduler, "a", PROMPT)
+    step(scheduler)
+    held = list(a.block_ids)
+    assert scheduler.abort_request("a") is a
+    assert scheduler.pop_finished("a") is a
+    assert all(scheduler.kv_manager.block(i).ref_count == 1 for i in held)
+    # A newcomer needing the whole cache waits instead of taking those blocks.
+    newcomer = add(scheduler, "new", list(range(300, 329)), max_tokens=2)
+    output, _ = step(scheduler)
+    assert slice_of(output, "new") is None and scheduler.has_unfinished()
+    assert "a" in output.finished_request_ids
+    step(scheduler, finished_recving={"a"})
+    run_to_completion(scheduler)
+    assert newcomer.output_token_ids == [TOKEN] * 2 and all_blocks_free(scheduler)
+
+
+# ----- issue 15 item 3: small caches never stall -------------------------------------------
+def test_a_chunked_prefill_takes_the_blocks_a_parked_load_holds():
+    """`l` finished loading but the budget goes to `h`'s chunks; `h` outgrows the rest of
+    the cache. Preempting itself would make no progress (and, before, an empty step)."""
+    scheduler = make_scheduler(FakeConnector({"l": [(12, True)]}), num_blocks=9, budget=8)
+    parked = add(scheduler, "l", list(range(200, 213)))
+    head = add(scheduler, "h", list(range(300, 324)), max_tokens=2)
+    for _ in range(40):
+        if not scheduler.has_unfinished():
+            break
+        finished = {"l"} if parked.status is RequestStatus.WAITING_FOR_REMOTE_KVS else set()
+        output, progressed = step(scheduler, finished_recving=finished)
+        assert output.scheduled or progressed or finished or scheduler.loads_in_flight()
+    assert head.output_token_ids == [TOKEN] * 2 and parked.output_token_ids == [TOKEN] * 3
+    assert head.num_preemptions == 0
+    assert all_blocks_free(scheduler)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_async_loads_on_a_tiny_cache_degrade_to_slower_never_to_an_error(seed):
+    """Random prompts, claims and load latencies on a cache that fits one long request:
+    heads that find no blocks while finished loads behind them hold some must get them."""
+    rng = random.Random(seed)
+    claims, latency, requests = {}, {}, []
+    connector = FakeConnector(claims)
+    scheduler = make_scheduler(connector, num_blocks=11)  # 10 usable blocks
+    for index in range(10):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(5, 30))]
+        claims[str(index)] = [(len(prompt) - 1, True)]
+        latency[str(index)] = rng.randint(0, 4)
+        requests.append(add(scheduler, str(index), prompt, max_tokens=rng.randint(1, 10)))
+    waited: dict[str, int] = {}
+    for _ in range(1000):
+        if not scheduler.has_unfinished():
+            break
+        finished = set()
+        for request in requests:
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                waited[request.request_id] = waited.get(request.request_id, 0) + 1
+                if waited[request.request_id] > latency[request.request_id]:
+                    finished.add(request.request_id)
+                    waited[request.request_id] = 0
+        output, progressed = step(scheduler, finished_recving=finished)
+        # The engine's check: a step that does nothing is fine only while loads are pending.
+        assert output.scheduled or progressed or finished or scheduler.loads_in_flight()
+    assert [r.status for r in requests] == [RequestStatus.FINISHED_LENGTH] * 10
+    assert [len(r.output_token_ids) for r in requests] == [r.sampling_params.max_tokens
+                                                           for r in requests]
+    assert scheduler.stats.num_preemptions > 0
+    assert all_blocks_free(scheduler)
+
+
+def test_blocks_leaked_to_an_unconfirmed_load_fail_the_request_instead_of_spinning():
+    clock = FakeClock()
+    scheduler = make_scheduler(FakeConnector({"a": [(8, True)]}), num_blocks=9, clock=clock)
+    a = add(scheduler, "a", PROMPT[:9])
+    step(scheduler)
+    clock.now += TIMEOUT + 1
+    run_to_completion(scheduler)  # `a` recomputes in fresh blocks; 2 stay orphaned
+    assert len(a.output_token_ids) == 3
+    big = add(scheduler, "big", list(range(300, 326)), max_tokens=2)  # needs 7 of 8 blocks
+    _, progressed = step(scheduler)
+    assert big.status is RequestStatus.FINISHED_ERROR and big in progressed
+    assert big.error_type == "kv_load_failed" and "never confirmed" in big.error
+    assert not scheduler.has_unfinished()
+
+
+# ----- issue 15 item 7: claims are validated ------------------------------------------------
+@pytest.mark.parametrize("claim, accepted", [
+    (20, 20), (16, 16), (10**9, 20), (19, 16), (7, 4), (3, 0), (-5, 0), (2.5, 0), ("8", 0),
+    (True, 0), (None, 0),
+])
+def test_claims_are_capped_block_aligned_and_the_rest_computed(claim, accepted):
+    connector = FakeConnector({"a": [(claim, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    output, _ = step(scheduler)
+    assert connector.allocs[0][2] == accepted
+    computed = slice_of(output, "a")
+    assert computed.num_computed_tokens == accepted
+    assert computed.token_ids == PROMPT[accepted:]
+    assert a.output_token_ids == [TOKEN]
+    assert scheduler.stats.prompt_tokens_external == accepted
+    assert scheduler.stats.kv_connector_errors == (0 if accepted == claim else 1)
+
+
+def test_claims_respect_local_hits():
+    connector = FakeConnector({"b": [(10**9, False)]})
+    scheduler = make_scheduler(connector)
+    add(scheduler, "a", PROMPT[:9])
+    step(scheduler)
+    add(scheduler, "b", PROMPT)
+    output, _ = step(scheduler)
+    assert connector.lookups_of("b") == [8]
+    assert connector.allocs[-1][2] == 12  # 8 local + 12 external = 20, the last token local
+    assert slice_of(output, "b").num_computed_tokens == 20
+
+
+# ----- issue 15 item 6: connector exceptions are KV failures of whom they touch -------------
+SCHEDULER_METHODS = ["get_num_new_matched_tokens", "update_state_after_alloc",
+                     "build_connector_meta", "request_finished"]
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("method", SCHEDULER_METHODS)
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_scheduler_side_connector_exceptions_are_contained(method, async_load, policy, caplog):
+    clock = FakeClock()
+    connector = FakeConnector({"a": [(20, async_load)], "b": [(4, async_load)]}, {method})
+    scheduler = make_scheduler(connector, policy=policy, clock=clock)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    c = add(scheduler, "c", list(range(300, 309)))  # no KV offered, yet the connector runs
+    with caplog.at_level(logging.DEBUG, "kvrecover"):
+        for _ in range(100):
+            if not scheduler.has_unfinished():
+                break
+            # The worker reports the loads it got; loads it never got never finish.
+            clock.now += 1.0
+            step(scheduler, finished_recving={
+                r.request_id for r in (a, b)
+                if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                and method not in ("update_state_after_alloc", "build_connector_meta")
+            })
+    assert not scheduler.has_unfinished()
+    touched_fail = policy == "fail" and method != "request_finished"
+    for request in (a, b):
+        if touched_fail:
+            assert request.status is RequestStatus.FINISHED_ERROR
+            assert request.error_type == "kv_load_failed"
+        else:
+            assert request.output_token_ids == [TOKEN] * 3
+    if method == "get_num_new_matched_tokens" and policy == "fail":
+        assert c.status is RequestStatus.FINISHED_ERROR  # its lookup failed too
+    else:
+        assert c.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.kv_connector_errors >= 2
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and method in r.getMessage()]
+    assert len(errors) == 1  # logged once per kind
+    assert all_blocks_free(scheduler) or scheduler.loads.orphans
+
+
+@pytest.mark.parametrize("answer", [None, 5, (1, 2, 3), ("x", "y"), (4, "maybe")])
+def test_a_malformed_lookup_answer_is_a_connector_error(answer):
+    connector = FakeConnector({"a": [answer]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    run_to_completion(scheduler)
+    assert a.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.kv_connector_errors == 1
+    assert scheduler.stats.prompt_tokens_external == 0
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_an_unusable_load_report_fails_every_load_that_ended(async_load):
+    connector = FakeConnector({"a": [(20, async_load), (0, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    if async_load:
+        step(scheduler)
+    step(scheduler, finished_recving={"a"} if async_load else (), kv_load_report_failed=True)
+    assert a.num_computed_tokens == 0 and a.output_token_ids == []
+    assert scheduler.stats.kv_load_failed_blocks == 5
+    run_to_completion(scheduler)
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.prompt_tokens_external == 0
