@@ -6,6 +6,7 @@ Every recovered run must give exactly the baseline's token ids; under policy
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
@@ -38,26 +39,33 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def stored(tiny_llama, tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
-    """A store filled by a producer run, and the no-connector baseline token ids."""
-    store = tmp_path_factory.mktemp("store")
+def fill_store(model: Path, store: Path) -> tuple[Path, Path, list[list[int]]]:
+    """Fill `store` with a producer run; returns (model, store, no-connector baseline ids)."""
     prompts = make_prompts()
     producer = KVTransferConfig("SharedStorageConnector", "kv_producer",
                                 {"shared_storage_path": str(store)})
-    LLM(str(tiny_llama), device="cpu", kv_transfer_config=producer).generate(
+    LLM(str(model), device="cpu", kv_transfer_config=producer).generate(
         as_inputs(prompts), PARAMS)
-    baseline = LLM(str(tiny_llama), device="cpu", max_num_batched_tokens=32).generate(
+    baseline = LLM(str(model), device="cpu", max_num_batched_tokens=32).generate(
         as_inputs(prompts), PARAMS)
-    return tiny_llama, store, token_ids(baseline)
+    return model, store, token_ids(baseline)
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_llama, tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
+    """A store filled by a producer run, and the no-connector baseline token ids."""
+    return fill_store(tiny_llama, tmp_path_factory.mktemp("store"))
 
 
 def decode(model: Path, store: Path, *, async_load=False, faults=None, policy="recompute",
            retry_limit=1, connector="FaultInjectionConnector", module_path=None, prompts=None,
-           **llm_kwargs):
-    extra = {"shared_storage_path": str(store), "async_load": async_load, "load_timeout_s": 5.0}
+           load_timeout_s=5.0, fault_seed=None, **llm_kwargs):
+    extra = {"shared_storage_path": str(store), "async_load": async_load,
+             "load_timeout_s": load_timeout_s}
     if faults is not None:
         extra["faults"] = faults
+    if fault_seed is not None:
+        extra["seed"] = fault_seed
     transfer = KVTransferConfig(connector, "kv_consumer", extra, kv_connector_module_path=module_path,
                                 kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit)
     llm_kwargs.setdefault("max_num_batched_tokens", 32)
@@ -117,13 +125,23 @@ def test_reoffers_after_total_failure_are_bounded(stored, retry_limit):
     assert llm.stats["kv_load_recovered_requests"] == 4 * (retry_limit + 1)
 
 
-def test_random_fraction_of_requests(stored):
+@pytest.mark.parametrize("seed", range(4))
+def test_random_fraction_of_requests(stored, seed):
+    """The seed picks which requests and blocks fail (one request always does) and the
+    order of the prompts; every run equals the baseline and really hit failures."""
     model, store, baseline = stored
-    faults = [{"requests": 0.5, "blocks": 0.3, "kind": "error"}]
-    for seed in range(3):
-        extra_faults = faults
-        outputs, _ = decode(model, store, async_load=bool(seed % 2), faults=extra_faults)
-        assert token_ids(outputs) == baseline
+    order = list(range(4))
+    random.Random(seed).shuffle(order)
+    prompts = [make_prompts()[i] for i in order]
+    faults = [{"requests": 0.5, "blocks": 0.3, "kind": "error"},
+              {"requests": seed % 4, "blocks": "first", "kind": "missing"}]
+    outputs, llm = decode(model, store, async_load=bool(seed % 2), faults=faults,
+                          fault_seed=seed, prompts=prompts)
+    assert token_ids(outputs) == [baseline[i] for i in order]
+    stats = llm.stats
+    assert stats["kv_load_failed_blocks"] >= 1
+    assert stats["kv_load_recovered_requests"] >= 1
+    assert stats["kv_load_failed_requests"] == 0
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])

@@ -252,7 +252,7 @@ def test_failed_shared_block_leaves_the_cache_and_every_holder(policy):
         # Nobody reads a block another request is rewriting.
         assert owner.block_ids[1] != sharer.block_ids[1]
     # A newcomer with the same prefix hits only the valid first block.
-    newcomer = add(scheduler, "newcomer", PROMPT[:13])
+    add(scheduler, "newcomer", PROMPT[:13])
     output, _ = step(scheduler)
     assert slice_of(output, "newcomer").num_computed_tokens == 4
     run_to_completion(scheduler)
