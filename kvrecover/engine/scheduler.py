@@ -8,9 +8,8 @@ A request whose KV loads asynchronously parks in WAITING_FOR_REMOTE_KVS, holding
 its blocks, until the worker reports the load finished or the engine's deadline
 for it passes (`async_loads.py`).
 
-Failed loads: the scheduler collects the step's invalid blocks (from the worker,
-and from connector bugs it contained itself) and applies the plan that
-`recovery.py` returns; connector calls go through `scheduler_connector.py`.
+Everything about external KV (claims, async loads, failed blocks and their
+recovery) goes through `kv_loads.py`.
 """
 
 from __future__ import annotations
@@ -20,12 +19,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvrecover.config import DEFAULT_LOAD_TIMEOUT_S, KVTransferConfig, SchedulerConfig
-from kvrecover.engine.async_loads import AsyncLoadTracker
-from kvrecover.engine.kv_cache_manager import KVCacheManager, blocks_needed
-from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecovery
+from kvrecover.config import KVTransferConfig, SchedulerConfig
+from kvrecover.engine.kv_cache_manager import KVCacheManager
+from kvrecover.engine.kv_loads import KVLoads
 from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnector
 from kvrecover.engine.scheduler_output import (
     PENDING_TOKEN,
     ModelRunnerOutput,
@@ -33,7 +30,7 @@ from kvrecover.engine.scheduler_output import (
     SchedulerOutput,
 )
 from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from kvrecover.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +51,18 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.stats = stats
         self.connector = connector
-        self.kv_transfer_config = transfer = kv_transfer_config
-        self.can_load = connector is not None and transfer is not None and transfer.is_consumer
-        self._connector = None if connector is None else SchedulerConnector(
-            connector, kv_manager.block_size)
-        self.recovery = KVLoadRecovery(
-            kv_manager.block_size,
-            transfer.kv_load_failure_policy if transfer else "recompute",
-            transfer.kv_load_retry_limit if transfer else 0,
-        )
-        self.loads = AsyncLoadTracker(
-            transfer.load_timeout_s if transfer else DEFAULT_LOAD_TIMEOUT_S, clock)
+        self.kv_transfer_config = kv_transfer_config
+        self.kv_loads = KVLoads(kv_manager, stats, connector, kv_transfer_config,
+                                self._end_with_error, clock)
+        self.recovery = self.kv_loads.recovery
+        self.loads = self.kv_loads.tracker
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
-        # Requests that claimed external tokens in the step being scheduled.
-        self._claimed: list[Request] = []
-        # Blocks a contained connector bug made untrustworthy; judged with the step's output.
-        self._connector_invalid: set[int] = set()
-        # Requests ended while scheduling (reported with the step's output).
-        self._ended_while_scheduling: list[Request] = []
+        # Requests ended outside the token loop (failed loads, connector errors),
+        # reported with the step's output.
+        self._ended: list[Request] = []
 
     # ----- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,8 +77,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.loads.orphan(request_id, self.kv_manager.take_blocks(request, 0))
+        self.kv_loads.abort(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._finish(request)
         return request
@@ -115,7 +102,8 @@ class Scheduler:
     # ----- scheduling ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within the token budget."""
-        self._expire_loads()
+        for request in self.kv_loads.expire(self.requests):
+            self._finished_since_last_step.add(request.request_id)  # the worker may cancel
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.stats.num_preemptions
@@ -136,9 +124,7 @@ class Scheduler:
                 self._fail_stalled(stalled)
         output = SchedulerOutput(scheduled, self._finished_since_last_step)
         self._finished_since_last_step = set()
-        if self._connector is not None:
-            output.kv_connector_metadata = self._build_connector_meta(output)
-        self._claimed = []
+        output.kv_connector_metadata = self.kv_loads.build_connector_meta(output)
         return output
 
     def schedule_next_decode(self, previous: SchedulerOutput) -> SchedulerOutput | None:
@@ -212,7 +198,7 @@ class Scheduler:
                 continue
             hits = [] if request.block_ids else self.kv_manager.find_cached_prefix(request)
             num_local = len(hits) * self.kv_manager.block_size if hits else request.num_computed_tokens
-            num_external, load_async = self._external_tokens(request, num_local)
+            num_external, load_async = self.kv_loads.external_tokens(request, num_local)
             if request.is_finished:
                 continue  # the connector failed it under policy `fail`
             load_async = load_async and num_external > 0
@@ -227,8 +213,7 @@ class Scheduler:
                     break
             self._claim(request, num_local, len(hits), num_external)
             if load_async:
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self.loads.start(request.request_id)
+                self.kv_loads.park(request)
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
@@ -259,60 +244,12 @@ class Scheduler:
         self.waiting.remove(request)
         self._end_with_error(request, "the KV cache blocks it needs are held by async KV "
                                       "loads that the connector never confirmed")
-        self._ended_while_scheduling.append(request)
-
-    def _external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
-        """The connector's validated claim; a connector error is a failure of `request`."""
-        if not self.can_load or request.connector_consulted:
-            return 0, False
-        if not self.recovery.may_consult_connector(request) or self.loads.is_orphaned(
-            request.request_id
-        ):
-            return 0, False
-        try:
-            return self._connector.matched_tokens(request, num_local)
-        except ConnectorError as error:
-            verdict = self.recovery.plan_connector_error(request, str(error))
-            self._apply_verdict(request, verdict)
-            if request.is_finished:
-                self._ended_while_scheduling.append(request)
-            return 0, False
 
     def _claim(self, request: Request, num_local: int, num_hit_blocks: int, num_external: int) -> None:
-        """Count local hits and tell the connector where the external tokens go."""
+        """Count local hits and claim the external tokens."""
         if num_hit_blocks:
             self.stats.prefix_cache_hit_tokens += num_local
-        request.num_computed_tokens = num_local
-        failed = False
-        if self._connector is not None and not request.connector_consulted:
-            request.connector_consulted = True
-            try:
-                self._connector.update_state_after_alloc(
-                    request, list(request.block_ids), num_external)
-            except ConnectorError:
-                failed = True
-        if num_external:
-            request.pending_external = (num_local, num_local + num_external)
-            request.num_computed_tokens = num_local + num_external
-            self._claimed.append(request)
-            if failed:  # whether and where it loads is unknown: all of it is invalid
-                self._connector_invalid.update(self._external_block_ids(request))
-
-    def _build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
-        """This step's connector metadata. If building it fails, this step's loads are
-        failures (the in-flight ones are judged once they end or expire, rule 7)."""
-        try:
-            return self._connector.build_connector_meta(output)
-        except ConnectorError:
-            for request in self._claimed:
-                self._connector_invalid.update(self._external_block_ids(request))
-            return KVConnectorMetadata()
-
-    def _external_block_ids(self, request: Request) -> list[int]:
-        """The blocks the request's pending external tokens are loaded into."""
-        start, end = request.pending_external
-        block_size = self.kv_manager.block_size
-        return request.block_ids[start // block_size : blocks_needed(end, block_size)]
+        self.kv_loads.claim(request, num_local, num_external)
 
     def _slice(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -334,7 +271,6 @@ class Scheduler:
 
         Returns the requests that produced a token or finished in this step.
         """
-        progressed, self._ended_while_scheduling = self._ended_while_scheduling, []
         stepped: list[Request] = []
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
@@ -345,23 +281,12 @@ class Scheduler:
             self.stats.prompt_tokens_computed += max(0, prompt_end - item.num_computed_tokens)
             stepped.append(request)
         loaded = [r for r in stepped if r.pending_external is not None]
-        loaded += self._finish_async_loads(output.finished_recving)
-        invalid = set(output.invalid_block_ids) | self._connector_invalid
-        self._connector_invalid = set()
-        if output.kv_load_report_failed:  # no usable report: every load that ended failed
-            for request in loaded:
-                invalid.update(self._external_block_ids(request))
-        recovered: set[str] = set()
-        if invalid or self.recovery.has_deferred:
-            holders = [r for r in self.running if r.block_ids]
-            holders += [r for r in self.waiting if r.block_ids]
-            recovered = self._apply_plan(self.recovery.plan(invalid, holders), progressed)
-        for request in loaded:
-            start, end = request.pending_external
-            self.stats.prompt_tokens_external += max(0, min(request.num_computed_tokens, end) - start)
-            request.pending_external = None
-            self.kv_manager.cache_computed_blocks(request)
+        loaded += self.kv_loads.finish_loads(output.finished_recving, self.requests)
+        queues = (self.running, self.waiting)
+        recovered = self.kv_loads.recover(output, loaded, queues, self.requests)
+        self.kv_loads.account_loaded(loaded)
         self.stats.kv_save_failed_blocks += output.kv_save_failed_blocks
+        progressed: list[Request] = []
         for request in stepped:
             if request.request_id in recovered:
                 continue  # its step read invalid KV: the sampled token is discarded
@@ -374,78 +299,18 @@ class Scheduler:
             if request.is_finished:
                 self._finish(request)
         self.stats.kv_connector_errors += output.kv_connector_errors
-        if self._connector is not None:
-            self.stats.kv_connector_errors += self._connector.errors.take_count()
+        self.stats.kv_connector_errors += self.kv_loads.take_error_count()
+        progressed += self._ended
+        self._ended = []
         return progressed
 
-    def _apply_plan(self, plan: RecoveryPlan, progressed: list[Request]) -> set[str]:
-        """Carry out recovery's plan; returns the ids of the requests it touched."""
-        self.kv_manager.uncache_blocks(plan.uncache_block_ids)
-        self.stats.kv_load_failed_blocks += plan.num_failed_blocks
-        for verdict in plan.requests:
-            request = self.requests[verdict.request_id]
-            self._apply_verdict(request, verdict)
-            if request.is_finished:
-                progressed.append(request)
-        return {verdict.request_id for verdict in plan.requests}
-
-    def _apply_verdict(self, request: Request, verdict: RequestRecovery) -> None:
-        request.num_kv_load_failures += 1
-        if verdict.fail:
-            logger.warning("request %s: %s; policy 'fail' ends it with an error",
-                           request.request_id, verdict.error)
-            self.stats.kv_load_failed_requests += 1
-            self._end_with_error(request, verdict.error)
-            return
-        if not verdict.orphan_blocks:
-            self.kv_manager.make_private_from(request, verdict.first_invalid_block)
-        request.num_computed_tokens = verdict.rollback_to
-        if verdict.may_reconsult:
-            request.connector_consulted = False
-        self.stats.kv_load_recovered_requests += 1
-        self.stats.kv_load_recomputed_tokens += verdict.num_tokens_lost
-        logger.info("request %s: %s; rolled back to token %d, %d token(s) to reload or "
-                    "recompute", request.request_id, verdict.error, verdict.rollback_to,
-                    verdict.num_tokens_lost)
-
-    def _expire_loads(self) -> None:
-        """Rule 5: an async load past the engine's deadline failed as a whole. Its blocks
-        stay held until the worker confirms (rule 7); the request goes on in fresh blocks
-        (or fails, per policy), and the worker is told to cancel the load."""
-        expired = [self.requests[request_id] for request_id in self.loads.expired()]
-        if not expired:
-            return
-        plan = self.recovery.plan_expired_loads(expired)
-        for request, verdict in zip(expired, plan.requests):
-            logger.warning("request %s: async KV load unfinished after %.1fs",
-                           request.request_id, self.loads.timeout_s)
-            orphaned = self.kv_manager.take_blocks(request, verdict.first_invalid_block)
-            self.loads.orphan(request.request_id, orphaned)
-            request.pending_external = None
-            request.status = RequestStatus.WAITING
-            self._finished_since_last_step.add(request.request_id)
-        self._apply_plan(plan, self._ended_while_scheduling)
-
-    def _finish_async_loads(self, finished_recving: set[str]) -> list[Request]:
-        """Move requests whose async load ended back to schedulable; free orphaned blocks."""
-        ready = []
-        for request_id in finished_recving:
-            orphaned = self.loads.confirm(request_id)
-            if orphaned is not None:  # the worker confirmed: the blocks are safe to reuse
-                self.kv_manager.release_blocks(orphaned)
-                continue
-            request = self.requests.get(request_id)
-            if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.loads.finish(request_id)
-                request.status = RequestStatus.WAITING
-                ready.append(request)
-        return ready
-
     def _end_with_error(self, request: Request, error: str) -> None:
+        """End a request whose KV could not be loaded (reported with the step's output)."""
         request.error = error
         request.error_type = "kv_load_failed"
         request.status = RequestStatus.FINISHED_ERROR
         self._finish(request)
+        self._ended.append(request)
 
     def _finish(self, request: Request) -> None:
         """Release a finished request's blocks and drop it from the queues."""
@@ -453,8 +318,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if self._connector is not None:
-            self._connector.request_finished(request, list(request.block_ids))
-        self.recovery.forget(request.request_id)
+        self.kv_loads.request_finished(request)
         self.kv_manager.free(request)
         self._finished_since_last_step.add(request.request_id)
