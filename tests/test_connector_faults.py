@@ -69,6 +69,10 @@ class Misbehaves(SharedStorageConnector):
     def request_finished(self, request, block_ids):
         return self._break("request_finished", super().request_finished(request, block_ids))
 
+    def bind_connector_metadata(self, metadata):
+        super().bind_connector_metadata(metadata)
+        self._break("bind_connector_metadata", None)
+
     def start_load_kv(self, kv_caches):
         super().start_load_kv(kv_caches)
         self._break("start_load_kv", None)
@@ -82,7 +86,7 @@ class Misbehaves(SharedStorageConnector):
 
 SCHEDULER_SIDE = ["get_num_new_matched_tokens", "update_state_after_alloc",
                   "build_connector_meta", "request_finished"]
-WORKER_SIDE = ["start_load_kv", "wait_for_layer_load", "get_finished"]
+WORKER_SIDE = ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "get_finished"]
 for _method in SCHEDULER_SIDE + WORKER_SIDE:
     globals()[f"Breaks_{_method}"] = type(f"Breaks_{_method}", (Misbehaves,), {"method": _method})
 
@@ -199,7 +203,8 @@ def test_a_raising_connector_method_never_escapes_generate(stored, method, async
     assert len(logged) == 1  # once per kind, however often it raised
     # A failure while loads are under way makes them failures; an async load is never
     # waited for layer by layer, so there `wait_for_layer_load` touches no load.
-    touches_loads = ["update_state_after_alloc", "build_connector_meta", "start_load_kv"]
+    touches_loads = ["update_state_after_alloc", "build_connector_meta",
+                     "bind_connector_metadata", "start_load_kv"]
     if method in touches_loads or (method == "wait_for_layer_load" and not async_load):
         assert llm.stats["kv_load_recovered_requests"] >= 1
 

@@ -23,6 +23,12 @@ Seams for wrappers (a connector that delegates to inner connectors, such as
 `discard_saves_for` are declared here with safe defaults, so a wrapper calls
 them on any inner connector and forwards them to its own inner ones; nobody
 probes a connector with `hasattr`.
+
+The engine does not trust a connector: an exception from any method, or an
+answer outside the contract below, is contained and becomes a KV load failure
+of the requests it touches (`kvrecover/engine/scheduler_connector.py` on the
+scheduler side, the model runner on the worker side), logged once per kind.
+The engine also enforces the deadline `load_timeout_s` on every async load.
 """
 
 from __future__ import annotations
@@ -95,8 +101,11 @@ class KVConnectorBase:
         """Scheduler calls this when it first schedules a request (and again, a
         bounded number of times, after a failed load). `num_computed_tokens` are
         already covered locally (block-aligned). Returns how many tokens after
-        those the connector can supply, and whether it loads them asynchronously.
-        Must not offer the request's last token."""
+        those the connector can supply (an int), and whether it loads them
+        asynchronously (a bool). Must not offer the prompt's last token. The
+        engine cuts a larger or non-block-aligned claim to whole blocks below
+        the last prompt token and treats a negative or non-int one as 0; what
+        was claimed but not loaded is computed locally."""
         return 0, False
 
     def update_state_after_alloc(
@@ -150,12 +159,16 @@ class KVConnectorBase:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker calls this every step. Returns (requests whose async saves
         finished, requests whose async loads finished or were cancelled).
-        `finished_req_ids` are requests the scheduler ended since the last step."""
+        `finished_req_ids` are requests the scheduler ended, or whose async load
+        the engine gave up on at its deadline, since the last step: cancel their
+        loads and report them here once nothing can write their blocks any more
+        (until then the engine keeps those blocks reserved)."""
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker calls this after each step: block ids whose load failed in this
-        step (sync) or whose async load was reported finished in this step."""
+        step (sync) or whose async load was reported finished in this step. An
+        answer that is not a set of valid block ids fails every load that ended."""
         return set()
 
     def get_save_failures(self) -> int:

@@ -106,8 +106,10 @@ class ModelRunner:
         connector = self.connector
         self._load_error = self._save_error = False
         if connector is not None:
-            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-            self._guard(connector.start_load_kv, self.kv_caches, on_error="load")
+            self._guard(connector.bind_connector_metadata, scheduler_output.kv_connector_metadata,
+                        on_error="load")
+            if not self._load_error:
+                self._guard(connector.start_load_kv, self.kv_caches, on_error="load")
         if scheduler_output.scheduled:
             output.sampled_token_ids = self._forward(scheduler_output)
         if connector is not None:
