@@ -472,7 +472,11 @@ def test_scheduler_side_connector_exceptions_are_contained(method, async_load, p
     assert scheduler.stats.kv_connector_errors >= 2
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and method in r.getMessage()]
     assert len(errors) == 1  # logged once per kind
-    assert all_blocks_free(scheduler) or scheduler.loads.orphans
+    never_started = method in ("update_state_after_alloc", "build_connector_meta")
+    if async_load and never_started:  # expired: held until the worker confirms
+        assert set(scheduler.loads.orphans) == {"a", "b"} and not all_blocks_free(scheduler)
+    else:
+        assert not scheduler.loads.orphans and all_blocks_free(scheduler)
 
 
 @pytest.mark.parametrize("answer", [None, 5, (1, 2, 3), ("x", "y"), (4, "maybe")])
