@@ -378,6 +378,13 @@ def test_async_loads_on_a_tiny_cache_degrade_to_slower_never_to_an_error(seed):
         output, progressed = step(scheduler, finished_recving=finished)
         # The engine's check: a step that does nothing is fine only while loads are pending.
         assert output.scheduled or progressed or finished or scheduler.loads_in_flight()
+        # Rule 7: blocks an in-flight load writes belong to its request alone.
+        for request in requests:
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                loading = set(scheduler.kv_loads.external_block_ids(request))
+                assert all(scheduler.kv_manager.block(i).ref_count == 1 for i in loading)
+                assert not any(loading & set(other.block_ids)
+                               for other in requests if other is not request)
     assert [r.status for r in requests] == [RequestStatus.FINISHED_LENGTH] * 10
     assert [len(r.output_token_ids) for r in requests] == [r.sampling_params.max_tokens
                                                            for r in requests]
