@@ -51,13 +51,16 @@ class SchedulerConnector:
         try:
             num_tokens, load_async = answer
         except (TypeError, ValueError):
-            self.errors.report(kind, f"returned {answer!r}, not (num_tokens, load_async)")
+            self.errors.report(kind, f"returned {answer!r}, not (num_tokens, load_async); "
+                                     "handled as a KV load failure")
             raise ConnectorError(kind, f"returned {answer!r}") from None
         if load_async not in (True, False):
-            self.errors.report(kind, f"returned load_async={load_async!r}, not a bool")
+            self.errors.report(kind, f"returned load_async={load_async!r}, not a bool; "
+                                     "handled as a KV load failure")
             raise ConnectorError(kind, f"returned load_async={load_async!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            self.errors.report("claim", f"claimed {num_tokens!r} tokens; treated as 0")
+            self.errors.report("claim", f"claimed {num_tokens!r} tokens; treated as 0",
+                               level=logging.WARNING)
             return 0, False
         # The last prompt token is always computed here (its logits give the next
         # token), and only whole blocks are loaded: the rest is computed.
@@ -69,7 +72,7 @@ class SchedulerConnector:
             self.errors.report(
                 "claim", f"claimed {num_tokens} tokens after {num_computed_tokens} for a "
                 f"{request.num_prompt_tokens}-token prompt; {valid} accepted (whole blocks, "
-                "the last prompt token computed locally)",
+                "the last prompt token computed locally)", level=logging.WARNING,
             )
         return valid, bool(load_async) and valid > 0
 
@@ -88,13 +91,15 @@ class SchedulerConnector:
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         """Tell the connector a request ended; a failure here affects nobody else."""
         try:
-            self._call("request_finished", self.connector.request_finished, request, block_ids)
+            self._call("request_finished", self.connector.request_finished, request, block_ids,
+                       effect="the request had ended; nothing else is affected")
         except ConnectorError:
             pass
 
-    def _call(self, kind: str, method, *args):
+    def _call(self, kind: str, method, *args,
+              effect: str = "handled as a KV load failure of the requests it concerns"):
         try:
             return method(*args)
         except Exception as error:
-            self.errors.report(kind, f"raised {error!r}", exc_info=True)
+            self.errors.report(kind, f"raised {error!r}; {effect}", exc_info=True)
             raise ConnectorError(kind, repr(error)) from error

@@ -18,16 +18,16 @@ class ConnectorErrorLog:
         self._seen: set[str] = set()
         self.num_errors = 0  # every failure reported since the last `take_count`
 
-    def report(self, kind: str, message: str, *, exc_info: bool = False) -> None:
+    def report(self, kind: str, message: str, *, exc_info: bool = False,
+               level: int = logging.ERROR) -> None:
         """Record one failure of `kind`; call it from inside the `except` for a traceback."""
         self.num_errors += 1
         if kind in self._seen:
             self._logger.debug("KV connector %s: %s", kind, message, exc_info=exc_info)
             return
         self._seen.add(kind)
-        self._logger.error(
-            "KV connector %s: %s (contained: the requests it touches are handled as KV "
-            "load failures; later %s failures are logged at debug level)",
+        self._logger.log(
+            level, "KV connector %s: %s (later %s reports are logged at debug level)",
             kind, message, kind, exc_info=exc_info,
         )
 

@@ -237,7 +237,8 @@ class ModelRunner:
             method(*args)
         except Exception as error:
             name = getattr(method, "__name__", repr(method))
-            self.connector_errors.report(name, f"raised {error!r}", exc_info=True)
+            effect = "this step's loads fail" if on_error == "load" else "its saves are lost"
+            self.connector_errors.report(name, f"raised {error!r}; {effect}", exc_info=True)
             if on_error == "load":
                 self._load_error = True
             else:
@@ -257,13 +258,15 @@ class ModelRunner:
             output.finished_sending = checked_request_ids(sending)
             output.finished_recving = checked_request_ids(recving)
         except Exception as error:  # unknown which loads ended: the engine's deadline decides
-            errors.report("get_finished", f"failed: {error!r}", exc_info=True)
+            errors.report("get_finished", f"failed: {error!r}; unreported loads end at "
+                                          "their deadline", exc_info=True)
             output.kv_load_report_failed = True
         try:
             invalid = connector.get_block_ids_with_load_errors()
             output.invalid_block_ids = checked_block_ids(invalid, self.kv_caches[0].shape[1])
         except Exception as error:  # unknown which blocks failed: all that ended did
-            errors.report("get_block_ids_with_load_errors", f"failed: {error!r}", exc_info=True)
+            errors.report("get_block_ids_with_load_errors",
+                          f"failed: {error!r}; every load that ended failed", exc_info=True)
             output.kv_load_report_failed = True
         try:
             output.kv_save_failed_blocks = int(connector.get_save_failures() or 0)
