@@ -3,7 +3,7 @@
 This module alone decides (DESIGN.md, rules 1-7); it never touches blocks or
 queues. The scheduler hands it the step's invalid block ids and the requests
 that hold blocks, and gets back a `RecoveryPlan`; the scheduler applies the
-plan and the KV cache manager executes its block operations.
+plan (`kv_loads.py`) and the KV cache manager executes its block operations.
 
 - Every request that counts an invalid block among its computed tokens is cut
   back to the start of its first invalid block (policy `recompute`) or ends with
@@ -31,7 +31,7 @@ class RequestRecovery:
     """Recovery's verdict for one request."""
 
     request_id: str
-    rollback_to: int  # the request's num_computed_tokens from now on (block aligned)
+    rollback_to: int  # the request's num_computed_tokens from now on
     first_invalid_block: int  # index in its block table of the first block to redo
     num_invalid_blocks: int
     num_tokens_lost: int  # computed or loaded tokens that must be loaded or computed again
