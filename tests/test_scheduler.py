@@ -333,6 +333,21 @@ def test_abort_keeps_in_flight_blocks_until_the_worker_confirms():
     assert newcomer.output_token_ids == [TOKEN] * 2 and all_blocks_free(scheduler)
 
 
+def test_under_policy_fail_an_in_flight_load_keeps_its_blocks_until_it_ends():
+    connector = FakeConnector({"a": [(20, True)]})
+    scheduler = make_scheduler(connector, policy="fail")
+    a = add(scheduler, "a", PROMPT)
+    step(scheduler)
+    held = list(a.block_ids)
+    _, progressed = step(scheduler, invalid={held[0]})  # the load is still running
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS and a not in progressed
+    assert a.block_ids == held
+    assert all(scheduler.kv_manager.block(i).ref_count == 1 for i in held)
+    _, progressed = step(scheduler, finished_recving={"a"})
+    assert a.status is RequestStatus.FINISHED_ERROR and a in progressed
+    assert all_blocks_free(scheduler)
+
+
 # ----- issue 15 item 3: small caches never stall -------------------------------------------
 def test_a_chunked_prefill_takes_the_blocks_a_parked_load_holds():
     """`l` finished loading but the budget goes to `h`'s chunks; `h` outgrows the rest of
