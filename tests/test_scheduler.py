@@ -323,6 +323,8 @@ def test_abort_keeps_in_flight_blocks_until_the_worker_confirms():
     assert scheduler.abort_request("a") is a
     assert scheduler.pop_finished("a") is a
     assert all(scheduler.kv_manager.block(i).ref_count == 1 for i in held)
+    with pytest.raises(ValueError, match="'a' is still in use by an async KV load"):
+        add(scheduler, "a", PROMPT)
     # A newcomer needing the whole cache waits instead of taking those blocks.
     newcomer = add(scheduler, "new", list(range(300, 329)), max_tokens=2)
     output, _ = step(scheduler)
@@ -331,6 +333,7 @@ def test_abort_keeps_in_flight_blocks_until_the_worker_confirms():
     step(scheduler, finished_recving={"a"})
     run_to_completion(scheduler)
     assert newcomer.output_token_ids == [TOKEN] * 2 and all_blocks_free(scheduler)
+    add(scheduler, "a", PROMPT)  # confirmed: the id is free again
 
 
 def test_under_policy_fail_an_in_flight_load_keeps_its_blocks_until_it_ends():

@@ -66,9 +66,13 @@ class Scheduler:
 
     # ----- requests -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request (its id must be unused)."""
+        """Queue a new request (its id must be unused, also by unconfirmed async loads)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.loads.is_orphaned(request.request_id):
+            # The connector could not tell the old load's report from a new one's.
+            raise ValueError(f"request id {request.request_id!r} is still in use by an "
+                             "async KV load that the connector has not confirmed")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
