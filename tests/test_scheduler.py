@@ -232,6 +232,24 @@ def test_async_load_that_succeeds_is_counted_and_cached():
     assert a.num_cached_blocks == 5
 
 
+def test_two_async_loads_of_one_prefix_fail_independently():
+    """Both load the same stored prefix, each into its own blocks (loaded blocks are
+    cached only once verified): a failure of one load leaves the other intact."""
+    connector = FakeConnector({"a": [(20, True), (0, False)], "b": [(20, True)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", PROMPT + [1, 2, 3])
+    step(scheduler)
+    assert not set(a.block_ids) & set(b.block_ids)
+    step(scheduler, invalid={a.block_ids[2]}, finished_recving={"a", "b"})
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (8, 20)
+    assert scheduler.stats.kv_load_recovered_requests == 1
+    assert scheduler.stats.prompt_tokens_external == 8 + 20
+    run_to_completion(scheduler)
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
+    assert all_blocks_free(scheduler)
+
+
 # ----- rule 3: shared prefix blocks -------------------------------------------------------
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_shared_block_leaves_the_cache_and_every_holder(policy):
