@@ -2,129 +2,32 @@
 
 Like vLLM's tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py: a
 scheduler-role connector that claims what each test says, a step helper that
-plays the worker (sampled tokens, invalid block ids, finished loads), and exact
-checks of what the scheduler schedules next. Covers DESIGN rules 1-7, sync and
-async loads, both policies, and the contained connector failures of issue 15.
+plays the worker, and exact checks of what the scheduler schedules next
+(`scheduler_harness.py`). Covers DESIGN rules 1-7, sync and async loads, both
+policies, shared prefix blocks and small caches (issue 15 item 3).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 
 import pytest
+from scheduler_harness import (
+    PROMPT,
+    TIMEOUT,
+    TOKEN,
+    FakeClock,
+    FakeConnector,
+    add,
+    all_blocks_free,
+    make_scheduler,
+    run_to_completion,
+    slice_of,
+    step,
+)
 
-from kvrecover.config import KVTransferConfig, SchedulerConfig
-from kvrecover.engine.kv_cache_manager import KVCacheManager
-from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.engine.scheduler import Scheduler
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from kvrecover.sampling import SamplingParams
-
-BLOCK = 4
-TOKEN = 7  # every fabricated sample
-TIMEOUT = 10.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeConnector(KVConnectorBase):
-    """Scheduler role only. `claims[request_id]` is a list of answers, one per lookup
-    (the last one repeats); `raise_in` names methods that raise."""
-
-    def __init__(self, claims: dict | None = None, raise_in: set[str] = frozenset()):
-        super().__init__(KVTransferConfig("Fake", "kv_consumer"), KVConnectorRole.SCHEDULER, None)
-        self.claims = claims or {}
-        self.raise_in = set(raise_in)
-        self.lookups: list[tuple[str, int]] = []
-        self.allocs: list[tuple[str, list[int], int, int]] = []  # id, blocks, external, start
-        self.finished: list[str] = []
-
-    def _maybe_raise(self, method: str) -> None:
-        if method in self.raise_in:
-            raise RuntimeError(f"{method} exploded")
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        self._maybe_raise("get_num_new_matched_tokens")
-        self.lookups.append((request.request_id, num_computed_tokens))
-        answers = self.claims.get(request.request_id, [(0, False)])
-        return answers[min(len(self.lookups_of(request.request_id)), len(answers)) - 1]
-
-    def lookups_of(self, request_id: str) -> list[int]:
-        return [n for r, n in self.lookups if r == request_id]
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        self.allocs.append((request.request_id, list(block_ids), num_external_tokens,
-                            request.num_computed_tokens))
-        self._maybe_raise("update_state_after_alloc")
-
-    def build_connector_meta(self, scheduler_output):
-        self._maybe_raise("build_connector_meta")
-        return KVConnectorMetadata()
-
-    def request_finished(self, request, block_ids):
-        self.finished.append(request.request_id)
-        self._maybe_raise("request_finished")
-        return False
-
-
-def make_scheduler(connector=None, *, num_blocks=64, policy="recompute", retry_limit=1,
-                   clock=None, budget=64) -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256,
-                             block_size=BLOCK)
-    transfer = KVTransferConfig("Fake", "kv_consumer", {"load_timeout_s": TIMEOUT},
-                                kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, True), EngineStats(),
-                     connector, transfer, clock=clock or FakeClock())
-
-
-def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id, None, prompt, params, frozenset(), 0, 256)
-    scheduler.add_request(request)
-    return request
-
-
-def step(scheduler: Scheduler, invalid=(), finished_recving=(), **output_fields):
-    """Schedule one step and report it as the worker would; returns (schedule, progressed).
-
-    `invalid` may be a function, called once the step is scheduled (blocks are known).
-    """
-    output = scheduler.schedule()
-    if callable(invalid):
-        invalid = invalid()
-    sampled = {s.request_id: TOKEN for s in output.scheduled if s.sample}
-    runner_output = ModelRunnerOutput(sampled, set(invalid), set(finished_recving),
-                                      **output_fields)
-    return output, scheduler.update_from_output(output, runner_output)
-
-
-def slice_of(output: SchedulerOutput, request_id: str):
-    return next((s for s in output.scheduled if s.request_id == request_id), None)
-
-
-def run_to_completion(scheduler: Scheduler, max_steps: int = 200, **report) -> None:
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished():
-            return
-        step(scheduler, **report)
-    raise AssertionError("the scheduler did not finish within the step bound")
-
-
-def all_blocks_free(scheduler: Scheduler) -> bool:
-    pool = scheduler.kv_manager.pool
-    return pool.num_free_blocks == pool.num_usable_blocks
-
-
-PROMPT = list(range(100, 121))  # 21 tokens: 5 full blocks + 1; the connector may offer 20
+from kvrecover.engine.request import RequestStatus
+from kvrecover.engine.scheduler_output import ModelRunnerOutput
 
 
 # ----- rule 1: sync loads -------------------------------------------------------------
@@ -441,109 +344,3 @@ def test_blocks_leaked_to_an_unconfirmed_load_fail_the_request_instead_of_spinni
     assert big.status is RequestStatus.FINISHED_ERROR and big in progressed
     assert big.error_type == "kv_load_failed" and "never confirmed" in big.error
     assert not scheduler.has_unfinished()
-
-
-# ----- issue 15 item 7: claims are validated ------------------------------------------------
-@pytest.mark.parametrize("claim, accepted", [
-    (20, 20), (16, 16), (10**9, 20), (19, 16), (7, 4), (3, 0), (-5, 0), (2.5, 0), ("8", 0),
-    (True, 0), (None, 0),
-])
-def test_claims_are_capped_block_aligned_and_the_rest_computed(claim, accepted):
-    connector = FakeConnector({"a": [(claim, False)]})
-    scheduler = make_scheduler(connector)
-    a = add(scheduler, "a", PROMPT)
-    output, _ = step(scheduler)
-    assert connector.allocs[0][2] == accepted
-    computed = slice_of(output, "a")
-    assert computed.num_computed_tokens == accepted
-    assert computed.token_ids == PROMPT[accepted:]
-    assert a.output_token_ids == [TOKEN]
-    assert scheduler.stats.prompt_tokens_external == accepted
-    assert scheduler.stats.kv_connector_errors == (0 if accepted == claim else 1)
-
-
-def test_claims_respect_local_hits():
-    connector = FakeConnector({"b": [(10**9, False)]})
-    scheduler = make_scheduler(connector)
-    add(scheduler, "a", PROMPT[:9])
-    step(scheduler)
-    add(scheduler, "b", PROMPT)
-    output, _ = step(scheduler)
-    assert connector.lookups_of("b") == [8]
-    assert connector.allocs[-1][2] == 12  # 8 local + 12 external = 20, the last token local
-    assert slice_of(output, "b").num_computed_tokens == 20
-
-
-# ----- issue 15 item 6: connector exceptions are KV failures of whom they touch -------------
-SCHEDULER_METHODS = ["get_num_new_matched_tokens", "update_state_after_alloc",
-                     "build_connector_meta", "request_finished"]
-
-
-@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("method", SCHEDULER_METHODS)
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_scheduler_side_connector_exceptions_are_contained(method, async_load, policy, caplog):
-    clock = FakeClock()
-    connector = FakeConnector({"a": [(20, async_load)], "b": [(4, async_load)]}, {method})
-    scheduler = make_scheduler(connector, policy=policy, clock=clock)
-    a = add(scheduler, "a", PROMPT)
-    b = add(scheduler, "b", list(range(200, 209)))
-    c = add(scheduler, "c", list(range(300, 309)))  # no KV offered, yet the connector runs
-    with caplog.at_level(logging.DEBUG, "kvrecover"):
-        for _ in range(100):
-            if not scheduler.has_unfinished():
-                break
-            # The worker reports the loads it got; loads it never got never finish.
-            clock.now += 1.0
-            step(scheduler, finished_recving={
-                r.request_id for r in (a, b)
-                if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-                and method not in ("update_state_after_alloc", "build_connector_meta")
-            })
-    assert not scheduler.has_unfinished()
-    touched_fail = policy == "fail" and method != "request_finished"
-    for request in (a, b):
-        if touched_fail:
-            assert request.status is RequestStatus.FINISHED_ERROR
-            assert request.error_type == "kv_load_failed"
-        else:
-            assert request.output_token_ids == [TOKEN] * 3
-    if method == "get_num_new_matched_tokens" and policy == "fail":
-        assert c.status is RequestStatus.FINISHED_ERROR  # its lookup failed too
-    else:
-        assert c.output_token_ids == [TOKEN] * 3
-    assert scheduler.stats.kv_connector_errors >= 2
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and method in r.getMessage()]
-    assert len(errors) == 1  # logged once per kind
-    never_started = method in ("update_state_after_alloc", "build_connector_meta")
-    if async_load and never_started:  # expired: held until the worker confirms
-        assert set(scheduler.loads.orphans) == {"a", "b"} and not all_blocks_free(scheduler)
-    else:
-        assert not scheduler.loads.orphans and all_blocks_free(scheduler)
-
-
-@pytest.mark.parametrize("answer", [None, 5, (1, 2, 3), ("x", "y"), (4, "maybe")])
-def test_a_malformed_lookup_answer_is_a_connector_error(answer):
-    connector = FakeConnector({"a": [answer]})
-    scheduler = make_scheduler(connector)
-    a = add(scheduler, "a", PROMPT)
-    run_to_completion(scheduler)
-    assert a.output_token_ids == [TOKEN] * 3
-    assert scheduler.stats.kv_connector_errors == 1
-    assert scheduler.stats.prompt_tokens_external == 0
-
-
-@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-def test_an_unusable_load_report_fails_every_load_that_ended(async_load):
-    connector = FakeConnector({"a": [(20, async_load), (0, False)]})
-    scheduler = make_scheduler(connector)
-    a = add(scheduler, "a", PROMPT)
-    b = add(scheduler, "b", list(range(200, 209)))
-    if async_load:
-        step(scheduler)
-    step(scheduler, finished_recving={"a"} if async_load else (), kv_load_report_failed=True)
-    assert a.num_computed_tokens == 0 and a.output_token_ids == []
-    assert scheduler.stats.kv_load_failed_blocks == 5
-    run_to_completion(scheduler)
-    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
-    assert scheduler.stats.prompt_tokens_external == 0

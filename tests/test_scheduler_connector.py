@@ -1,0 +1,132 @@
+"""The scheduler's guarded view of a connector (engine/scheduler_connector.py), no model.
+
+Issue 15: claims from `get_num_new_matched_tokens` are validated (item 7), and a
+scheduler-side connector exception or a garbled worker report is a KV failure of
+the requests it touches, handled by the policy and logged once (item 6).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from scheduler_harness import (
+    PROMPT,
+    TOKEN,
+    FakeClock,
+    FakeConnector,
+    add,
+    all_blocks_free,
+    make_scheduler,
+    run_to_completion,
+    slice_of,
+    step,
+)
+
+from kvrecover.engine.request import RequestStatus
+
+
+# ----- issue 15 item 7: claims are validated ------------------------------------------------
+@pytest.mark.parametrize("claim, accepted", [
+    (20, 20), (16, 16), (10**9, 20), (19, 16), (7, 4), (3, 0), (-5, 0), (2.5, 0), ("8", 0),
+    (True, 0), (None, 0),
+])
+def test_claims_are_capped_block_aligned_and_the_rest_computed(claim, accepted):
+    connector = FakeConnector({"a": [(claim, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    output, _ = step(scheduler)
+    assert connector.allocs[0][2] == accepted
+    computed = slice_of(output, "a")
+    assert computed.num_computed_tokens == accepted
+    assert computed.token_ids == PROMPT[accepted:]
+    assert a.output_token_ids == [TOKEN]
+    assert scheduler.stats.prompt_tokens_external == accepted
+    assert scheduler.stats.kv_connector_errors == (0 if accepted == claim else 1)
+
+
+def test_claims_respect_local_hits():
+    connector = FakeConnector({"b": [(10**9, False)]})
+    scheduler = make_scheduler(connector)
+    add(scheduler, "a", PROMPT[:9])
+    step(scheduler)
+    add(scheduler, "b", PROMPT)
+    output, _ = step(scheduler)
+    assert connector.lookups_of("b") == [8]
+    assert connector.allocs[-1][2] == 12  # 8 local + 12 external = 20, the last token local
+    assert slice_of(output, "b").num_computed_tokens == 20
+
+
+# ----- issue 15 item 6: connector exceptions are KV failures of whom they touch -------------
+SCHEDULER_METHODS = ["get_num_new_matched_tokens", "update_state_after_alloc",
+                     "build_connector_meta", "request_finished"]
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("method", SCHEDULER_METHODS)
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_scheduler_side_connector_exceptions_are_contained(method, async_load, policy, caplog):
+    clock = FakeClock()
+    connector = FakeConnector({"a": [(20, async_load)], "b": [(4, async_load)]}, {method})
+    scheduler = make_scheduler(connector, policy=policy, clock=clock)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    c = add(scheduler, "c", list(range(300, 309)))  # no KV offered, yet the connector runs
+    with caplog.at_level(logging.DEBUG, "kvrecover"):
+        for _ in range(100):
+            if not scheduler.has_unfinished():
+                break
+            # The worker reports the loads it got; loads it never got never finish.
+            clock.now += 1.0
+            step(scheduler, finished_recving={
+                r.request_id for r in (a, b)
+                if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                and method not in ("update_state_after_alloc", "build_connector_meta")
+            })
+    assert not scheduler.has_unfinished()
+    touched_fail = policy == "fail" and method != "request_finished"
+    for request in (a, b):
+        if touched_fail:
+            assert request.status is RequestStatus.FINISHED_ERROR
+            assert request.error_type == "kv_load_failed"
+        else:
+            assert request.output_token_ids == [TOKEN] * 3
+    if method == "get_num_new_matched_tokens" and policy == "fail":
+        assert c.status is RequestStatus.FINISHED_ERROR  # its lookup failed too
+    else:
+        assert c.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.kv_connector_errors >= 2
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and method in r.getMessage()]
+    assert len(errors) == 1  # logged once per kind
+    never_started = method in ("update_state_after_alloc", "build_connector_meta")
+    if async_load and never_started:  # expired: held until the worker confirms
+        assert set(scheduler.loads.orphans) == {"a", "b"} and not all_blocks_free(scheduler)
+    else:
+        assert not scheduler.loads.orphans and all_blocks_free(scheduler)
+
+
+@pytest.mark.parametrize("answer", [None, 5, (1, 2, 3), ("x", "y"), (4, "maybe")])
+def test_a_malformed_lookup_answer_is_a_connector_error(answer):
+    connector = FakeConnector({"a": [answer]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    run_to_completion(scheduler)
+    assert a.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.kv_connector_errors == 1
+    assert scheduler.stats.prompt_tokens_external == 0
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_an_unusable_load_report_fails_every_load_that_ended(async_load):
+    connector = FakeConnector({"a": [(20, async_load), (0, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    if async_load:
+        step(scheduler)
+    step(scheduler, finished_recving={"a"} if async_load else (), kv_load_report_failed=True)
+    assert a.num_computed_tokens == 0 and a.output_token_ids == []
+    assert scheduler.stats.kv_load_failed_blocks == 5
+    run_to_completion(scheduler)
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.prompt_tokens_external == 0
