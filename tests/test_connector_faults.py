@@ -15,7 +15,7 @@ import pytest
 from test_recovery import PARAMS, as_inputs, decode, fill_store, make_prompts, token_ids
 
 from kvrecover import LLM, KVTransferConfig
-from kvrecover.engine.kv_cache_manager import blocks_needed
+from kvrecover.kv_layout import blocks_needed
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
 
 TIMEOUT_S = 0.5  # every async load's deadline here: tests end by design, not by timeout

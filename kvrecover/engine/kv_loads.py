@@ -17,12 +17,13 @@ from collections.abc import Callable, Iterable
 
 from kvrecover.config import DEFAULT_LOAD_TIMEOUT_S, KVTransferConfig
 from kvrecover.engine.async_loads import AsyncLoadTracker
-from kvrecover.engine.kv_cache_manager import KVCacheManager, blocks_needed
+from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecovery
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnector
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
+from kvrecover.kv_layout import blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 
 logger = logging.getLogger(__name__)
