@@ -8,7 +8,6 @@ from typing import Any
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-DEFAULT_LOAD_TIMEOUT_S = 30.0  # the deadline of every async KV load, unless configured
 
 
 @dataclass
@@ -22,9 +21,6 @@ class KVTransferConfig:
     and recompute) or `fail` (end the affected requests with an error).
     `kv_load_retry_limit` bounds how often a request asks the connector again for
     KV after a failed load before it recomputes its prompt locally.
-    `kv_connector_extra_config["load_timeout_s"]` (seconds, default 30) is the
-    deadline of every async KV load: the engine enforces it itself, whatever the
-    connector does, and connectors that time their own reads use it too.
     """
 
     kv_connector: str
@@ -50,12 +46,6 @@ class KVTransferConfig:
             raise ValueError(
                 f"kv_load_retry_limit must be an integer >= 0, got {self.kv_load_retry_limit!r}"
             )
-        timeout = self.kv_connector_extra_config.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
-            raise ValueError(
-                "kv_connector_extra_config['load_timeout_s'] must be a number of seconds > 0, "
-                f"got {timeout!r}"
-            )
 
     @property
     def is_producer(self) -> bool:
@@ -66,11 +56,6 @@ class KVTransferConfig:
     def is_consumer(self) -> bool:
         """True when this instance loads KV."""
         return self.kv_role in ("kv_consumer", "kv_both")
-
-    @property
-    def load_timeout_s(self) -> float:
-        """The deadline, in seconds, of every async KV load."""
-        return float(self.get_extra("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S))
 
     def get_extra(self, key: str, default: Any = None) -> Any:
         """One value of `kv_connector_extra_config`, or `default`."""

@@ -36,6 +36,7 @@ class FakeConnector(KVConnectorBase):
 
     def __init__(self, claims: dict | None = None, raise_in: set[str] = frozenset()):
         super().__init__(KVTransferConfig("Fake", "kv_consumer"), KVConnectorRole.SCHEDULER, None)
+        self.load_timeout_s = TIMEOUT  # what a connector reads from its extra config
         self.claims = claims or {}
         self.raise_in = set(raise_in)
         self.lookups: list[tuple[str, int]] = []

@@ -130,3 +130,13 @@ def test_an_unusable_load_report_fails_every_load_that_ended(async_load):
     run_to_completion(scheduler)
     assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
     assert scheduler.stats.prompt_tokens_external == 0
+
+
+@pytest.mark.parametrize("value, deadline", [
+    (2.5, 2.5), (7, 7.0), (float("inf"), 30.0), (0, 30.0), (-1, 30.0), ("soon", 30.0),
+    (None, 30.0), (True, 30.0),
+])
+def test_the_engine_deadline_is_the_connectors_when_usable(value, deadline):
+    connector = FakeConnector()
+    connector.load_timeout_s = value
+    assert make_scheduler(connector).loads.timeout_s == deadline

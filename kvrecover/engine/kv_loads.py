@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from kvrecover.config import DEFAULT_LOAD_TIMEOUT_S, KVTransferConfig
+from kvrecover.config import KVTransferConfig
 from kvrecover.engine.async_loads import AsyncLoadTracker
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecovery
@@ -24,9 +24,21 @@ from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnec
 from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import blocks_needed
-from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from kvrecover.kv_transfer.base import DEFAULT_LOAD_TIMEOUT_S, KVConnectorBase, KVConnectorMetadata
 
 logger = logging.getLogger(__name__)
+
+
+def load_deadline_s(connector: KVConnectorBase | None) -> float:
+    """The deadline the engine enforces on every async load: the connector's declared
+    `load_timeout_s` (set from its extra config, or its own default), or the default
+    when that is not a number of seconds in (0, 1e9)."""
+    value = DEFAULT_LOAD_TIMEOUT_S if connector is None else connector.load_timeout_s
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        logger.error("KV connector load_timeout_s=%r is not a number of seconds; the engine "
+                     "ends async loads after %.0f s", value, DEFAULT_LOAD_TIMEOUT_S)
+        return DEFAULT_LOAD_TIMEOUT_S
+    return float(value)
 
 
 class KVLoads:
@@ -52,8 +64,7 @@ class KVLoads:
             transfer.kv_load_failure_policy if transfer else "recompute",
             transfer.kv_load_retry_limit if transfer else 0,
         )
-        self.tracker = AsyncLoadTracker(
-            transfer.load_timeout_s if transfer else DEFAULT_LOAD_TIMEOUT_S, clock)
+        self.tracker = AsyncLoadTracker(load_deadline_s(connector), clock)
         self._end_with_error = end_with_error
         self._claimed: list[Request] = []  # claimed external tokens in this step
         # Blocks a contained connector bug made untrustworthy; judged with the step's output.

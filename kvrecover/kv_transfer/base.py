@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrecover.config import DEFAULT_LOAD_TIMEOUT_S, KVTransferConfig
+from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
     from kvrecover.engine.scheduler_output import SchedulerOutput
+
+DEFAULT_LOAD_TIMEOUT_S = 30.0
 
 # (request id, block id, store key, raw stored bytes, cancelled) -> the bytes to parse.
 # May raise (the block then failed to load) or wait on `cancelled` (a hang that
@@ -82,9 +84,10 @@ class KVConnectorBase:
     """Base class of every KV connector; subclasses override what they support."""
 
     # Seconds an asynchronous load may run before all its blocks count as failed.
-    # Connectors that load set it from their config (`config.load_timeout_s`, which
-    # the engine enforces itself too); wrappers read it (an emulated hang must
-    # outlast it) and report their inner connector's.
+    # Connectors that load set it from their config (extra key `load_timeout_s`);
+    # the engine reads it from the scheduler-role instance and enforces it itself,
+    # whether or not the connector ever reports the load. Wrappers read it (an
+    # emulated hang must outlast it) and report their inner connector's.
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):

@@ -9,8 +9,7 @@ consumers load, `kv_both` does both.
 Extra config (`kv_connector_extra_config`):
   shared_storage_path  folder of the store (required)
   async_load           load in a background thread while the request waits (False)
-  load_timeout_s       a load unfinished after this long fails (30; the engine
-                       enforces it on async loads too, see KVTransferConfig)
+  load_timeout_s       an async load unfinished after this long fails (30)
   verify_after_load    re-checksum the engine's cache blocks after a load (True)
 
 Async loads read and verify into host memory on a thread; the worker copies the
@@ -58,6 +57,15 @@ def _extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
     return value
 
 
+def _extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
+    value = config.get_extra(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] must be a number of seconds > 0, got {value!r}"
+        )
+    return float(value)
+
+
 @dataclass
 class BlockTransfer:
     """Blocks of one request to load or save: cache block ids and their store keys."""
@@ -102,7 +110,7 @@ class SharedStorageConnector(KVConnectorBase):
             )
         self.store = BlockStore(path, layout)
         self.async_load = _extra_flag(config, "async_load", False)
-        self.load_timeout_s = config.load_timeout_s  # validated by KVTransferConfig
+        self.load_timeout_s = _extra_seconds(config, "load_timeout_s", 30.0)
         self.verify_after_load = _extra_flag(config, "verify_after_load", True)
         self.block_size = layout.block_size
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
