@@ -1,0 +1,259 @@
+"""Recovery-latency benchmark: what a KV load failure costs a user in time.
+
+    PYTHONPATH=. python bench/bench_recovery.py [--device cpu] [--batch 4] [--prompt-tokens 512]
+        [--max-tokens 8] [--rates 0 0.01 0.1 0.5 1] [--repeats 2] [--plot bench/recovery_cpu.png]
+    PYTHONPATH=. python bench/bench_recovery.py --device cuda --batch 16 --prompt-tokens 1024 \
+        --plot $OUT/recovery_gpu.png
+
+A producer prefills a batch of prompts into a `SharedStorageConnector` folder. A
+consumer (policy `recompute`, prefix caching off) then runs the same batch through
+a `FaultInjectionConnector` whose plan makes a given share of all the batch's
+stored blocks fail ("missing"), sync and async. Failed blocks are drawn at random
+(seeded) over the whole batch; a request loses every token from its first failed
+block on, so the lost tokens are counted per request.
+
+Per row: time to first token of the batch (until every request has its first
+token; the mean over requests beside it), end-to-end latency of the batch, and the
+predicted cost: the time to recompute exactly the lost tokens, measured separately
+on an engine without a connector whose prefix cache holds each request's KV up to
+its cut (the prefill of the tails minus that of the no-failure tails). The goal:
+measured extra TTFT <= 1.2 x predicted + one decode step (a sync load finds its
+failures only after the step that consumed it).
+
+CPU: the built-in default model (float32). CUDA: the Llama-3.2-1B shape with
+random bf16 weights, built by `bench_gpu.build_checkpoint` (no download).
+Times are the best of --repeats; each repeat uses fresh prompts of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrecover import LLM, KVTransferConfig, SamplingParams
+
+MIN_TOKEN, MAX_TOKEN = 10, 32000  # inside both models' vocabularies
+
+
+@dataclass
+class FailurePlan:
+    """Which loaded block positions fail, per request of the batch, for one failure rate."""
+
+    rate: float
+    positions: list[list[int]]  # per request, sorted block positions within its loaded blocks
+
+    def cuts(self, loaded_blocks: int, block_size: int) -> list[int]:
+        """Tokens of each request still valid after recovery (start of its first failed block)."""
+        return [(p[0] if p else loaded_blocks) * block_size for p in self.positions]
+
+    def lost_tokens(self, loaded_blocks: int, block_size: int) -> int:
+        return sum(loaded_blocks * block_size - cut for cut in self.cuts(loaded_blocks, block_size))
+
+
+def make_plan(rate: float, batch: int, loaded_blocks: int, seed: int) -> FailurePlan:
+    """Fail round(rate x all loaded blocks) blocks (at least one when rate > 0), seeded."""
+    total = batch * loaded_blocks
+    count = 0 if rate <= 0 else min(total, max(1, round(rate * total)))
+    chosen = random.Random(seed).sample(range(total), count)
+    positions: list[list[int]] = [[] for _ in range(batch)]
+    for flat in sorted(chosen):
+        positions[flat // loaded_blocks].append(flat % loaded_blocks)
+    return FailurePlan(rate, positions)
+
+
+def fault_rules(plan: FailurePlan, first_load_index: int) -> list[dict]:
+    """FaultInjectionConnector rules for one run whose requests load in batch order."""
+    return [{"requests": first_load_index + i, "blocks": positions, "kind": "missing"}
+            for i, positions in enumerate(plan.positions) if positions]
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(MIN_TOKEN, MAX_TOKEN, (count, length), generator=generator).tolist()
+
+
+def timed_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float]:
+    """(batch TTFT, mean TTFT, end-to-end) seconds of one batch driven step by step."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tag = time.perf_counter_ns()
+    first: dict[str, float] = {}
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"r{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    steps = 0
+    while llm.engine.has_unfinished():
+        steps += 1
+        if steps > 100_000:
+            raise RuntimeError("the engine did not finish the batch")
+        for output in llm.engine.step():
+            if output.outputs[0].token_ids and output.request_id not in first:
+                first[output.request_id] = time.perf_counter() - started
+    total = time.perf_counter() - started
+    if len(first) != len(prompts):
+        raise RuntimeError(f"{len(prompts) - len(first)} request(s) produced no token")
+    return max(first.values()), sum(first.values()) / len(first), total
+
+
+def release(llm: LLM | None) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_consumer(llm_args: dict, store: Path, mode: str, plans: list[FailurePlan],
+                     prompts: list[list[list[int]]], max_tokens: int, batch: int) -> list[tuple]:
+    """Best (batch TTFT, mean TTFT, e2e) per plan, plus the recovered-token counts."""
+    rules = []
+    for run_index in range(len(plans) * len(prompts)):
+        rules += fault_rules(plans[run_index // len(prompts)], run_index * batch)
+    transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", {
+        "inner_connector": "SharedStorageConnector", "shared_storage_path": str(store),
+        "async_load": mode == "async", "faults": rules,
+    })
+    llm = LLM(**llm_args, enable_prefix_caching=False, kv_transfer_config=transfer)
+    timed_batch(llm, random_prompts(batch, 48, seed=999), max_tokens)  # warm-up, nothing stored
+    results = []
+    for plan in plans:
+        before = llm.stats
+        runs = [timed_batch(llm, batch_prompts, max_tokens) for batch_prompts in prompts]
+        after = llm.stats
+        recomputed = after["kv_load_recomputed_tokens"] - before["kv_load_recomputed_tokens"]
+        external = after["prompt_tokens_external"] - before["prompt_tokens_external"]
+        results.append((min(r[0] for r in runs), min(r[1] for r in runs),
+                        min(r[2] for r in runs), recomputed // len(prompts),
+                        external // len(prompts), plan))
+    release(llm)
+    return results
+
+
+def measure_recompute(llm_args: dict, plans: list[FailurePlan], loaded_blocks: int,
+                      block_size: int, batch: int, prompt_tokens: int, repeats: int,
+                      seed: int) -> list[float]:
+    """Per plan: best time to first token when each request's KV before its cut is cached."""
+    llm = LLM(**llm_args, enable_prefix_caching=True)
+    timed_batch(llm, random_prompts(batch, 48, seed=998), 1)  # warm-up
+    results = []
+    for plan_index, plan in enumerate(plans):
+        cuts = plan.cuts(loaded_blocks, block_size)
+        best = float("inf")
+        for repeat in range(repeats):
+            prompts = random_prompts(batch, prompt_tokens, seed + 1000 * plan_index + repeat)
+            prefixes = [p[:cut] for p, cut in zip(prompts, cuts) if cut]
+            if prefixes:  # fills the prefix cache with exactly the KV that survives the failure
+                timed_batch(llm, prefixes, 1)
+            best = min(best, timed_batch(llm, prompts, 1)[0])
+        results.append(best)
+    release(llm)
+    return results
+
+
+def plot(rows: dict[str, list[tuple]], predicted: list[float], rates: list[float], path: Path,
+         title: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path})")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    positions = list(range(len(rates)))
+    for mode, results in rows.items():
+        axes.plot(positions, [r[0] for r in results], marker="o", label=f"measured, {mode}")
+    base = rows["sync"][0][0]
+    axes.plot(positions, [base + p for p in predicted], linestyle="--", color="gray",
+              label="TTFT(0%) + recompute of the lost tokens")
+    axes.set_xticks(positions, [f"{rate:.0%}" for rate in rates])
+    axes.set_xlabel("stored blocks that fail")
+    axes.set_ylabel("time to first token of the batch (s)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0, 0.01, 0.1, 0.5, 1.0])
+    parser.add_argument("--repeats", type=int, default=2, help="best of N (2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"),
+                        help="where --device cuda builds its random 1B checkpoint")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of TTFT vs failure rate")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("kvrecover").setLevel(logging.ERROR)  # one warning per failed block
+    if args.rates[0] != 0:
+        raise ValueError(f"--rates must start with 0 (the reference row), got {args.rates}")
+    block_size = 16
+    if args.device == "cuda":
+        from bench_gpu import build_checkpoint  # bench/ is on sys.path when run as a script
+
+        model = str(build_checkpoint(args.model_dir))
+        llm_args = dict(model=model, device="cuda:0", dtype="bfloat16", kv_cache_memory_gb=8,
+                        max_model_len=args.prompt_tokens + args.max_tokens + 16,
+                        max_num_seqs=max(16, args.batch))
+        title = f"Llama-3.2-1B shape bf16, H200, {args.batch} x {args.prompt_tokens} tokens"
+    else:
+        llm_args = dict(model=None, device="cpu")
+        title = f"default model f32, CPU, {args.batch} x {args.prompt_tokens} tokens"
+    loaded_blocks = (args.prompt_tokens - 1) // block_size  # the last token is never loaded
+    plans = [make_plan(rate, args.batch, loaded_blocks, args.seed + i)
+             for i, rate in enumerate(args.rates)]
+    prompts = [random_prompts(args.batch, args.prompt_tokens, args.seed + 1 + r)
+               for r in range(args.repeats)]
+    store = Path(tempfile.mkdtemp(prefix="kvrecover_recovery_"))
+    try:
+        producer = LLM(**llm_args, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+            "SharedStorageConnector", "kv_producer", {"shared_storage_path": str(store)}))
+        for batch_prompts in prompts:
+            producer.generate([{"prompt_token_ids": p} for p in batch_prompts],
+                              SamplingParams(temperature=0, max_tokens=1))
+        release(producer)
+        rows = {mode: measure_consumer(llm_args, store, mode, plans, prompts, args.max_tokens,
+                                       args.batch) for mode in ("sync", "async")}
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    recompute = measure_recompute(llm_args, plans, loaded_blocks, block_size, args.batch,
+                                  args.prompt_tokens, args.repeats, args.seed + 10_000)
+    predicted = [t - recompute[0] for t in recompute]
+    print(f"\n{title}; {args.max_tokens} new tokens, best of {args.repeats}\n")
+    print("| mode | failed blocks | lost tokens | recomputed | TTFT s (mean) | e2e s "
+          "| extra TTFT s | predicted s | 1.2 x pred + step | within |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for mode, results in rows.items():
+        ttft0, _, e2e0 = results[0][:3]
+        step = (e2e0 - ttft0) / max(1, args.max_tokens - 1)
+        for (ttft, mean_ttft, e2e, recomputed, _external, plan), pred in zip(results, predicted):
+            failed = sum(len(p) for p in plan.positions)
+            lost = plan.lost_tokens(loaded_blocks, block_size)
+            bound = 1.2 * pred + step
+            extra = ttft - ttft0
+            print(f"| {mode} | {failed} ({plan.rate:.0%}) | {lost} | {recomputed} "
+                  f"| {ttft:.3f} ({mean_ttft:.3f}) | {e2e:.3f} | {extra:+.3f} | {pred:.3f} "
+                  f"| {bound:.3f} | {'yes' if extra <= bound else 'NO'} |")
+    if args.plot:
+        plot(rows, predicted, args.rates, args.plot, title)
+
+
+if __name__ == "__main__":
+    main()
