@@ -157,9 +157,11 @@ def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 def simulate_full_disk(monkeypatch, module, bytes_before_failure: int) -> None:
     """Make files that `module` opens for writing accept `bytes_before_failure` bytes of
-    a write, then fail with ENOSPC, as a disk filling up midway would."""
+    a write (through `open` or `os.writev`), then fail with ENOSPC, as a disk filling up
+    midway would."""
     import builtins
     import errno
+    import os
 
     real_open = builtins.open
 
@@ -181,4 +183,17 @@ def simulate_full_disk(monkeypatch, module, bytes_before_failure: int) -> None:
         handle = real_open(path, mode, *args, **kwargs)
         return FullDisk(handle) if "w" in mode else handle
 
+    class FullDiskOS:
+        """`module.os`, whose writev stops with ENOSPC like the file writes above."""
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def writev(fd, buffers):
+            os.write(fd, b"".join(bytes(b) for b in buffers)[:bytes_before_failure])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(module, "open", open_on_a_full_disk, raising=False)
+    if hasattr(module, "os"):
+        monkeypatch.setattr(module, "os", FullDiskOS())

@@ -15,6 +15,11 @@ Extra config (`kv_connector_extra_config`):
 Async loads read and verify into host memory on a thread; the worker copies the
 result into the cache only when it reports the load finished, so a load that
 missed its deadline can never write into blocks that were given to someone else.
+Sync loads on the CPU read each entry straight into its cache blocks (which the
+request owns, and which nothing reads before this step's forward pass) and hash it
+there, so the load's checksum is already the end-to-end check `verify_after_load`
+asks for; saves on the CPU write from the cache itself (`paged_blocks`). On a GPU,
+entries are read into pinned memory and uploaded in one copy per transfer.
 """
 
 from __future__ import annotations
@@ -36,12 +41,8 @@ from kvrecover.kv_transfer.base import (
     KVConnectorRole,
     ReadFilter,
 )
-from kvrecover.kv_transfer.block_store import (
-    BlockLoadError,
-    BlockStore,
-    StoredBlock,
-    payload_checksum,
-)
+from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore
+from kvrecover.kv_transfer.paged_blocks import PagedBlocks
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
@@ -90,6 +91,16 @@ class StorageConnectorMetadata(KVConnectorMetadata):
         return sum(len(t.block_ids) for t in self.saves)
 
 
+@dataclass(frozen=True)
+class LoadedBlock:
+    """A block that `_read_blocks` read and verified: its payload checksum and where
+    its bytes are (row `position` of `staging`, or already in the cache if None)."""
+
+    checksum: int
+    staging: torch.Tensor | None
+    position: int
+
+
 @dataclass
 class _AsyncLoad:
     transfer: BlockTransfer
@@ -119,6 +130,7 @@ class SharedStorageConnector(KVConnectorBase):
         self._pending_loads: list[BlockTransfer] = []
         # Worker role state.
         self._kv_caches: list[torch.Tensor] = []
+        self._paged: PagedBlocks | None = None  # both set by register_kv_caches
         self._invalid_block_ids: set[int] = set()
         self._failed_requests: set[str] = set()
         self._discarded_saves: set[str] = set()
@@ -177,6 +189,7 @@ class SharedStorageConnector(KVConnectorBase):
     # ----- worker role ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._kv_caches = kv_caches
+        self._paged = PagedBlocks(kv_caches)
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
@@ -193,17 +206,25 @@ class SharedStorageConnector(KVConnectorBase):
                     deadline.cancel()
                 self._install(transfer, blocks)
 
-    def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[StoredBlock | None]:
-        """Read and verify a request's blocks; None from the first failure on."""
-        blocks: list[StoredBlock | None] = []
-        for block_id, key in zip(transfer.block_ids, transfer.keys):
+    def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
+        """Read and verify a request's blocks; None from the first failure on. Sync loads
+        on the CPU land in the cache blocks themselves, the others in a staging buffer."""
+        paged = self._paged
+        staging = None if paged.direct and not transfer.is_async else paged.staging(
+            len(transfer.block_ids))
+        blocks: list[LoadedBlock | None] = []
+        for position, (block_id, key) in enumerate(zip(transfer.block_ids, transfer.keys)):
             if cancelled.is_set():
                 break
+            parts = paged.parts(block_id) if staging is None else [memoryview(staging[position].numpy())]
             try:
-                raw = self.store.read_raw(key)
-                if self._read_filter is not None:
-                    raw = self._read_filter(transfer.request_id, block_id, key, raw, cancelled)
-                blocks.append(self.store.parse(key, raw))
+                if self._read_filter is None:
+                    checksum = self.store.read_into(key, parts)
+                else:
+                    raw = self._read_filter(transfer.request_id, block_id, key,
+                                            self.store.read_raw(key), cancelled)
+                    checksum = self.store.parse_into(key, raw, parts)
+                blocks.append(LoadedBlock(checksum, staging, position))
             except BlockLoadError as error:
                 logger.warning("KV block %s failed to load: %s", key.hex(), error)
                 self._suspect_keys.add(key)  # a later save of this block may replace it
@@ -213,33 +234,24 @@ class SharedStorageConnector(KVConnectorBase):
                 break
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
-    def _install(self, transfer: BlockTransfer, blocks: list[StoredBlock | None]) -> None:
-        """Copy the leading verified blocks into the cache (one indexed copy per
-        layer); report every block from the first bad one on as invalid."""
+    def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
+        """Copy the leading verified blocks into the cache unless they were read there;
+        report every block from the first bad one on as invalid."""
         count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
-        if count:
+        if count and blocks[0].staging is not None:
             block_ids = transfer.block_ids[:count]
-            device = self._kv_caches[0].device
-            if device.type == "cuda":  # one pinned upload, one indexed copy per layer
-                staged = torch.stack([block.tensor for block in blocks[:count]])
-                staged = staged.pin_memory().to(device, non_blocking=True)
-                index = torch.tensor(block_ids, device=device)
-                for layer, cache in enumerate(self._kv_caches):
-                    cache.index_copy_(1, index, staged[:, layer].transpose(0, 1))
-            else:  # on the CPU plain slice copies are fastest
-                for block_id, block in zip(block_ids, blocks):
-                    for layer, cache in enumerate(self._kv_caches):
-                        cache[:, block_id].copy_(block.tensor[layer])
+            self._paged.scatter(block_ids, blocks[0].staging)
             if self.verify_after_load:
                 count = self._verified_prefix(block_ids, blocks[:count])
+        # Blocks read in place were hashed in the cache: that check was end to end already.
         if count < len(blocks):
             self._invalid_block_ids.update(transfer.block_ids[count:])
             self._failed_requests.add(transfer.request_id)
 
-    def _verified_prefix(self, block_ids: list[int], blocks: list[StoredBlock]) -> int:
+    def _verified_prefix(self, block_ids: list[int], blocks: list[LoadedBlock]) -> int:
         """How many leading blocks hold, in the engine's own cache, the stored bytes."""
-        for position, cached in enumerate(self._gather(block_ids)):
-            if payload_checksum(cached) != blocks[position].checksum:
+        for position, checksum in enumerate(self._paged.checksums(block_ids)):
+            if checksum != blocks[position].checksum:
                 logger.warning("KV block %d does not match its stored checksum after the load",
                                block_ids[position])
                 return position
@@ -272,31 +284,18 @@ class SharedStorageConnector(KVConnectorBase):
                     if key in self._suspect_keys or not self.store.exists(key)]
             if not todo:
                 continue  # already stored (by us or another producer)
-            blocks = self._gather([block_id for block_id, _ in todo])
-            for (_, key), block in zip(todo, blocks):
+            paged = self._paged
+            gathered = None if paged.direct else paged.gather([block_id for block_id, _ in todo])
+            for position, (block_id, key) in enumerate(todo):
                 self._suspect_keys.discard(key)
                 try:
-                    self.store.write(key, block)
+                    if gathered is None:
+                        self.store.write_parts(key, paged.parts(block_id))
+                    else:
+                        self.store.write(key, gathered[position])
                 except Exception as error:
                     self._save_failures += 1
                     logger.debug("KV block %s not saved: %r", key.hex(), error)
-
-    def _gather(self, block_ids: list[int]) -> list[torch.Tensor] | torch.Tensor:
-        """The given cache blocks on the CPU, each [layers, 2, block_size, kv_heads, head_dim].
-
-        On a GPU one indexed copy per layer and one device-to-host transfer; on the
-        CPU plain per-block slices, which measured 2-3x faster than the batched copy.
-        """
-        first = self._kv_caches[0]
-        if first.device.type != "cuda":
-            return [torch.stack([cache[:, block_id] for cache in self._kv_caches])
-                    for block_id in block_ids]
-        index = torch.tensor(block_ids, device=first.device)
-        gathered = torch.empty((len(block_ids), len(self._kv_caches), *first[:, 0].shape),
-                               dtype=first.dtype, device=first.device)
-        for layer, cache in enumerate(self._kv_caches):
-            gathered[:, layer].copy_(cache.index_select(1, index).transpose(0, 1))
-        return gathered.to("cpu")
 
     def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
         """Every raw entry read goes through `read_filter` before it is parsed."""
