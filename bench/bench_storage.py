@@ -1,17 +1,23 @@
 """Storage benchmark: what the verified KV block store costs, and what loading KV saves.
 
-    .venv/bin/python bench/bench_storage.py --threads 1 [--dir /dev/shm] [--megabytes 256]
+    PYTHONPATH=. python bench/bench_storage.py --threads 1 [--dir /dev/shm] [--megabytes 256]
         [--repeats 3] [--prompt-tokens 1500] [--model DIR] [--device cpu] [--skip-llm]
 
-1. For two KV layouts (the default model's: 30 layers, 3 KV heads, head dim 64,
-   block 16, float32; and a Llama-3-8B-like one: 32 layers, 8 KV heads, head dim
-   128, block 16, bfloat16), save and load throughput in GB/s of payload bytes:
-   plain file I/O of the same bytes (one file per block, same folder fan-out),
-   `BlockStore.write` / `BlockStore.read`, and the `SharedStorageConnector`
-   worker path (gather from / scatter into a paged KV cache), with
-   `verify_after_load` on and off. The ratio to plain I/O is the figure.
-2. The integrity cost on load: `read_raw` + `parse` (header check and xxh3 of the
-   payload) against `read_raw` + the same parse without checksums.
+1. For three KV layouts (the default model's: 30 layers, 3 KV heads, head dim 64,
+   float32; Llama-3.2-1B's: 16 layers, 8 KV heads, head dim 64, bfloat16; and
+   Llama-3-8B's: 32 layers, 8 KV heads, head dim 128, bfloat16; block 16), save and
+   load throughput in GB/s of payload bytes: plain file I/O (write: the same bytes,
+   one file per block, same folder fan-out; read: `open().read()` of the very files
+   the connector loads), `BlockStore.write` / `BlockStore.read`, and the
+   `SharedStorageConnector` worker path (scatter into / save from a paged KV cache
+   on --device), sync with `verify_after_load` on and off and async. The ratio to
+   plain I/O is the figure; the goals (issue 14) are printed beside it. With
+   --device cuda a pinned host-to-device copy of the same bytes is measured too,
+   and loads are also compared with min(plain read, that copy).
+2. Per layout, the prompt length above which loading its KV beats recomputing it:
+   the connector's load time for n tokens against the prefill time of n tokens,
+   the latter measured as num_layers x one transformer layer of the model's shape
+   (random weights, `layer_prefill.py`; embedding and LM head left out).
 3. On the default model, one long prompt: time to first token and per decode
    step with its KV recomputed (no connector) and loaded from the store
    (`kv_consumer`), and with the prefill saving it (`kv_producer`).
@@ -31,11 +37,12 @@ from pathlib import Path
 
 import torch
 import xxhash
+from layer_prefill import SHAPES, prefill_seconds
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import HEADER, PREFIX_SIZE, BlockStore
+from kvrecover.kv_transfer.block_store import BlockStore
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
@@ -44,8 +51,11 @@ from kvrecover.kv_transfer.shared_storage import (
 
 LAYOUTS = {
     "smollm2-135m f32": KVCacheLayout("bench-smollm2", torch.float32, 16, 30, 3, 64),
+    "llama3.2-1b bf16": KVCacheLayout("bench-llama3.2-1b", torch.bfloat16, 16, 16, 8, 64),
     "llama3-8b bf16": KVCacheLayout("bench-llama3-8b", torch.bfloat16, 16, 32, 8, 128),
 }
+GOALS = {"save": 0.6, "load": 0.6, "load, verify_after_load": 0.5}  # x plain I/O, issue 14
+BREAK_EVEN_TOKENS = (16, 64, 256, 1024, 4096)
 
 
 def best_time(run: Callable[[], None], repeats: int, setup: Callable[[], None] = lambda: None) -> float:
@@ -65,108 +75,137 @@ def fresh(folder: Path) -> Callable[[], None]:
     return reset
 
 
-def parse_unverified(store: BlockStore, raw: bytes) -> torch.Tensor:
-    """`BlockStore.parse` without its two checksums (measurement only)."""
-    HEADER.unpack_from(raw, 0)
-    payload = memoryview(raw)[PREFIX_SIZE:]
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
-        store.layout.dtype).view(store.block_shape)
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
-def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int,
-                 repeats: int) -> list[tuple[str, str, float, float]]:
-    """Rows of (layout, operation, GB/s, ratio to plain file I/O)."""
+class ConnectorBench:
+    """A worker-role connector over a paged cache of `num_blocks` random blocks on `device`."""
+
+    def __init__(self, layout: KVCacheLayout, folder: Path, num_blocks: int, device: str) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.device = device
+        # Block 0 is the null block, as in the engine.
+        self.caches = [torch.randn(2, num_blocks + 1, layout.block_size, layout.num_kv_heads,
+                                   layout.head_dim, generator=generator).to(layout.dtype).to(device)
+                       for _ in range(layout.num_layers)]
+        self.block_ids = list(range(1, num_blocks + 1))
+        self.keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(num_blocks)]
+        config = KVTransferConfig("SharedStorageConnector", "kv_both",
+                                  {"shared_storage_path": str(folder)})
+        self.connector = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
+        self.connector.register_kv_caches(self.caches)
+
+    def save(self) -> None:
+        self.connector.bind_connector_metadata(StorageConnectorMetadata(
+            saves=[BlockTransfer("bench", self.block_ids, self.keys)]))
+        self.connector.wait_for_save()
+        self.connector.clear_connector_metadata()
+        assert self.connector.get_save_failures() == 0
+
+    def load(self, count: int | None = None, is_async: bool = False) -> None:
+        count = len(self.block_ids) if count is None else count
+        self.connector.bind_connector_metadata(StorageConnectorMetadata(loads=[BlockTransfer(
+            "bench", self.block_ids[:count], self.keys[:count], is_async=is_async)]))
+        self.connector.start_load_kv(self.caches)
+        self.connector.clear_connector_metadata()
+        if is_async:
+            self.connector._async_loads["bench"].future.result(timeout=600)
+            _, done = self.connector.get_finished(set())
+            assert done == {"bench"}
+        synchronize(self.device)
+        assert not self.connector.get_block_ids_with_load_errors()
+
+
+def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, repeats: int,
+                 device: str) -> tuple[list[tuple[str, str, float, float]], ConnectorBench]:
+    """Rows of (layout, operation, GB/s, ratio to plain file I/O), and the loaded connector."""
     num_blocks = max(8, megabytes * (1 << 20) // layout.block_nbytes)
     nbytes = num_blocks * layout.block_nbytes
-    generator = torch.Generator().manual_seed(0)
-    # The paged cache the connector gathers from and scatters into (block 0 is the null block).
-    caches = [torch.randn(2, num_blocks + 1, layout.block_size, layout.num_kv_heads,
-                          layout.head_dim, generator=generator).to(layout.dtype)
-              for _ in range(layout.num_layers)]
-    block_ids = list(range(1, num_blocks + 1))
-    blocks = [torch.stack([cache[:, b] for cache in caches]).contiguous() for b in block_ids]
-    keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(num_blocks)]
+    bench = ConnectorBench(layout, root / "connector", num_blocks, device)
+    blocks = [torch.stack([cache[:, b] for cache in bench.caches]).cpu().contiguous()
+              for b in bench.block_ids]
     store = BlockStore(root / "store", layout)
     plain = root / "plain"
 
-    def plain_path(key: bytes) -> Path:
-        return plain / key.hex()[:2] / key.hex()
-
     def plain_write() -> None:
-        for key, block in zip(keys, blocks):
-            path = plain_path(key)
+        for key, block in zip(bench.keys, blocks):
+            path = plain / key.hex()[:2] / key.hex()
             path.parent.mkdir(exist_ok=True)
             with open(path, "wb") as handle:
                 handle.write(block.view(torch.uint8).numpy())
 
-    def plain_read() -> None:
-        for key in keys:
-            with open(plain_path(key), "rb") as handle:
+    def plain_read() -> None:  # the very files the connector loads
+        for key in bench.keys:
+            with open(bench.connector.store.path(key), "rb") as handle:
                 handle.read()
 
     def store_write() -> None:
-        for key, block in zip(keys, blocks):
+        for key, block in zip(bench.keys, blocks):
             store.write(key, block)
 
     def store_read() -> None:
-        for key in keys:
+        for key in bench.keys:
             store.read(key)
-
-    def store_read_unverified() -> None:
-        for key in keys:
-            parse_unverified(store, store.read_raw(key))
 
     def checksum_only() -> None:
         for block in blocks:
             xxhash.xxh3_64_intdigest(block.view(torch.uint8).numpy())
 
-    config = KVTransferConfig("SharedStorageConnector", "kv_both",
-                              {"shared_storage_path": str(root / "connector")})
-    connector = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
-    connector.register_kv_caches(caches)
-
-    def connector_save() -> None:
-        connector.bind_connector_metadata(StorageConnectorMetadata(
-            saves=[BlockTransfer("bench", block_ids, keys)]))
-        connector.wait_for_save()
-        connector.clear_connector_metadata()
-        assert connector.get_save_failures() == 0
-
-    def connector_load() -> None:
-        connector.bind_connector_metadata(StorageConnectorMetadata(
-            loads=[BlockTransfer("bench", block_ids, keys)]))
-        connector.start_load_kv(caches)
-        connector.clear_connector_metadata()
-        assert not connector.get_block_ids_with_load_errors()
-
     t_plain_write = best_time(plain_write, repeats, fresh(plain))
-    t_plain_read = best_time(plain_read, repeats)
     t_store_write = best_time(store_write, repeats, fresh(store.root))
+    t_conn_save = best_time(bench.save, repeats, fresh(root / "connector"))
+    t_plain_read = best_time(plain_read, repeats)
     t_store_read = best_time(store_read, repeats)
-    t_unverified = best_time(store_read_unverified, repeats)
     t_checksum = best_time(checksum_only, repeats)
-    t_conn_save = best_time(connector_save, repeats, fresh(root / "connector"))
-    connector.verify_after_load = True
-    t_conn_load = best_time(connector_load, repeats)
-    connector.verify_after_load = False
-    t_conn_load_noverify = best_time(connector_load, repeats)
-    shutil.rmtree(root, ignore_errors=True)
+    bench.connector.verify_after_load = False
+    t_conn_load_noverify = best_time(bench.load, repeats)
+    bench.connector.verify_after_load = True
+    t_conn_load = best_time(bench.load, repeats)
+    t_conn_async = best_time(lambda: bench.load(is_async=True), repeats)
+    label = f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)"
 
     def row(operation: str, seconds: float, reference: float) -> tuple[str, str, float, float]:
-        return (f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)", operation,
-                nbytes / seconds / 1e9, reference / seconds)
+        return label, operation, nbytes / seconds / 1e9, reference / seconds
 
-    return [
+    rows = [
         row("save: plain file write", t_plain_write, t_plain_write),
         row("save: BlockStore.write", t_store_write, t_plain_write),
         row("save: connector wait_for_save", t_conn_save, t_plain_write),
         row("load: plain file read", t_plain_read, t_plain_read),
-        row("load: read_raw + parse, no checksums", t_unverified, t_plain_read),
         row("load: BlockStore.read (verified)", t_store_read, t_plain_read),
         row("load: connector, verify_after_load=False", t_conn_load_noverify, t_plain_read),
         row("load: connector, verify_after_load=True", t_conn_load, t_plain_read),
+        row("load: connector async, verify_after_load", t_conn_async, t_plain_read),
         row("xxh3-64 of the payload alone", t_checksum, t_plain_read),
     ]
+    if device.startswith("cuda"):
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        t_h2d = best_time(lambda: (on_device.copy_(pinned, non_blocking=True),
+                                   synchronize(device)), repeats)
+        ceiling = max(t_plain_read, t_h2d)
+        rows += [row("load: pinned host-to-device copy", t_h2d, t_plain_read),
+                 row("load: connector (verify) x min(read, H2D)", t_conn_load, ceiling)]
+    return rows, bench
+
+
+def break_even(name: str, layout: KVCacheLayout, bench: ConnectorBench, repeats: int,
+               device: str) -> tuple[list[tuple[int, float, float]], int | None]:
+    """(tokens, load s, prefill s) per prompt length, and the shortest length where loading wins."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows, first_win = [], None
+    for tokens in BREAK_EVEN_TOKENS:
+        count = tokens // layout.block_size
+        if count > len(bench.block_ids) or sum(load < prefill for _, load, prefill in rows[-2:]) == 2:
+            break  # loading won at two lengths in a row: longer prompts only widen the gap
+        load_s = best_time(lambda count=count: bench.load(count), repeats)
+        prefill_s = prefill_seconds(SHAPES[name], tokens, device, dtype, repeats)
+        rows.append((tokens, load_s, prefill_s))
+        if first_win is None and load_s < prefill_s:
+            first_win = tokens
+    return rows, first_win
 
 
 def bench_decode(model: str | None, prompt_tokens: int, device: str, root: Path, repeats: int,
@@ -240,21 +279,41 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="best of N (3)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="long prompt length")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: built-in)")
-    parser.add_argument("--device", default="cpu", help="device of the decode part (cpu)")
+    parser.add_argument("--device", default="cpu", help="device of the KV cache and the model (cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--skip-llm", action="store_true", help="storage figures only")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="kvrecover_bench_", dir=args.dir))
     try:
-        print(f"files under {root}; torch threads: {torch.get_num_threads()}\n")
-        print(f"{'layout':<34}{'operation':<44}{'GB/s':>8}{'x plain':>9}")
-        for name, layout in LAYOUTS.items():
-            for layout_name, operation, rate, ratio in bench_layout(
-                name, layout, root / name.replace(" ", "_"), args.megabytes, args.repeats
-            ):
-                print(f"{layout_name:<34}{operation:<44}{rate:>8.2f}{ratio:>9.2f}")
+        print(f"files under {root}; torch threads: {torch.get_num_threads()}; "
+              f"KV cache on {args.device}\n")
+        print(f"{'layout':<34}{'operation':<46}{'GB/s':>8}{'x plain':>9}  goal")
+        breaks = {}
+        for name in args.layouts:
+            folder = root / name.replace(" ", "_")
+            rows, bench = bench_layout(name, LAYOUTS[name], folder, args.megabytes, args.repeats,
+                                       args.device)
+            for layout_name, operation, rate, ratio in rows:
+                kind = ("load, verify_after_load" if "verify_after_load=True" in operation
+                        else operation.split(":")[0])
+                sync = "connector" in operation and "async" not in operation
+                goal = GOALS.get(kind) if sync else None
+                verdict = "" if goal is None else f">= {goal} {'met' if ratio >= goal else 'MISSED'}"
+                print(f"{layout_name:<34}{operation:<46}{rate:>8.2f}{ratio:>9.2f}  {verdict}")
+            breaks[name] = break_even(name, LAYOUTS[name], bench, args.repeats, args.device)
+            del bench
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"\nload (connector, verified) vs recompute ({args.device}; recompute = layers "
+              "x one layer's measured prefill)")
+        print(f"{'layout':<20}{'tokens':>8}{'load s':>10}{'recompute s':>13}  loading wins from")
+        for name, (rows, first_win) in breaks.items():
+            wins = "not within the lengths tried" if first_win is None else f"{first_win} tokens"
+            for index, (tokens, load_s, prefill_s) in enumerate(rows):
+                print(f"{name if index == 0 else '':<20}{tokens:>8}{load_s:>10.4f}{prefill_s:>13.4f}"
+                      f"  {wins if index == 0 else ''}")
         if not args.skip_llm:
             print(f"\n{args.model or 'default model'}, {args.prompt_tokens}-token prompt, "
                   f"device {args.device}, best of {args.repeats}")

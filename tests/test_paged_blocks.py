@@ -157,3 +157,37 @@ def test_connector_reports_a_corrupt_entry_and_everything_after_it(layout, tmp_p
     assert invalid == {7, 8}
     for saved, loaded in [(1, 5), (2, 6)]:
         assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
+
+
+def test_staging_buffers_are_reused_smallest_fit_first(layout):
+    from kvrecover.kv_transfer.paged_blocks import MAX_FREE_STAGING
+
+    paged = PagedBlocks(random_caches(layout, 10))
+    small, large = paged.staging(2), paged.staging(5)
+    assert small.shape == (2, layout.block_nbytes) and large.shape == (5, layout.block_nbytes)
+    paged.release(large)
+    paged.release(small)
+    assert paged.staging(2) is small  # the smallest buffer that fits
+    assert paged.staging(2) is large
+    assert paged.staging(1) is not small  # the pool is empty again: a fresh buffer
+    for count in range(1, MAX_FREE_STAGING + 3):
+        paged.release(paged.staging(count) if count > MAX_FREE_STAGING else torch.empty(
+            (count, layout.block_nbytes), dtype=torch.uint8))
+    assert len(paged._free_staging) == MAX_FREE_STAGING
+    assert min(buffer.shape[0] for buffer in paged._free_staging) == 3  # the smallest went
+
+
+def test_async_loads_into_a_reused_buffer_stay_byte_identical(layout, tmp_path):
+    source = random_caches(layout, 11)
+    block_keys = keys(4)
+    store = BlockStore(tmp_path, layout)
+    for block_id, key in zip([1, 2, 3, 4], block_keys):
+        store.write(key, block_of(source, block_id))
+    target = random_caches(layout, 12)
+    worker = connector(tmp_path, layout, target)
+    assert not load(worker, target, [5, 6, 7, 8], block_keys, is_async=True)
+    assert len(worker._paged._free_staging) == 1
+    assert not load(worker, target, [3, 1], block_keys[2:], is_async=True)  # reuses it
+    assert len(worker._paged._free_staging) == 1
+    for saved, loaded in [(1, 5), (2, 6), (3, 3), (4, 1)]:
+        assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))

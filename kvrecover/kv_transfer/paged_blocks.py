@@ -11,9 +11,13 @@ saves come back the same way.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvrecover.kv_transfer.block_store import parts_checksum, payload_checksum
+
+MAX_FREE_STAGING = 4  # staging buffers kept for reuse (async loads in flight at once)
 
 
 class PagedBlocks:
@@ -34,6 +38,8 @@ class PagedBlocks:
         self._part_nbytes = one_block[0].numel() * one_block.element_size()
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
+        self._free_staging: list[torch.Tensor] = []
+        self._staging_lock = threading.Lock()
 
     def parts(self, block_id: int) -> list[memoryview]:
         """The block's bytes in file order: layer 0 K, layer 0 V, layer 1 K, ... (direct only)."""
@@ -42,10 +48,27 @@ class PagedBlocks:
         return [piece for layer in self._layer_bytes for piece in (layer[k : k + size], layer[v : v + size])]
 
     def staging(self, count: int) -> torch.Tensor:
-        """An uninitialised [count, block bytes] uint8 host buffer, pinned for a GPU cache
-        (PyTorch's caching host allocator reuses it only after its copies completed)."""
-        return torch.empty((count, self.block_nbytes), dtype=torch.uint8,
-                           pin_memory=self.device.type == "cuda")
+        """An uninitialised host buffer of at least `count` block rows (uint8), pinned for
+        a GPU cache. Any thread may call this."""
+        if self.device.type == "cuda":  # PyTorch's caching host allocator reuses pinned
+            return torch.empty((count, self.block_nbytes), dtype=torch.uint8, pin_memory=True)
+        with self._staging_lock:  # (indices, not list.remove: tensors compare elementwise)
+            fits = [i for i, buffer in enumerate(self._free_staging) if buffer.shape[0] >= count]
+            if fits:
+                return self._free_staging.pop(min(fits, key=lambda i: self._free_staging[i].shape[0]))
+        # Fresh memory costs a page fault per 4 KiB on first touch: about as much as
+        # the read itself, hence the pool.
+        return torch.empty((count, self.block_nbytes), dtype=torch.uint8)
+
+    def release(self, staging: torch.Tensor) -> None:
+        """Give a staging buffer back for reuse once nothing will read or write it again."""
+        if self.device.type == "cuda":
+            return
+        with self._staging_lock:
+            self._free_staging.append(staging)
+            if len(self._free_staging) > MAX_FREE_STAGING:
+                self._free_staging.sort(key=lambda buffer: buffer.shape[0])
+                del self._free_staging[0]
 
     def scatter(self, block_ids: list[int], staging: torch.Tensor) -> None:
         """Copy staged rows 0..len(block_ids)-1 into the given cache blocks."""

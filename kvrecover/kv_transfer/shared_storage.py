@@ -241,6 +241,7 @@ class SharedStorageConnector(KVConnectorBase):
         if count and blocks[0].staging is not None:
             block_ids = transfer.block_ids[:count]
             self._paged.scatter(block_ids, blocks[0].staging)
+            self._paged.release(blocks[0].staging)
             if self.verify_after_load:
                 count = self._verified_prefix(block_ids, blocks[:count])
         # Blocks read in place were hashed in the cache: that check was end to end already.
@@ -317,6 +318,8 @@ class SharedStorageConnector(KVConnectorBase):
                 if load.future.exception() is None:
                     self._install(load.transfer, load.future.result())
                 else:
+                    logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
+                                   request_id, load.future.exception())
                     self._invalid_block_ids.update(load.transfer.block_ids)
                 done.add(request_id)
             elif now >= load.deadline:
