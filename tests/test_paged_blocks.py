@@ -25,6 +25,8 @@ from kvrecover.kv_transfer.shared_storage import (
 )
 
 NUM_BLOCKS = 9  # block 0 is the null block
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned staging path needs a GPU"))]
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -32,14 +34,15 @@ def layout(request) -> KVCacheLayout:
     return KVCacheLayout("paged-test", request.param, 4, 3, 2, 8)
 
 
-def random_caches(layout: KVCacheLayout, seed: int) -> list[torch.Tensor]:
+def random_caches(layout: KVCacheLayout, seed: int, device: str = "cpu") -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(2, NUM_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_dim,
-                        generator=generator).to(layout.dtype) for _ in range(layout.num_layers)]
+                        generator=generator).to(layout.dtype).to(device)
+            for _ in range(layout.num_layers)]
 
 
 def block_of(caches: list[torch.Tensor], block_id: int) -> torch.Tensor:
-    return torch.stack([cache[:, block_id] for cache in caches]).contiguous()
+    return torch.stack([cache[:, block_id] for cache in caches]).cpu().contiguous()
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
@@ -124,25 +127,30 @@ def load(worker: SharedStorageConnector, caches, block_ids, block_keys, is_async
     return worker.get_block_ids_with_load_errors()
 
 
-@pytest.mark.parametrize("is_async", [False, True], ids=["sync-in-place", "async-staged"])
-def test_connector_round_trip_is_byte_identical(layout, tmp_path, is_async):
-    source = random_caches(layout, 6)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_connector_round_trip_is_byte_identical(layout, tmp_path, is_async, device):
+    source = random_caches(layout, 6, device)
     saved_ids, block_keys = [1, 2, 3, 6, 8], keys(5)
     saver = connector(tmp_path, layout, source)
     saver.bind_connector_metadata(StorageConnectorMetadata(
         saves=[BlockTransfer("r", saved_ids, block_keys)]))
     saver.wait_for_save()
     assert saver.get_save_failures() == 0
-    target = random_caches(layout, 7)
+    target = random_caches(layout, 7, device)
     loaded_ids = [4, 5, 1, 7, 8]  # runs and gaps, in another order than saved
-    assert not load(connector(tmp_path, layout, target), target, loaded_ids, block_keys, is_async)
+    worker = connector(tmp_path, layout, target)
+    assert worker._paged.direct == (device == "cpu")  # in place on the CPU, staged on a GPU
+    assert not load(worker, target, loaded_ids, block_keys, is_async)
     for saved, loaded in zip(saved_ids, loaded_ids):
         assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
     assert raw_bytes(block_of(target, 2)) == raw_bytes(block_of(random_caches(layout, 7), 2))
 
 
-@pytest.mark.parametrize("is_async", [False, True], ids=["sync-in-place", "async-staged"])
-def test_connector_reports_a_corrupt_entry_and_everything_after_it(layout, tmp_path, is_async):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_connector_reports_a_corrupt_entry_and_everything_after_it(layout, tmp_path, is_async,
+                                                                    device):
     source = random_caches(layout, 8)
     block_keys = keys(4)
     store = BlockStore(tmp_path, layout)
@@ -152,7 +160,7 @@ def test_connector_reports_a_corrupt_entry_and_everything_after_it(layout, tmp_p
     raw = bytearray(path.read_bytes())
     raw[PREFIX_SIZE + 17] ^= 0x40
     path.write_bytes(bytes(raw))
-    target = random_caches(layout, 9)
+    target = random_caches(layout, 9, device)
     invalid = load(connector(tmp_path, layout, target), target, [5, 6, 7, 8], block_keys, is_async)
     assert invalid == {7, 8}
     for saved, loaded in [(1, 5), (2, 6)]:
