@@ -59,13 +59,20 @@ BREAK_EVEN_TOKENS = (16, 64, 256, 1024, 4096)
 
 
 def best_time(run: Callable[[], None], repeats: int, setup: Callable[[], None] = lambda: None) -> float:
-    times = []
+    return best_times([(run, setup)], repeats)[0]
+
+
+def best_times(runs: list[tuple[Callable[[], None], Callable[[], None]]], repeats: int) -> list[float]:
+    """Best time of each (run, setup), the runs interleaved round by round so that a
+    busy spell on a shared machine hits all of them, not just one (ratios stay fair)."""
+    times = [float("inf")] * len(runs)
     for _ in range(repeats):
-        setup()
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for index, (run, setup) in enumerate(runs):
+            setup()
+            started = time.perf_counter()
+            run()
+            times[index] = min(times[index], time.perf_counter() - started)
+    return times
 
 
 def fresh(folder: Path) -> Callable[[], None]:
@@ -153,17 +160,19 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
         for block in blocks:
             xxhash.xxh3_64_intdigest(block.view(torch.uint8).numpy())
 
-    t_plain_write = best_time(plain_write, repeats, fresh(plain))
-    t_store_write = best_time(store_write, repeats, fresh(store.root))
-    t_conn_save = best_time(bench.save, repeats, fresh(root / "connector"))
-    t_plain_read = best_time(plain_read, repeats)
-    t_store_read = best_time(store_read, repeats)
-    t_checksum = best_time(checksum_only, repeats)
-    bench.connector.verify_after_load = False
-    t_conn_load_noverify = best_time(bench.load, repeats)
-    bench.connector.verify_after_load = True
-    t_conn_load = best_time(bench.load, repeats)
-    t_conn_async = best_time(lambda: bench.load(is_async=True), repeats)
+    def verify(on: bool) -> Callable[[], None]:
+        def setup() -> None:
+            bench.connector.verify_after_load = on
+        return setup
+
+    t_plain_write, t_store_write, t_conn_save = best_times([
+        (plain_write, fresh(plain)), (store_write, fresh(store.root)),
+        (bench.save, fresh(root / "connector"))], repeats)
+    t_plain_read, t_store_read, t_conn_load_noverify, t_conn_load, t_conn_async, t_checksum = (
+        best_times([(plain_read, verify(True)), (store_read, verify(True)),
+                    (bench.load, verify(False)), (bench.load, verify(True)),
+                    (lambda: bench.load(is_async=True), verify(True)),
+                    (checksum_only, verify(True))], repeats))
     label = f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)"
 
     def row(operation: str, seconds: float, reference: float) -> tuple[str, str, float, float]:

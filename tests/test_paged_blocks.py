@@ -25,8 +25,8 @@ from kvrecover.kv_transfer.shared_storage import (
 )
 
 NUM_BLOCKS = 9  # block 0 is the null block
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the pinned staging path needs a GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned staging path needs a GPU")])]
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
