@@ -20,6 +20,11 @@ its cut (the prefill of the tails minus that of the no-failure tails). The goal:
 measured extra TTFT <= 1.2 x predicted + one decode step (a sync load finds its
 failures only after the step that consumed it).
 
+"recomputed" is the engine's `kv_load_recomputed_tokens`: the tokens rolled back,
+the sampled step included; an async request that failed asks the connector once
+more (`kv_load_retry_limit`, 1 by default; `--retry-limit`), and with a persistent
+fault that second load fails again and counts again.
+
 CPU: the built-in default model (float32). CUDA: the Llama-3.2-1B shape with
 random bf16 weights, built by `bench_gpu.build_checkpoint` (no download).
 Times are the best of --repeats; each repeat uses fresh prompts of the same shape.
@@ -111,15 +116,17 @@ def release(llm: LLM | None) -> None:
 
 
 def measure_consumer(llm_args: dict, store: Path, mode: str, plans: list[FailurePlan],
-                     prompts: list[list[list[int]]], max_tokens: int, batch: int) -> list[tuple]:
+                     prompts: list[list[list[int]]], max_tokens: int, batch: int,
+                     retry_limit: int | None) -> list[tuple]:
     """Best (batch TTFT, mean TTFT, e2e) per plan, plus the recovered-token counts."""
     rules = []
     for run_index in range(len(plans) * len(prompts)):
         rules += fault_rules(plans[run_index // len(prompts)], run_index * batch)
+    retry = {} if retry_limit is None else {"kv_load_retry_limit": retry_limit}
     transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", {
         "inner_connector": "SharedStorageConnector", "shared_storage_path": str(store),
         "async_load": mode == "async", "faults": rules,
-    })
+    }, **retry)
     llm = LLM(**llm_args, enable_prefix_caching=False, kv_transfer_config=transfer)
     timed_batch(llm, random_prompts(batch, 48, seed=999), max_tokens)  # warm-up, nothing stored
     results = []
@@ -198,6 +205,8 @@ def main() -> None:
                         help="where --device cuda builds its random 1B checkpoint")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of TTFT vs failure rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--retry-limit", type=int, default=None,
+                        help="kv_load_retry_limit of the consumer (default: the engine's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,7 +239,7 @@ def main() -> None:
                               SamplingParams(temperature=0, max_tokens=1))
         release(producer)
         rows = {mode: measure_consumer(llm_args, store, mode, plans, prompts, args.max_tokens,
-                                       args.batch) for mode in ("sync", "async")}
+                                       args.batch, args.retry_limit) for mode in ("sync", "async")}
     finally:
         shutil.rmtree(store, ignore_errors=True)
     recompute = measure_recompute(llm_args, plans, loaded_blocks, block_size, args.batch,
