@@ -108,60 +108,68 @@ def timed_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     return max(first.values()), sum(first.values()) / len(first), total
 
 
-def release(llm: LLM | None) -> None:
+def release(llm: LLM) -> None:
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def measure_consumer(llm_args: dict, store: Path, mode: str, plans: list[FailurePlan],
-                     prompts: list[list[list[int]]], max_tokens: int, batch: int,
-                     retry_limit: int | None) -> list[tuple]:
-    """Best (batch TTFT, mean TTFT, e2e) per plan, plus the recovered-token counts."""
+def consumer(llm_args: dict, store: Path, mode: str, plans: list[FailurePlan], repeats: int,
+             batch: int, retry_limit: int | None) -> LLM:
+    """A consumer whose r-th round of plan p (run r * len(plans) + p) fails as plan p says."""
     rules = []
-    for run_index in range(len(plans) * len(prompts)):
-        rules += fault_rules(plans[run_index // len(prompts)], run_index * batch)
+    for run_index in range(repeats * len(plans)):
+        rules += fault_rules(plans[run_index % len(plans)], run_index * batch)
     retry = {} if retry_limit is None else {"kv_load_retry_limit": retry_limit}
     transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", {
         "inner_connector": "SharedStorageConnector", "shared_storage_path": str(store),
         "async_load": mode == "async", "faults": rules,
     }, **retry)
     llm = LLM(**llm_args, enable_prefix_caching=False, kv_transfer_config=transfer)
-    timed_batch(llm, random_prompts(batch, 48, seed=999), max_tokens)  # warm-up, nothing stored
-    results = []
-    for plan in plans:
-        before = llm.stats
-        runs = [timed_batch(llm, batch_prompts, max_tokens) for batch_prompts in prompts]
-        after = llm.stats
-        recomputed = after["kv_load_recomputed_tokens"] - before["kv_load_recomputed_tokens"]
-        external = after["prompt_tokens_external"] - before["prompt_tokens_external"]
-        results.append((min(r[0] for r in runs), min(r[1] for r in runs),
-                        min(r[2] for r in runs), recomputed // len(prompts),
-                        external // len(prompts), plan))
-    release(llm)
-    return results
+    timed_batch(llm, random_prompts(batch, 48, seed=999), 2)  # warm-up; nothing stored, no load
+    return llm
 
 
-def measure_recompute(llm_args: dict, plans: list[FailurePlan], loaded_blocks: int,
-                      block_size: int, batch: int, prompt_tokens: int, repeats: int,
-                      seed: int) -> list[float]:
-    """Per plan: best time to first token when each request's KV before its cut is cached."""
-    llm = LLM(**llm_args, enable_prefix_caching=True)
-    timed_batch(llm, random_prompts(batch, 48, seed=998), 1)  # warm-up
-    results = []
-    for plan_index, plan in enumerate(plans):
-        cuts = plan.cuts(loaded_blocks, block_size)
-        best = float("inf")
-        for repeat in range(repeats):
-            prompts = random_prompts(batch, prompt_tokens, seed + 1000 * plan_index + repeat)
-            prefixes = [p[:cut] for p, cut in zip(prompts, cuts) if cut]
-            if prefixes:  # fills the prefix cache with exactly the KV that survives the failure
-                timed_batch(llm, prefixes, 1)
-            best = min(best, timed_batch(llm, prompts, 1)[0])
-        results.append(best)
-    release(llm)
-    return results
+def timed_consumer(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple:
+    """(batch TTFT, mean TTFT, e2e, recomputed tokens) of one batch."""
+    before = llm.stats["kv_load_recomputed_tokens"]
+    ttft, mean_ttft, e2e = timed_batch(llm, prompts, max_tokens)
+    return ttft, mean_ttft, e2e, llm.stats["kv_load_recomputed_tokens"] - before
+
+
+def timed_recompute(llm: LLM, cuts: list[int], batch: int, prompt_tokens: int, seed: int) -> float:
+    """Time to first token of fresh prompts whose KV before each cut is in the prefix cache."""
+    prompts = random_prompts(batch, prompt_tokens, seed)
+    prefixes = [p[:cut] for p, cut in zip(prompts, cuts) if cut]
+    if prefixes:  # fills the prefix cache with exactly the KV that survives the failure
+        timed_batch(llm, prefixes, 1)
+    return timed_batch(llm, prompts, 1)[0]
+
+
+def measure(llm_args: dict, store: Path, plans: list[FailurePlan], prompts: list[list[list[int]]],
+            args: argparse.Namespace, loaded_blocks: int, block_size: int):
+    """Best-of-rounds consumer rows per mode and predicted costs per plan. Every round runs
+    every plan in every mode and the recompute, so a busy spell hits them all alike."""
+    engines = {mode: consumer(llm_args, store, mode, plans, len(prompts), args.batch,
+                              args.retry_limit) for mode in ("sync", "async")}
+    recompute = LLM(**llm_args, enable_prefix_caching=True)
+    timed_batch(recompute, random_prompts(args.batch, 48, seed=998), 1)  # warm-up
+    best = {mode: [(float("inf"),) * 4 for _ in plans] for mode in engines}
+    best_recompute = [float("inf")] * len(plans)
+    for round_index, batch_prompts in enumerate(prompts):
+        for index, plan in enumerate(plans):
+            for mode, llm in engines.items():
+                run = timed_consumer(llm, batch_prompts, args.max_tokens)
+                best[mode][index] = (*(min(a, b) for a, b in zip(best[mode][index][:3], run[:3])),
+                                     run[3])
+            seed = args.seed + 10_000 + 1000 * index + round_index
+            best_recompute[index] = min(best_recompute[index], timed_recompute(
+                recompute, plan.cuts(loaded_blocks, block_size), args.batch, args.prompt_tokens,
+                seed))
+    for llm in [*engines.values(), recompute]:
+        release(llm)
+    return best, best_recompute
 
 
 def plot(rows: dict[str, list[tuple]], predicted: list[float], rates: list[float], path: Path,
@@ -238,12 +246,10 @@ def main() -> None:
             producer.generate([{"prompt_token_ids": p} for p in batch_prompts],
                               SamplingParams(temperature=0, max_tokens=1))
         release(producer)
-        rows = {mode: measure_consumer(llm_args, store, mode, plans, prompts, args.max_tokens,
-                                       args.batch, args.retry_limit) for mode in ("sync", "async")}
+        rows, recompute = measure(llm_args, store, plans, prompts, args, loaded_blocks,
+                                  block_size)
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    recompute = measure_recompute(llm_args, plans, loaded_blocks, block_size, args.batch,
-                                  args.prompt_tokens, args.repeats, args.seed + 10_000)
     predicted = [t - recompute[0] for t in recompute]
     print(f"\n{title}; {args.max_tokens} new tokens, best of {args.repeats}\n")
     print("| mode | failed blocks | lost tokens | recomputed | TTFT s (mean) | e2e s "
@@ -252,7 +258,7 @@ def main() -> None:
     for mode, results in rows.items():
         ttft0, _, e2e0 = results[0][:3]
         step = (e2e0 - ttft0) / max(1, args.max_tokens - 1)
-        for (ttft, mean_ttft, e2e, recomputed, _external, plan), pred in zip(results, predicted):
+        for (ttft, mean_ttft, e2e, recomputed), plan, pred in zip(results, plans, predicted):
             failed = sum(len(p) for p in plan.positions)
             lost = plan.lost_tokens(loaded_blocks, block_size)
             bound = 1.2 * pred + step
