@@ -212,11 +212,14 @@ class SharedStorageConnector(KVConnectorBase):
         paged = self._paged
         staging = None if paged.direct and not transfer.is_async else paged.staging(
             len(transfer.block_ids))
+        rows = None if staging is None else memoryview(staging.numpy()).cast("B")
+        row_nbytes = paged.block_nbytes
         blocks: list[LoadedBlock | None] = []
         for position, (block_id, key) in enumerate(zip(transfer.block_ids, transfer.keys)):
             if cancelled.is_set():
                 break
-            parts = paged.parts(block_id) if staging is None else [memoryview(staging[position].numpy())]
+            parts = paged.parts(block_id) if rows is None else [
+                rows[position * row_nbytes : (position + 1) * row_nbytes]]
             try:
                 if self._read_filter is None:
                     checksum = self.store.read_into(key, parts)
