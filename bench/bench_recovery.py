@@ -108,8 +108,8 @@ def timed_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     return max(first.values()), sum(first.values()) / len(first), total
 
 
-def release(llm: LLM) -> None:
-    del llm
+def release_memory() -> None:
+    """Free what engines the caller dropped held (their GPU memory, if any)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -167,8 +167,9 @@ def measure(llm_args: dict, store: Path, plans: list[FailurePlan], prompts: list
             best_recompute[index] = min(best_recompute[index], timed_recompute(
                 recompute, plan.cuts(loaded_blocks, block_size), args.batch, args.prompt_tokens,
                 seed))
-    for llm in [*engines.values(), recompute]:
-        release(llm)
+    engines.clear()
+    del recompute
+    release_memory()
     return best, best_recompute
 
 
@@ -229,7 +230,8 @@ def main() -> None:
         llm_args = dict(model=model, device="cuda:0", dtype="bfloat16", kv_cache_memory_gb=8,
                         max_model_len=args.prompt_tokens + args.max_tokens + 16,
                         max_num_seqs=max(16, args.batch))
-        title = f"Llama-3.2-1B shape bf16, H200, {args.batch} x {args.prompt_tokens} tokens"
+        title = (f"Llama-3.2-1B shape bf16, {torch.cuda.get_device_name()}, "
+                 f"{args.batch} x {args.prompt_tokens} tokens")
     else:
         llm_args = dict(model=None, device="cpu")
         title = f"default model f32, CPU, {args.batch} x {args.prompt_tokens} tokens"
@@ -245,7 +247,8 @@ def main() -> None:
         for batch_prompts in prompts:
             producer.generate([{"prompt_token_ids": p} for p in batch_prompts],
                               SamplingParams(temperature=0, max_tokens=1))
-        release(producer)
+        del producer
+        release_memory()
         rows, recompute = measure(llm_args, store, plans, prompts, args, loaded_blocks,
                                   block_size)
     finally:
