@@ -138,12 +138,12 @@ class BlockStore:
         )
         target = self.path(key)
         temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        flags, mode = os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666  # as open("wb"): umask decides
         try:
-            fd = os.open(temporary, flags, 0o644)
+            fd = os.open(temporary, flags, mode)
         except FileNotFoundError:  # first block in this fan-out folder
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(temporary, flags, 0o644)
+            fd = os.open(temporary, flags, mode)
         try:
             try:
                 _write_all(fd, [header, HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header)),
