@@ -17,7 +17,7 @@ from kvrecover.kv_layout import KVCacheLayout, blocks_needed, update_block_hashe
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.loader import checkpoint_fingerprint
+from kvrecover.models.fingerprint import checkpoint_fingerprint
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import Tokenizer

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import xxhash
 from torch import nn
 
 
@@ -34,28 +33,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ValueError(f"model folder {model_dir} has no *.safetensors weights")
     return files
-
-
-def checkpoint_fingerprint(model_dir: Path, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
-    """A cheap digest of the weights themselves: each file's name, size,
-    safetensors header and evenly spaced samples of its data (xxh3).
-
-    Part of the KV layout identity, so that KV stored for other weights of the
-    same architecture (a fine-tune, say) is never loaded. Sampling keeps it at
-    milliseconds for any checkpoint size; training changes practically every
-    weight, so the samples differ.
-    """
-    digest = xxhash.xxh3_64()
-    for path in checkpoint_files(Path(model_dir)):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as handle:
-            header_len = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(header_len, size)))
-            for index in range(samples):
-                handle.seek(size * index // samples)
-                digest.update(handle.read(sample_bytes))
-    return digest.hexdigest()
 
 
 _SAFETENSORS_DTYPES = {
