@@ -119,7 +119,7 @@ def _generate(args: argparse.Namespace, options) -> int:
 
 
 def _storage_verify(path: Path, fix: bool) -> int:
-    from kvrecover.kv_transfer.storage_check import scan_store
+    from kvrecover.kv_transfer.storage_check import remove_entry, scan_store
 
     if not path.is_dir():
         raise ValueError(f"{path} is not a folder")
@@ -132,7 +132,7 @@ def _storage_verify(path: Path, fix: bool) -> int:
         action = "removed" if fix else "bad"
         print(f"{action}: {report.path}: {report.problem}")
         if fix:
-            report.path.unlink(missing_ok=True)
+            remove_entry(report.path)
     print(f"{good} good, {bad} bad entries under {path}")
     return 1 if bad and not fix else 0
 
