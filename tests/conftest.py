@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random-weight checkpoints built on the fly, and a HF reference."""
+"""Shared fixtures: tiny random-weight checkpoints built on the fly, a HF reference, and a
+store holding their KV for the storage, fingerprint and fault tests."""
 
 from __future__ import annotations
 
+import functools
 import json
+import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -197,3 +201,133 @@ def simulate_full_disk(monkeypatch, module, bytes_before_failure: int) -> None:
     monkeypatch.setattr(module, "open", open_on_a_full_disk, raising=False)
     if hasattr(module, "os"):
         monkeypatch.setattr(module, "os", FullDiskOS())
+
+
+# ----- a store of stored KV, shared by the storage, fingerprint and fault tests ----------
+KV_VOCAB = 384  # the tiny models above
+KV_BLOCK = 16
+KV_MAX_TOKENS = 4
+# Three unrelated prompts: 4, 5 and 3 full blocks, all loadable (the last token is not).
+KV_PROMPT_LENGTHS = (70, 93, 50)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """A seeded prompt of token ids that the tiny models accept."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, KV_VOCAB) for _ in range(length)]
+
+
+KV_PROMPTS = [random_prompt(n, seed=100 + i) for i, n in enumerate(KV_PROMPT_LENGTHS)]
+KV_LOADABLE = [(n - 1) // KV_BLOCK for n in KV_PROMPT_LENGTHS]
+
+
+def make_layout(dtype: torch.dtype = torch.float32, **overrides):
+    """A small KVCacheLayout for store tests: 2 layers, block 4, 2 KV heads, head dim 8."""
+    from kvrecover.kv_layout import KVCacheLayout
+
+    settings = dict(model_identity="test-model", dtype=dtype, block_size=4, num_layers=2,
+                    num_kv_heads=2, head_dim=8)
+    settings.update(overrides)
+    return KVCacheLayout(**settings)
+
+
+def random_block(store, seed: int) -> torch.Tensor:
+    """A seeded random block of the store's layout."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(store.block_shape, generator=generator).to(store.layout.dtype)
+
+
+def rewrite_header(path: Path, **changes) -> None:
+    """Rewrite header fields (`BlockHeader` names) and re-seal the header checksum: a
+    forged, self-consistent header."""
+    import dataclasses
+
+    from kvrecover.kv_transfer.block_store import HEADER, PREFIX_SIZE, BlockHeader
+
+    raw = bytearray(path.read_bytes())
+    header = dataclasses.replace(BlockHeader(*HEADER.unpack_from(raw, 0)), **changes)
+    raw[:PREFIX_SIZE] = header.pack()
+    path.write_bytes(bytes(raw))
+
+
+def storage_transfer(store: Path, role: str = "kv_both", connector: str = "SharedStorageConnector",
+                     **extra):
+    """A KVTransferConfig for a shared-storage store (`module_path` picks a user's module)."""
+    from kvrecover import KVTransferConfig
+
+    module_path = extra.pop("module_path", None)
+    return KVTransferConfig(connector, role, {"shared_storage_path": str(store), **extra},
+                            kv_connector_module_path=module_path)
+
+
+def make_kv_llm(model: Path, kv=None, **engine):
+    """A small CPU engine (block size KV_BLOCK, 128 KV blocks) with an optional connector."""
+    from kvrecover import LLM
+
+    settings = dict(device="cpu", block_size=KV_BLOCK, max_num_batched_tokens=64,
+                    num_kv_blocks=128)
+    settings.update(engine)
+    return LLM(str(model), kv_transfer_config=kv, **settings)
+
+
+def kv_generate(llm, prompts: list[list[int]], max_tokens: int = KV_MAX_TOKENS) -> list[list[int]]:
+    """Greedy token ids of the prompts."""
+    return greedy_token_ids(llm, prompts, max_tokens)
+
+
+@functools.cache
+def _no_connector_ids(model: str, prompts: tuple[tuple[int, ...], ...],
+                      engine: tuple) -> list[list[int]]:
+    return kv_generate(make_kv_llm(Path(model), **dict(engine)), [list(p) for p in prompts])
+
+
+def no_connector_ids(model: Path, prompts: list[list[int]] = KV_PROMPTS, **engine) -> list[list[int]]:
+    """Token ids of an engine without a connector: what every decode must return (cached)."""
+    return _no_connector_ids(str(model), tuple(map(tuple, prompts)), tuple(sorted(engine.items())))
+
+
+def block_files(root: Path) -> list[Path]:
+    """Every stored block file under a store root."""
+    from kvrecover.kv_transfer.block_store import SUFFIX
+
+    return sorted(root.rglob(f"*{SUFFIX}"))
+
+
+@pytest.fixture(scope="session")
+def pristine_store(tiny_llama, tmp_path_factory) -> tuple[Path, list[list[Path]]]:
+    """A store holding tiny_llama's KV of KV_PROMPTS, and each prompt's block files in
+    chain order. Copy it (`copy_store`) before changing anything."""
+    from kvrecover.kv_layout import update_block_hashes
+    from kvrecover.kv_transfer.block_store import BlockStore
+
+    root = tmp_path_factory.mktemp("pristine_store")
+    llm = make_kv_llm(tiny_llama, storage_transfer(root, "kv_producer"))
+    kv_generate(llm, KV_PROMPTS, max_tokens=1)
+    store = BlockStore(root, llm.engine.layout)
+    chains = []
+    for prompt in KV_PROMPTS:
+        keys: list[bytes] = []
+        update_block_hashes(keys, prompt, KV_BLOCK)
+        chains.append([store.path(key) for key in keys])
+    assert sorted(p for chain in chains for p in chain) == block_files(root)
+    return root, chains
+
+
+def copy_store(pristine: tuple[Path, list[list[Path]]], target: Path) -> list[list[Path]]:
+    """Copy a store to `target`; returns the copied block files per prompt, in chain order."""
+    root, chains = pristine
+    shutil.copytree(root, target)
+    return [[target / path.relative_to(root) for path in chain] for chain in chains]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_checkpoint_digest_cache(tmp_path_factory):
+    """Engines built by the tests cache checkpoint digests in a session folder, not in the
+    user's cache (test checkpoints are temporary; tests/test_fingerprint.py tests the cache)."""
+    import kvrecover.models.fingerprint as fingerprint
+
+    folder = tmp_path_factory.mktemp("digest_cache")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(fingerprint, "cache_root", lambda: folder)
+    yield folder
+    patch.undo()

@@ -13,55 +13,28 @@ import threading
 
 import pytest
 import torch
-import xxhash
-from conftest import simulate_full_disk
+from conftest import make_layout, random_block, rewrite_header, simulate_full_disk
 
-from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import (
-    HEADER,
-    HEADER_CHECKSUM,
     MAGIC,
     PREFIX_SIZE,
     SUFFIX,
     VERSION,
+    BlockCodec,
+    BlockHeader,
     BlockLoadError,
     BlockStore,
 )
-from kvrecover.kv_transfer.storage_check import check_entry, scan_store
+from kvrecover.kv_transfer.storage_check import check_entry
 
 KEY_A = bytes(range(16))
 KEY_B = bytes(range(16, 32))
-
-
-def make_layout(dtype: torch.dtype = torch.float32, **overrides) -> KVCacheLayout:
-    settings = dict(model_identity="test-model", dtype=dtype, block_size=4, num_layers=2,
-                    num_kv_heads=2, head_dim=8)
-    settings.update(overrides)
-    return KVCacheLayout(**settings)
-
-
-def random_block(store: BlockStore, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(store.block_shape, generator=generator).to(store.layout.dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     )
-
-
-def rewrite_header(path, **changes) -> None:
-    """Rewrite header fields and re-seal the header checksum (a forged, self-consistent header)."""
-    raw = bytearray(path.read_bytes())
-    names = ["magic", "version", "flags", "fingerprint", "key", "num_layers", "block_size",
-             "num_kv_heads", "head_dim", "dtype", "payload_nbytes", "payload_xxh3"]
-    fields = dict(zip(names, HEADER.unpack_from(raw, 0)))
-    fields.update(changes)
-    header = HEADER.pack(*(fields[name] for name in names))
-    raw[: HEADER.size] = header
-    raw[HEADER.size : PREFIX_SIZE] = HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
-    path.write_bytes(bytes(raw))
 
 
 @pytest.fixture
@@ -86,6 +59,27 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
     assert check_entry(path) is None
     # Only the finished entry is left: no temporary files.
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [path.name]
+
+
+def test_the_codec_round_trips_bytes_without_any_file(tmp_path):
+    """BlockCodec is the entry format alone (for stores that are not folders); a file holds
+    exactly its bytes."""
+    layout = make_layout(torch.bfloat16)
+    codec = BlockCodec(layout)
+    block = random_block(codec, seed=4)
+    entry = codec.encode(KEY_A, block)
+    assert len(entry) == codec.entry_nbytes == PREFIX_SIZE + layout.block_nbytes
+    assert same_bits(codec.parse(KEY_A, entry).tensor, block)
+    header = BlockHeader.unpack(entry[:PREFIX_SIZE])
+    assert (header.magic, header.key, header.num_layers, header.dtype_name) == (
+        MAGIC, KEY_A, 2, b"bfloat16")
+    assert header.shape_nbytes() == header.payload_nbytes == layout.block_nbytes
+    with pytest.raises(BlockLoadError, match="header does not match"):
+        codec.parse(KEY_B, entry)  # the key is part of what is verified
+    store = BlockStore(tmp_path, layout)
+    store.write(KEY_A, block)
+    assert store.path(KEY_A).read_bytes() == entry
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_write_replaces_an_entry_atomically_and_remove_deletes_it(store):
@@ -145,7 +139,7 @@ def test_wrong_magic_or_version_is_rejected(store):
         ("block_size", 8),
         ("num_kv_heads", 1),
         ("head_dim", 4),
-        ("dtype", b"float16\0"),
+        ("dtype_name", b"float16\0"),
         ("payload_nbytes", 1 << 40),  # a forged size never becomes an allocation
     ],
 )
@@ -297,29 +291,3 @@ def test_read_raises_only_block_load_error_on_random_damage(store):
             continue
         with pytest.raises(BlockLoadError):
             store.read(KEY_A)
-
-
-# ----- offline verification (storage_check) --------------------------------------------
-def test_scan_store_reports_every_bad_entry_and_leftover_temporary_file(tmp_path):
-    float_store = BlockStore(tmp_path, make_layout())
-    half_store = BlockStore(tmp_path, make_layout(torch.bfloat16))
-    for index in range(3):
-        float_store.write(bytes([index]) * 16, random_block(float_store, index))
-        half_store.write(bytes([index]) * 16, random_block(half_store, index))
-    raw = bytearray(half_store.path(bytes([1]) * 16).read_bytes())
-    raw[-1] ^= 0xFF
-    half_store.path(bytes([1]) * 16).write_bytes(bytes(raw))
-    moved = tmp_path / ("0" * 16) / "02"
-    moved.mkdir(parents=True)
-    shutil.move(float_store.path(bytes([2]) * 16), moved / f"{(bytes([2]) * 16).hex()}{SUFFIX}")
-    leftover = float_store.path(KEY_A).parent / f".{KEY_A.hex()}{SUFFIX}.123.abc.tmp"
-    leftover.parent.mkdir(parents=True, exist_ok=True)
-    leftover.write_bytes(b"half a block")
-    (tmp_path / "README").write_text("not an entry")  # other files are ignored
-    problems = {report.path: report.problem for report in scan_store(tmp_path)}
-    assert len(problems) == 7
-    assert sorted(p for p in problems.values() if p) == [
-        "folder does not match the layout fingerprint in its header",
-        "leftover temporary file of an interrupted write",
-        "payload checksum mismatch",
-    ]
