@@ -152,8 +152,12 @@ def test_a_file_written_moments_ago_is_not_cached(tmp_path, digest_cache, hashed
     assert not digest_cache.exists()
 
 
+OVERSIZED = b'{"format": 1, "entries": {}, "padding": "' + b"x" * (1 << 20) + b'"}'
+
+
 @pytest.mark.parametrize("content", [b"\x00garbage{", b"[]", b'{"format": 99, "entries": {}}',
-                                     b'{"format": 1, "entries": {"X": {"digest": 5}}}'])
+                                     b'{"format": 1, "entries": {"X": {"digest": 5}}}', OVERSIZED],
+                         ids=["garbage", "list", "format", "entry", "oversized"])
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, digest_cache, hashed_files,
                                                        no_racy_window, content):
     weights = fake_checkpoint(tmp_path / "model", 4096)

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 CACHE_FILE_NAME = "checkpoint-digests.json"
 CACHE_FORMAT = 1
 MAX_CACHE_ENTRIES = 256  # oldest dropped first; a miss only costs a re-hash
+MAX_CACHE_FILE_BYTES = 1 << 20  # 256 entries take ~64 KiB
 CHUNK_BYTES = 16 << 20
 RACY_WINDOW_NS = 3_000_000_000
 _IDENTITY_FIELDS = ("device", "inode", "size", "mtime_ns", "ctime_ns")
@@ -54,6 +55,7 @@ class FileIdentity:
 
     @classmethod
     def of(cls, path: Path) -> FileIdentity:
+        """The identity of the file at `path` (links followed)."""
         info = os.stat(path)
         return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
@@ -81,21 +83,24 @@ class DigestCache:
         self.entries: dict[str, dict] = {}
         self.changed = False
         try:
-            stored = json.loads(path.read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
-            return  # missing or corrupt: start empty
+            with open(path, "rb") as handle:
+                stored = json.loads(handle.read(MAX_CACHE_FILE_BYTES + 1))
+        except (OSError, ValueError):  # missing, corrupt or oversized: start empty
+            return
         if isinstance(stored, dict) and stored.get("format") == CACHE_FORMAT:
             entries = stored.get("entries")
             if isinstance(entries, dict):
                 self.entries = {k: v for k, v in entries.items() if _well_formed(v)}
 
     def get(self, key: str, identity: FileIdentity) -> str | None:
+        """The cached digest of the file at `key`, if its identity is still `identity`."""
         entry = self.entries.get(key)
         if entry is None or {k: entry[k] for k in _IDENTITY_FIELDS} != asdict(identity):
             return None
         return entry["digest"]
 
     def put(self, key: str, identity: FileIdentity, digest: str) -> None:
+        """Remember a digest (as the newest entry); `save` writes it."""
         self.entries.pop(key, None)  # re-inserted last: the newest survives trimming
         self.entries[key] = {**asdict(identity), "digest": digest}
         while len(self.entries) > MAX_CACHE_ENTRIES:
@@ -111,6 +116,7 @@ class DigestCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(prefix=f".{CACHE_FILE_NAME}.", suffix=".tmp",
                                              dir=self.path.parent)
+            os.fchmod(fd, 0o644)  # mkstemp makes it private; the cache may be shared
             with os.fdopen(fd, "w") as handle:
                 json.dump({"format": CACHE_FORMAT, "entries": self.entries}, handle)
             os.replace(temporary, self.path)
