@@ -20,7 +20,6 @@ from kvrecover.kv_transfer.block_store import (
     PREFIX_SIZE,
     SUFFIX,
     VERSION,
-    BlockCodec,
     BlockHeader,
     BlockLoadError,
     BlockStore,
@@ -61,25 +60,24 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [path.name]
 
 
-def test_the_codec_round_trips_bytes_without_any_file(tmp_path):
-    """BlockCodec is the entry format alone (for stores that are not folders); a file holds
-    exactly its bytes."""
+def test_the_header_decoder_reads_back_what_write_stored(tmp_path):
+    """BlockHeader.unpack is the one decoder (reads and `storage verify` use it)."""
     layout = make_layout(torch.bfloat16)
-    codec = BlockCodec(layout)
-    block = random_block(codec, seed=4)
-    entry = codec.encode(KEY_A, block)
-    assert len(entry) == codec.entry_nbytes == PREFIX_SIZE + layout.block_nbytes
-    assert same_bits(codec.parse(KEY_A, entry).tensor, block)
-    header = BlockHeader.unpack(entry[:PREFIX_SIZE])
-    assert (header.magic, header.key, header.num_layers, header.dtype_name) == (
-        MAGIC, KEY_A, 2, b"bfloat16")
-    assert header.shape_nbytes() == header.payload_nbytes == layout.block_nbytes
-    with pytest.raises(BlockLoadError, match="header does not match"):
-        codec.parse(KEY_B, entry)  # the key is part of what is verified
     store = BlockStore(tmp_path, layout)
-    store.write(KEY_A, block)
-    assert store.path(KEY_A).read_bytes() == entry
-    assert not list(tmp_path.glob("*.tmp"))
+    store.write(KEY_A, random_block(store, seed=4))
+    raw = store.path(KEY_A).read_bytes()
+    header = BlockHeader.unpack(raw[:PREFIX_SIZE])
+    assert (header.magic, header.version, header.key, header.num_layers, header.dtype_name) == (
+        MAGIC, VERSION, KEY_A, 2, b"bfloat16")
+    assert header.fingerprint == layout.fingerprint.encode()
+    assert header.shape_nbytes() == header.payload_nbytes == layout.block_nbytes
+    assert header.pack() == raw[:PREFIX_SIZE]
+    with pytest.raises(BlockLoadError, match="truncated"):
+        BlockHeader.unpack(raw[: PREFIX_SIZE - 1])
+    flipped = bytearray(raw[:PREFIX_SIZE])
+    flipped[20] ^= 1
+    with pytest.raises(BlockLoadError, match="header checksum mismatch"):
+        BlockHeader.unpack(flipped)
 
 
 def test_write_replaces_an_entry_atomically_and_remove_deletes_it(store):

@@ -21,6 +21,8 @@ load costs little next to the read itself. They catch torn writes, bit flips and
 swapped files; they do not stop a writer who forges a matching checksum.
 Every header field is checked against the engine's own layout before any
 payload byte is read, so a hostile file can cost at most one block read.
+`BlockHeader.unpack` is the one header decoder: the store's reads and the
+offline checker (`storage_check`) both use it.
 
 Writes go to a unique temporary file and are renamed into place, so readers
 never see a half-written entry and concurrent writers of one key leave one
@@ -40,7 +42,7 @@ import stat
 import struct
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -54,6 +56,7 @@ HEADER = struct.Struct("<4sHH16s16sIIII8sQQ")
 HEADER_CHECKSUM = struct.Struct("<Q")
 PREFIX_SIZE = HEADER.size + HEADER_CHECKSUM.size
 SUFFIX = ".kvblock"
+DTYPE_ITEM_SIZES = {b"float32": 4, b"bfloat16": 2, b"float16": 2}
 
 
 class BlockLoadError(Exception):
@@ -66,6 +69,48 @@ class StoredBlock:
 
     tensor: torch.Tensor  # [num_layers, 2, block_size, kv_heads, head_dim], on the CPU
     checksum: int
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """The header of a stored entry, every field as stored (`dtype_name` NUL padded)."""
+
+    magic: bytes
+    version: int
+    flags: int
+    fingerprint: bytes
+    key: bytes
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_name: bytes
+    payload_nbytes: int
+    payload_xxh3: int
+
+    def pack(self) -> bytes:
+        """The entry prefix: header bytes followed by their checksum."""
+        header = HEADER.pack(*astuple(self))
+        return header + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+
+    @classmethod
+    def unpack(cls, prefix: bytes | bytearray | memoryview) -> BlockHeader:
+        """Decode an entry's first PREFIX_SIZE bytes; BlockLoadError if they are too few or
+        fail their checksum. The fields are not checked against any layout here."""
+        if len(prefix) < PREFIX_SIZE:
+            raise BlockLoadError(f"truncated: {len(prefix)} bytes")
+        header = bytes(prefix[: HEADER.size])
+        (stored_sum,) = HEADER_CHECKSUM.unpack_from(prefix, HEADER.size)
+        if xxhash.xxh3_64_intdigest(header) != stored_sum:
+            raise BlockLoadError("header checksum mismatch")
+        return cls(*HEADER.unpack(header))
+
+    def shape_nbytes(self) -> int | None:
+        """The payload size that the shape fields and dtype imply; None for an unknown dtype."""
+        item = DTYPE_ITEM_SIZES.get(self.dtype_name.rstrip(b"\0"))
+        if item is None:
+            return None
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * item
 
 
 def payload_checksum(tensor: torch.Tensor) -> int:
@@ -219,22 +264,18 @@ class BlockStore:
 
     def _verify(self, key: bytes, prefix: bytes | bytearray, parts: Sequence[memoryview]) -> int:
         """Check the header, then the payload held in `parts`; return the payload checksum."""
-        header = bytes(prefix[: HEADER.size])
-        (stored_header_sum,) = HEADER_CHECKSUM.unpack_from(prefix, HEADER.size)
-        if xxhash.xxh3_64_intdigest(header) != stored_header_sum:
-            raise BlockLoadError("header checksum mismatch")
-        (magic, version, _flags, fingerprint, stored_key, layers, block_size, heads, head_dim,
-         dtype_name, nbytes, payload_sum) = HEADER.unpack(header)
+        header = BlockHeader.unpack(prefix)
         expected = (MAGIC, VERSION, self.layout.fingerprint.encode(), key,
                     self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
                     self.layout.head_dim, self._dtype_name.ljust(8, b"\0"), self.payload_nbytes)
-        actual = (magic, version, fingerprint, stored_key, layers, block_size, heads, head_dim,
-                  dtype_name, nbytes)
+        actual = (header.magic, header.version, header.fingerprint, header.key, header.num_layers,
+                  header.block_size, header.num_kv_heads, header.head_dim, header.dtype_name,
+                  header.payload_nbytes)
         if actual != expected:
             raise BlockLoadError("header does not match this engine's layout or key")
-        if parts_checksum(parts) != payload_sum:
+        if parts_checksum(parts) != header.payload_xxh3:
             raise BlockLoadError("payload checksum mismatch")
-        return payload_sum
+        return header.payload_xxh3
 
     def _check_parts(self, parts: Sequence[memoryview]) -> None:
         nbytes = sum(part.nbytes for part in parts)
