@@ -31,6 +31,9 @@ def _scenario_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("kvrecover_scenario"),
                         help="folder for the KV store and the output files "
                              "(default: ./kvrecover_scenario)")
+    parser.add_argument("--store", default=None, metavar="URL",
+                        help="keep the KV in Redis (redis://[:password@]host:port/db, "
+                             "unix:///path.sock) instead of <workdir>/local_storage")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,13 +100,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     if args.command == "prefill":
         args.workdir.mkdir(parents=True, exist_ok=True)
-        for prompt in scenario.run_prefill(options, args.workdir):
+        for prompt in scenario.run_prefill(options, args.workdir, args.store):
             print(repr("..." + prompt[-57:]))
         return 0
     if args.command == "decode":
-        scenario.run_decode(options, args.workdir, args.simulate_failure, args.async_load)
+        scenario.run_decode(options, args.workdir, args.simulate_failure, args.async_load,
+                            args.store)
         return 0
-    return scenario.run_scenario(options, args.workdir)
+    return scenario.run_scenario(options, args.workdir, args.store)
 
 
 def _generate(args: argparse.Namespace, options) -> int:

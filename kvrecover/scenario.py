@@ -3,6 +3,8 @@
 Each phase is a function that a separate process runs (`kvrecover prefill`,
 `kvrecover decode ...`); `run_scenario` starts the four phases as processes in
 a work folder and compares the recovered outputs with the baseline byte for byte.
+The KV goes to a folder in the work folder, or, with a `store` URL such as
+`redis://127.0.0.1:6379/0`, to Redis through the RedisConnector.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ class EngineOptions:
         return args
 
 
+def store_extra(workdir: Path, store: str | None) -> tuple[str, dict]:
+    """The connector and extra config that keep the scenario's KV in `store`
+    (a Redis URL) or, when it is None, in the work folder."""
+    if store is None:
+        return "SharedStorageConnector", {"shared_storage_path": str(workdir / STORAGE_DIR)}
+    return "RedisConnector", {"url": store}
+
+
 def _make_llm(options: EngineOptions, transfer: KVTransferConfig, **overrides):
     from kvrecover.llm import LLM
 
@@ -74,12 +84,10 @@ def _make_llm(options: EngineOptions, transfer: KVTransferConfig, **overrides):
     )
 
 
-def run_prefill(options: EngineOptions, workdir: Path) -> list[str]:
+def run_prefill(options: EngineOptions, workdir: Path, store: str | None = None) -> list[str]:
     """Phase 1: compute the prompts' KV, store it, write prompt + first token per line (JSON)."""
-    transfer = KVTransferConfig(
-        "SharedStorageConnector", "kv_both",
-        {"shared_storage_path": str(workdir / STORAGE_DIR)},
-    )
+    connector, extra = store_extra(workdir, store)
+    transfer = KVTransferConfig(connector, "kv_both", extra)
     llm = _make_llm(options, transfer)
     outputs = llm.generate(reference_prompts(), SamplingParams(temperature=0, max_tokens=1))
     new_prompts = [o.prompt + o.outputs[0].text for o in outputs]
@@ -106,16 +114,19 @@ def decode_output_name(simulate_failure: bool, async_load: bool) -> str:
 
 
 def run_decode(
-    options: EngineOptions, workdir: Path, simulate_failure: bool, async_load: bool
+    options: EngineOptions, workdir: Path, simulate_failure: bool, async_load: bool,
+    store: str | None = None,
 ) -> Path:
     """Phases 2-4: decode the stored prompts, optionally with the first load failing."""
     prompts = read_prefill_output(workdir)
-    extra = {"shared_storage_path": str(workdir / STORAGE_DIR), "async_load": async_load}
+    connector, extra = store_extra(workdir, store)
+    extra["async_load"] = async_load
     if simulate_failure:
         extra["faults"] = [{"requests": "first", "blocks": "all", "kind": "missing"}]
+        extra["inner_connector"] = connector
         transfer = KVTransferConfig("FaultInjectionConnector", "kv_both", extra)
     else:
-        transfer = KVTransferConfig("SharedStorageConnector", "kv_both", extra)
+        transfer = KVTransferConfig(connector, "kv_both", extra)
     llm = _make_llm(
         options, transfer,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
@@ -148,7 +159,7 @@ PHASES = (
 )
 
 
-def run_scenario(options: EngineOptions, workdir: Path) -> int:
+def run_scenario(options: EngineOptions, workdir: Path, store: str | None = None) -> int:
     """Run the four phases as processes, compare, print a table; returns the exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name in (PREFILL_OUTPUT, DECODE_OUTPUT, SYNC_RECOVERED_OUTPUT, ASYNC_RECOVERED_OUTPUT):
@@ -159,7 +170,7 @@ def run_scenario(options: EngineOptions, workdir: Path) -> int:
         print(f"==> {label}", flush=True)
         started = time.perf_counter()
         command = [sys.executable, "-m", "kvrecover", *args, "--workdir", str(workdir),
-                   *options.to_args()]
+                   *options.to_args(), *(["--store", store] if store else [])]
         result = subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         timings.append(time.perf_counter() - started)
         if result.returncode != 0:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_helpers import RedisServer, require_redis_server
 
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. hello, my name is kv. "
@@ -331,3 +332,34 @@ def private_checkpoint_digest_cache(tmp_path_factory):
     patch.setattr(fingerprint, "cache_root", lambda: folder)
     yield folder
     patch.undo()
+# ----- a private redis-server (tests/test_redis_connector.py, test_tiered.py) -----------
+@pytest.fixture(scope="session")
+def redis_session_server():
+    require_redis_server()
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def redis_server(redis_session_server) -> RedisServer:
+    """The session's redis-server, emptied for this test."""
+    if redis_session_server.process is None or redis_session_server.process.poll() is not None:
+        redis_session_server.start()
+    redis_session_server.client().flushall()
+    return redis_session_server
+
+
+@pytest.fixture
+def own_redis_server():
+    """A redis-server of this test alone (to kill, restart or password-protect)."""
+    require_redis_server()
+    servers: list[RedisServer] = []
+
+    def start(password: str | None = None) -> RedisServer:
+        servers.append(RedisServer(password).start())
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.cleanup()

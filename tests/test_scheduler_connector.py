@@ -140,3 +140,42 @@ def test_the_engine_deadline_is_the_connectors_when_usable(value, deadline):
     connector = FakeConnector()
     connector.load_timeout_s = value
     assert make_scheduler(connector).loads.timeout_s == deadline
+
+
+# ----- a connector's own counters (get_connector_stats) -------------------------------------
+class CountingConnector(FakeConnector):
+    """Reports its own counters each step: `answers` in turn (the last one repeats)."""
+
+    def __init__(self, answers: list):
+        super().__init__()
+        self.answers = answers
+
+    def get_connector_stats(self):
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_connector_counters_from_both_roles_are_summed_into_the_stats():
+    scheduler = make_scheduler(CountingConnector([{"kv_tier0_hit_blocks": 2}, {}]))
+    add(scheduler, "a", PROMPT)
+    step(scheduler, kv_connector_stats={"kv_tier0_loaded_blocks": 3})
+    step(scheduler, kv_connector_stats={"kv_tier0_loaded_blocks": 1})
+    snapshot = scheduler.stats.snapshot()
+    assert snapshot["kv_tier0_hit_blocks"] == 2 and snapshot["kv_tier0_loaded_blocks"] == 4
+    assert snapshot["kv_connector_errors"] == 0
+
+
+@pytest.mark.parametrize("answer", [["not", "a", "dict"], {"x": "many"}, {3: 1}, {"x": True}])
+def test_garbled_connector_counters_are_a_contained_connector_error(answer):
+    scheduler = make_scheduler(CountingConnector([answer]))
+    a = add(scheduler, "a", PROMPT)
+    run_to_completion(scheduler)
+    assert a.output_token_ids == [TOKEN] * 3
+    snapshot = scheduler.stats.snapshot()
+    assert snapshot["kv_connector_errors"] >= 1 and "x" not in snapshot
+
+
+def test_a_connector_counter_never_hides_an_engine_counter():
+    scheduler = make_scheduler(CountingConnector([{"prompt_tokens_computed": 10**6}, {}]))
+    add(scheduler, "a", PROMPT)
+    run_to_completion(scheduler)
+    assert scheduler.stats.snapshot()["prompt_tokens_computed"] == len(PROMPT)

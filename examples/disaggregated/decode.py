@@ -7,6 +7,7 @@ recomputed, so the output is the same either way: greedy token ids equal those
 of an engine that never saw the store.
 
     python examples/disaggregated/decode.py --storage /tmp/kv_store [--model DIR] [--json]
+    python examples/disaggregated/decode.py --storage redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from prefill import add_common_flags, load_prompts
+from prefill import add_common_flags, is_redis, load_prompts, transfer_config
 
-from kvrecover import LLM, KVTransferConfig, SamplingParams
+from kvrecover import LLM, SamplingParams
+from kvrecover.kv_transfer.redis_store import redact_url
 
 
 def main() -> None:
@@ -29,15 +32,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt, then one with the stats")
     args = parser.parse_args()
-    if not args.storage.is_dir():
+    if not is_redis(args.storage) and not Path(args.storage).is_dir():
         sys.exit(f"{args.storage} does not exist: run prefill.py with --storage {args.storage}")
     prompts = load_prompts(args.prompts_file)
-    transfer = KVTransferConfig(
-        kv_connector="SharedStorageConnector",
-        kv_role="kv_consumer",  # load only: this instance never writes to the store
-        kv_connector_extra_config={"shared_storage_path": str(args.storage),
-                                   "async_load": args.async_load},
-    )
+    # Load only: this instance never writes to the store.
+    transfer = transfer_config(args.storage, "kv_consumer", async_load=args.async_load)
     llm = LLM(args.model, device=args.device, block_size=args.block_size,
               kv_transfer_config=transfer)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
@@ -54,7 +53,8 @@ def main() -> None:
         print(json.dumps({"stats": stats}))
     else:
         total = stats["prompt_tokens_external"] + stats["prompt_tokens_computed"]
-        print(f"prompt tokens: {stats['prompt_tokens_external']} loaded from {args.storage}, "
+        print(f"prompt tokens: {stats['prompt_tokens_external']} loaded from "
+              f"{redact_url(args.storage)}, "
               f"{stats['prefix_cache_hit_tokens']} reused from the local prefix cache, "
               f"{stats['prompt_tokens_computed']} computed (of {total}); "
               f"{stats['kv_load_failed_blocks']} blocks failed to load and were recomputed")

@@ -1,10 +1,13 @@
 """Prefill instance of disaggregated serving: compute the prompts' KV cache and store it.
 
-Every full block of every prompt lands in the folder given by --storage, one
-verified file per block. Run `decode.py` afterwards, in another process (or on
-another machine that sees the folder), with the same --storage and prompts.
+Every full block of every prompt lands in the store given by --storage: a
+folder (one verified file per block) or a Redis URL (one verified value per
+block; the password comes from the URL or KVRECOVER_REDIS_PASSWORD). Run
+`decode.py` afterwards, in another process (or on another machine that sees
+the folder or reaches the server), with the same --storage and prompts.
 
     python examples/disaggregated/prefill.py --storage /tmp/kv_store [--model DIR]
+    python examples/disaggregated/prefill.py --storage redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     """Flags both instances take; they must agree on model, storage, prompts and block size."""
     parser.add_argument("--model", default=None,
                         help="local Hugging Face checkpoint folder (default: built-in model)")
-    parser.add_argument("--storage", type=Path, default=Path("kv_store"),
-                        help="KV store folder shared by prefill and decode (default: ./kv_store)")
+    parser.add_argument("--storage", default="kv_store",
+                        help="KV store shared by prefill and decode: a folder, or a Redis URL "
+                             "(redis://host:port/db, unix:///path.sock) (default: ./kv_store)")
     parser.add_argument("--prompts-file", type=Path, default=None,
                         help="JSON list of strings (.json) or one prompt per line "
                              "(default: four built-in prompts)")
@@ -47,24 +51,35 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size (default: 16)")
 
 
+def is_redis(storage: str) -> bool:
+    """Whether --storage names a Redis server rather than a folder."""
+    return storage.startswith(("redis://", "rediss://", "unix://", "valkey://", "valkeys://"))
+
+
+def transfer_config(storage: str, role: str, **extra) -> KVTransferConfig:
+    """The connector for --storage: RedisConnector for a URL, else the folder connector."""
+    if is_redis(storage):
+        return KVTransferConfig("RedisConnector", role, {"url": storage, **extra})
+    return KVTransferConfig("SharedStorageConnector", role,
+                            {"shared_storage_path": storage, **extra})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_flags(parser)
     args = parser.parse_args()
     prompts = load_prompts(args.prompts_file)
-    transfer = KVTransferConfig(
-        kv_connector="SharedStorageConnector",
-        kv_role="kv_producer",  # save only: this instance never loads KV
-        kv_connector_extra_config={"shared_storage_path": str(args.storage)},
-    )
+    transfer = transfer_config(args.storage, "kv_producer")  # save only: never loads KV
     llm = LLM(args.model, device=args.device, block_size=args.block_size,
               kv_transfer_config=transfer)
     # One token is enough: the point is the prompt's KV, which is saved as it is computed.
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
     stats = llm.stats
-    num_files = sum(1 for _ in args.storage.rglob("*.kvblock"))
+    where = "Redis" if is_redis(args.storage) else args.storage
+    if not is_redis(args.storage):
+        where += f" ({sum(1 for _ in Path(args.storage).rglob('*.kvblock'))} block files)"
     print(f"stored the KV of {len(prompts)} prompts ({stats['prompt_tokens_computed']} prompt "
-          f"tokens) in {args.storage}: {num_files} block files")
+          f"tokens) in {where}")
     if stats["kv_save_failed_blocks"]:
         print(f"warning: {stats['kv_save_failed_blocks']} blocks could not be saved")
 

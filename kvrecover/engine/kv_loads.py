@@ -192,6 +192,10 @@ class KVLoads:
             request.pending_external = None
             self.kv_manager.cache_computed_blocks(request)
 
+    def connector_stats(self) -> dict[str, int]:
+        """The scheduler-role connector's own counter increments since the last call."""
+        return {} if self.connector is None else self.connector.connector_stats()
+
     def take_error_count(self) -> int:
         """Scheduler-side connector failures since the last call."""
         return 0 if self.connector is None else self.connector.errors.take_count()

@@ -290,6 +290,8 @@ class Scheduler:
         recovered = self.kv_loads.recover(output, loaded, queues, self.requests)
         self.kv_loads.account_loaded(loaded)
         self.stats.kv_save_failed_blocks += output.kv_save_failed_blocks
+        self.stats.add_connector_stats(output.kv_connector_stats)
+        self.stats.add_connector_stats(self.kv_loads.connector_stats())
         progressed: list[Request] = []
         for request in stepped:
             if request.request_id in recovered:

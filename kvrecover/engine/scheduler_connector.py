@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvrecover.engine.request import Request
 from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
-from kvrecover.kv_transfer.errors import ConnectorErrorLog
+from kvrecover.kv_transfer.errors import ConnectorErrorLog, checked_counters
 
 if TYPE_CHECKING:
     from kvrecover.engine.scheduler_output import SchedulerOutput
@@ -95,6 +95,15 @@ class SchedulerConnector:
                        effect="the request had ended; nothing else is affected")
         except ConnectorError:
             pass
+
+    def connector_stats(self) -> dict[str, int]:
+        """The connector's own counter increments since the last call ({} on failure)."""
+        try:
+            return checked_counters(self.connector.get_connector_stats())
+        except Exception as error:
+            self.errors.report("get_connector_stats", f"failed: {error!r}; its counters are "
+                               "not counted", exc_info=True)
+            return {}
 
     def _call(self, kind: str, method, *args,
               effect: str = "handled as a KV load failure of the requests it concerns"):

@@ -51,3 +51,4 @@ class ModelRunnerOutput:
     # load the scheduler sees end in this step counts as failed.
     kv_load_report_failed: bool = False
     kv_connector_errors: int = 0  # worker-side connector failures contained in this step
+    kv_connector_stats: dict[str, int] = field(default_factory=dict)  # increments, by name

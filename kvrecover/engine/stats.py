@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -20,7 +20,15 @@ class EngineStats:
     kv_load_failed_requests: int = 0
     kv_save_failed_blocks: int = 0
     kv_connector_errors: int = 0  # connector calls that raised or broke the contract (contained)
+    # The connector's own counters (e.g. a tiered connector's `kv_tier0_loaded_blocks`).
+    connector: dict[str, int] = field(default_factory=dict)
+
+    def add_connector_stats(self, increments: dict[str, int] | None) -> None:
+        """Add a connector's counter increments (see `KVConnectorBase.get_connector_stats`)."""
+        for name, increment in (increments or {}).items():
+            self.connector[name] = self.connector.get(name, 0) + increment
 
     def snapshot(self) -> dict[str, int]:
-        """A plain copy of all counters."""
-        return asdict(self)
+        """A plain copy of all counters; a connector counter never hides an engine one."""
+        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "connector"}
+        return {**self.connector, **counters}

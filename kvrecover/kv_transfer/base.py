@@ -191,3 +191,10 @@ class KVConnectorBase:
         `wait_for_save`, when it knows the KV loaded for these requests is bad:
         this step's saves of their blocks must not be stored. Connectors that save
         override it; the default (for connectors that never save) does nothing."""
+    def get_connector_stats(self) -> dict[str, int]:
+        """Both roles: the engine calls this after each step (the worker's instance
+        through the step output, the scheduler's directly). Returns this
+        connector's own counters' increments since the last call, by name (str ->
+        int); they are summed into `LLM.stats` under those names. Prefix them (e.g.
+        `kv_tier0_loaded_blocks`): an engine counter of the same name hides them."""
+        return {}

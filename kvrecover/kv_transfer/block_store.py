@@ -28,6 +28,10 @@ Writes go to a unique temporary file and are renamed into place, so readers
 never see a half-written entry and concurrent writers of one key leave one
 complete entry.
 
+`BlockCodec` is the entry format alone, on bytes (`redis_store` keeps the same
+entries as Redis values); `BlockStore` adds the folder. Every store offers
+connectors the same batched calls: `exists_many`, `read_many`, `write_many`.
+
 Speed: an entry moves in one system call each way (`os.readv` / `os.writev`)
 between its file and "parts", contiguous byte arrays that together hold the
 payload in file order (one staging row, or one block's per-layer K and V slices
@@ -37,6 +41,7 @@ those same buffers right after the read, while they are still in the CPU cache.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import struct
@@ -56,6 +61,9 @@ HEADER = struct.Struct("<4sHH16s16sIIII8sQQ")
 HEADER_CHECKSUM = struct.Struct("<Q")
 PREFIX_SIZE = HEADER.size + HEADER_CHECKSUM.size
 SUFFIX = ".kvblock"
+MAX_SPARE_BYTES = 64 << 20  # encoded entries a writer keeps for reuse
+
+logger = logging.getLogger(__name__)
 DTYPE_ITEM_SIZES = {b"float32": 4, b"bfloat16": 2, b"float16": 2}
 
 
@@ -142,17 +150,110 @@ def _write_all(fd: int, buffers: list) -> None:
             views[0] = views[0][written:]
 
 
-class BlockStore:
+class BlockCodec:
+    """The entry format of one engine layout, on bytes: `encode` (or `new_entry` +
+    `seal`) for writers, `parse` / `parse_into` for readers. Any store (this folder,
+    Redis) holds the same entries and runs the same checks."""
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self.block_shape = (layout.num_layers, *layout.block_shape)
+        self.payload_nbytes = layout.block_nbytes
+        self.entry_nbytes = PREFIX_SIZE + self.payload_nbytes
+        self._dtype_name = str(layout.dtype).removeprefix("torch.").encode()[:8]
+        self._spare_entries: list[bytearray] = []
+
+    def _header(self, key: bytes, payload_sum: int) -> bytes:
+        """An entry's prefix: the header and its checksum."""
+        header = HEADER.pack(
+            MAGIC, VERSION, 0, self.layout.fingerprint.encode(), key,
+            self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
+            self.layout.head_dim, self._dtype_name, self.payload_nbytes, payload_sum,
+        )
+        return header + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+
+    def new_entry(self) -> tuple[bytearray, torch.Tensor]:
+        """A blank entry and a writable view of its payload as one block
+        ([num_layers, 2, block_size, kv_heads, head_dim]); fill the view, then `seal`.
+        Writers gather KV straight into it: one copy from the cache to the store."""
+        try:  # a recycled buffer: fresh ones cost a page fault per 4 KiB
+            entry = self._spare_entries.pop()
+        except IndexError:
+            entry = bytearray(self.entry_nbytes)
+        payload = torch.frombuffer(entry, dtype=torch.uint8, offset=PREFIX_SIZE)
+        return entry, payload.view(self.layout.dtype).view(self.block_shape)
+
+    def seal(self, key: bytes, entry: bytearray) -> memoryview:
+        """Write the header, with the checksums of the filled payload, into `entry`."""
+        entry[:PREFIX_SIZE] = self._header(key, xxhash.xxh3_64_intdigest(
+            memoryview(entry)[PREFIX_SIZE:]))
+        return memoryview(entry)
+
+    def recycle(self, entries: list[tuple[bytes, memoryview | bytes]]) -> None:
+        """Take back entries made by `new_entry` once written and referenced nowhere
+        else, for reuse by `new_entry` (at most MAX_SPARE_BYTES of them are kept)."""
+        room = max(0, MAX_SPARE_BYTES // self.entry_nbytes - len(self._spare_entries))
+        for _, entry in entries[:room]:
+            buffer = entry.obj if isinstance(entry, memoryview) else None
+            if isinstance(buffer, bytearray) and len(buffer) == self.entry_nbytes:
+                self._spare_entries.append(buffer)
+
+    def encode(self, key: bytes, block: torch.Tensor) -> memoryview:
+        """The stored form of one block: header, header checksum, raw payload."""
+        if tuple(block.shape) != self.block_shape or block.dtype != self.layout.dtype:
+            raise ValueError(f"block of shape {tuple(block.shape)} does not match the layout")
+        entry, payload = self.new_entry()
+        payload.copy_(block.detach())
+        return self.seal(key, entry)
+
+    def parse_into(self, key: bytes, raw: bytes, parts: Sequence[memoryview]) -> int:
+        """Verify raw entry bytes, then copy the payload into `parts`; returns its checksum."""
+        self._check_parts(parts)
+        if len(raw) != PREFIX_SIZE + self.payload_nbytes:
+            raise BlockLoadError(f"entry has {len(raw)} bytes")
+        payload = memoryview(raw)[PREFIX_SIZE:]
+        checksum = self._verify(key, raw[:PREFIX_SIZE], [payload])
+        offset = 0
+        for part in parts:
+            part[:] = payload[offset : offset + part.nbytes]
+            offset += part.nbytes
+        return checksum
+
+    def parse(self, key: bytes, raw: bytes) -> StoredBlock:
+        """Verify header and payload of raw entry bytes; raise BlockLoadError if bad."""
+        tensor = torch.empty(self.block_shape, dtype=self.layout.dtype)
+        checksum = self.parse_into(key, raw, [memoryview(tensor.view(torch.uint8).numpy()).cast("B")])
+        return StoredBlock(tensor, checksum)
+
+    def _verify(self, key: bytes, prefix: bytes | bytearray, parts: Sequence[memoryview]) -> int:
+        """Check the header, then the payload held in `parts`; return the payload checksum."""
+        header = BlockHeader.unpack(prefix)
+        expected = (MAGIC, VERSION, self.layout.fingerprint.encode(), key,
+                    self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
+                    self.layout.head_dim, self._dtype_name.ljust(8, b"\0"), self.payload_nbytes)
+        actual = (header.magic, header.version, header.fingerprint, header.key, header.num_layers,
+                  header.block_size, header.num_kv_heads, header.head_dim, header.dtype_name,
+                  header.payload_nbytes)
+        if actual != expected:
+            raise BlockLoadError("header does not match this engine's layout or key")
+        if parts_checksum(parts) != header.payload_xxh3:
+            raise BlockLoadError("payload checksum mismatch")
+        return header.payload_xxh3
+
+    def _check_parts(self, parts: Sequence[memoryview]) -> None:
+        nbytes = sum(part.nbytes for part in parts)
+        if nbytes != self.payload_nbytes:
+            raise ValueError(f"parts hold {nbytes} bytes; a block has {self.payload_nbytes}")
+
+
+class BlockStore(BlockCodec):
     """Reads and writes verified KV blocks for one engine layout under `root`."""
 
     def __init__(self, root: str | os.PathLike, layout: KVCacheLayout) -> None:
+        super().__init__(layout)
         self.root = Path(root)
-        self.layout = layout
         self.folder = self.root / layout.fingerprint
         self._folder = str(self.folder)
-        self.block_shape = (layout.num_layers, *layout.block_shape)
-        self.payload_nbytes = layout.block_nbytes
-        self._dtype_name = str(layout.dtype).removeprefix("torch.").encode()[:8]
 
     def path(self, key: bytes) -> Path:
         """Where the block with this key lives."""
@@ -176,11 +277,7 @@ class BlockStore:
     def write_parts(self, key: bytes, parts: Sequence[memoryview]) -> None:
         """Store one block atomically from its parts (see the module docstring)."""
         self._check_parts(parts)
-        header = HEADER.pack(
-            MAGIC, VERSION, 0, self.layout.fingerprint.encode(), key,
-            self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
-            self.layout.head_dim, self._dtype_name, self.payload_nbytes, parts_checksum(parts),
-        )
+        header = self._header(key, parts_checksum(parts))
         target = self.path(key)
         temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         flags, mode = os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666  # as open("wb"): umask decides
@@ -191,8 +288,7 @@ class BlockStore:
             fd = os.open(temporary, flags, mode)
         try:
             try:
-                _write_all(fd, [header, HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header)),
-                                *parts])
+                _write_all(fd, [header, *parts])
             finally:
                 os.close(fd)
             os.replace(temporary, target)
@@ -243,48 +339,48 @@ class BlockStore:
             raise BlockLoadError(f"entry ended after {count} bytes")
         return self._verify(key, prefix, parts)
 
-    def parse_into(self, key: bytes, raw: bytes, parts: Sequence[memoryview]) -> int:
-        """Verify raw entry bytes, then copy the payload into `parts`; returns its checksum."""
-        self._check_parts(parts)
-        if len(raw) != PREFIX_SIZE + self.payload_nbytes:
-            raise BlockLoadError(f"entry has {len(raw)} bytes")
-        payload = memoryview(raw)[PREFIX_SIZE:]
-        checksum = self._verify(key, raw[:PREFIX_SIZE], [payload])
-        offset = 0
-        for part in parts:
-            part[:] = payload[offset : offset + part.nbytes]
-            offset += part.nbytes
-        return checksum
-
-    def parse(self, key: bytes, raw: bytes) -> StoredBlock:
-        """Verify header and payload of raw entry bytes; raise BlockLoadError if bad."""
-        tensor = torch.empty(self.block_shape, dtype=self.layout.dtype)
-        checksum = self.parse_into(key, raw, [memoryview(tensor.view(torch.uint8).numpy()).cast("B")])
-        return StoredBlock(tensor, checksum)
-
-    def _verify(self, key: bytes, prefix: bytes | bytearray, parts: Sequence[memoryview]) -> int:
-        """Check the header, then the payload held in `parts`; return the payload checksum."""
-        header = BlockHeader.unpack(prefix)
-        expected = (MAGIC, VERSION, self.layout.fingerprint.encode(), key,
-                    self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
-                    self.layout.head_dim, self._dtype_name.ljust(8, b"\0"), self.payload_nbytes)
-        actual = (header.magic, header.version, header.fingerprint, header.key, header.num_layers,
-                  header.block_size, header.num_kv_heads, header.head_dim, header.dtype_name,
-                  header.payload_nbytes)
-        if actual != expected:
-            raise BlockLoadError("header does not match this engine's layout or key")
-        if parts_checksum(parts) != header.payload_xxh3:
-            raise BlockLoadError("payload checksum mismatch")
-        return header.payload_xxh3
-
-    def _check_parts(self, parts: Sequence[memoryview]) -> None:
-        nbytes = sum(part.nbytes for part in parts)
-        if nbytes != self.payload_nbytes:
-            raise ValueError(f"parts hold {nbytes} bytes; a block has {self.payload_nbytes}")
-
     def read(self, key: bytes) -> StoredBlock:
         """Read and verify one block."""
         return self.parse(key, self.read_raw(key))
+
+    def write_entry(self, key: bytes, entry: bytes | memoryview) -> None:
+        """Store one encoded entry atomically (temporary file + rename)."""
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(entry)
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    # The batched interface every store offers (see `redis_store` for a networked one).
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether an entry exists for each key (not yet verified)."""
+        return [self.exists(key) for key in keys]
+
+    def read_many(self, keys: list[bytes]) -> list[bytes | BlockLoadError]:
+        """Each key's raw entry, or the BlockLoadError that reading it raised."""
+        results: list[bytes | BlockLoadError] = []
+        for key in keys:
+            try:
+                results.append(self.read_raw(key))
+            except BlockLoadError as error:
+                results.append(error)
+        return results
+
+    def write_many(self, entries: list[tuple[bytes, bytes | memoryview]]) -> int:
+        """Store each (key, encoded entry); returns how many writes failed (never raises)."""
+        failures = 0
+        for key, entry in entries:
+            try:
+                self.write_entry(key, entry)
+            except Exception as error:
+                failures += 1
+                logger.debug("KV block %s not saved: %r", key.hex(), error)
+        return failures
 
     def remove(self, key: bytes) -> None:
         """Delete an entry (used for entries that failed verification)."""

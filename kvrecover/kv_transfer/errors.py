@@ -57,6 +57,19 @@ def checked_block_ids(value: object, num_blocks: int) -> set[int]:
     return block_ids
 
 
+def checked_counters(value: object) -> dict[str, int]:
+    """`get_connector_stats`'s answer as {counter name: int increment}; ValueError for
+    anything else."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a dict of counters, got {value!r}")
+    for name, count in value.items():
+        if not isinstance(name, str) or isinstance(count, bool) or not isinstance(count, int):
+            raise ValueError(f"counter {name!r}: {count!r} is not a str name with an int count")
+    return dict(value)
+
+
 def checked_request_ids(value: object) -> set[str]:
     """A set of request ids from `get_finished`; ValueError for anything else."""
     if value is None:

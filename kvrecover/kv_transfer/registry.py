@@ -16,6 +16,9 @@ _REGISTRY: dict[str, str] = {
     "SharedStorageConnector": "kvrecover.kv_transfer.shared_storage:SharedStorageConnector",
     "ExampleConnector": "kvrecover.kv_transfer.shared_storage:SharedStorageConnector",
     "FaultInjectionConnector": "kvrecover.kv_transfer.faults:FaultInjectionConnector",
+    "RedisConnector": "kvrecover.kv_transfer.redis_connector:RedisConnector",
+    "TieredConnector": "kvrecover.kv_transfer.tiered:TieredConnector",
+    "MultiConnector": "kvrecover.kv_transfer.tiered:TieredConnector",
 }
 
 

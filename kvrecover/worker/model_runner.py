@@ -14,6 +14,7 @@ from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.kv_transfer.errors import (
     ConnectorErrorLog,
     checked_block_ids,
+    checked_counters,
     checked_request_ids,
 )
 from kvrecover.models.config import ModelConfig
@@ -272,6 +273,10 @@ class ModelRunner:
             output.kv_save_failed_blocks = int(connector.get_save_failures() or 0)
         except Exception as error:
             errors.report("get_save_failures", f"failed: {error!r}", exc_info=True)
+        try:
+            output.kv_connector_stats = checked_counters(connector.get_connector_stats())
+        except Exception as error:
+            errors.report("get_connector_stats", f"failed: {error!r}", exc_info=True)
         if self._load_error or output.kv_load_report_failed:
             # Everything this step loads is suspect. Async loads started now stay in
             # flight until the connector reports them or the engine's deadline passes.

@@ -1,0 +1,240 @@
+"""Redis benchmark: what the RedisConnector costs next to a raw redis-py pipeline.
+
+    .venv/bin/python bench/bench_redis.py [--megabytes 64] [--batch-blocks 32] [--repeats 5]
+        [--url redis://127.0.0.1:6379/0] [--dir /dev/shm]
+
+For two KV layouts (the default model's, float32, and a Llama-3-8B-like one,
+bfloat16; see bench_storage.py), save and load throughput in GB/s of payload
+bytes, `--batch-blocks` blocks per round trip (a step's worth):
+
+- raw redis-py: a pipeline of SETs of the bare payload bytes, MGET to read them
+  back (no framing, no checksums, no cache copies): the ceiling;
+- the RedisConnector worker path: gather from a paged KV cache, frame and
+  checksum, one EXISTS pipeline + one SET pipeline per step (`wait_for_save`);
+  one pipeline of size-bounded GETRANGEs (a hostile oversized value is never read
+  whole), verify, scatter into the cache per step (`start_load_kv`), with
+  `verify_after_load` on and off. The ratio to raw is the figure (goal >= 0.7);
+- the SharedStorageConnector on a folder (--dir, /dev/shm by default) for scale.
+
+Without --url a private redis-server (no persistence) is started on a free
+loopback port and stopped afterwards. The store is flushed before each save;
+times are the best of --repeats, the variants measured in turn within a repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+import torch
+import xxhash
+
+from kvrecover.config import KVTransferConfig
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import KVConnectorRole
+from kvrecover.kv_transfer.redis_connector import RedisConnector
+from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.store_connector import (
+    BlockStoreConnector,
+    BlockTransfer,
+    StorageConnectorMetadata,
+)
+
+LAYOUTS = {
+    "smollm2-135m f32": KVCacheLayout("bench-smollm2", torch.float32, 16, 30, 3, 64),
+    "llama3-8b bf16": KVCacheLayout("bench-llama3-8b", torch.bfloat16, 16, 32, 8, 128),
+}
+
+
+def best_times(runs: dict[str, tuple[Callable[[], None], Callable[[], None]]],
+               repeats: int) -> dict[str, float]:
+    """Best time of each (setup, run), the runs interleaved so that a noisy neighbour
+    slows all of them alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, (setup, run) in runs.items():
+            setup()
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            return process, f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def batches(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megabytes: int,
+                 batch: int, repeats: int) -> list[tuple[str, str, float, float]]:
+    """Rows of (layout, operation, GB/s, ratio to raw redis-py)."""
+    num_blocks = max(batch, megabytes * (1 << 20) // layout.block_nbytes)
+    nbytes = num_blocks * layout.block_nbytes
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, num_blocks + 1, layout.block_size, layout.num_kv_heads,
+                          layout.head_dim, generator=generator).to(layout.dtype)
+              for _ in range(layout.num_layers)]
+    block_ids = list(range(1, num_blocks + 1))
+    keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(num_blocks)]
+    payloads = [torch.stack([cache[:, b] for cache in caches]).contiguous().view(torch.uint8)
+                .numpy().tobytes() for b in block_ids]
+    client = redis.Redis.from_url(url)
+    raw_keys = [b"raw:" + key.hex().encode() for key in keys]
+
+    def flush() -> None:
+        client.flushdb()
+
+    def raw_save() -> None:
+        for chunk in batches(list(zip(raw_keys, payloads)), batch):
+            pipeline = client.pipeline(transaction=False)
+            for key, payload in chunk:
+                pipeline.set(key, payload)
+            pipeline.execute()
+
+    def raw_load() -> None:
+        for chunk in batches(raw_keys, batch):
+            values = client.mget(chunk)
+            assert all(v is not None for v in values)
+
+    def connector(kind: str) -> BlockStoreConnector:
+        if kind == "redis":
+            config = KVTransferConfig("RedisConnector", "kv_both", {"url": url})
+            made = RedisConnector(config, KVConnectorRole.WORKER, layout)
+        else:
+            config = KVTransferConfig("SharedStorageConnector", "kv_both",
+                                      {"shared_storage_path": str(folder)})
+            made = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
+        made.register_kv_caches(caches)
+        return made
+
+    def save_with(made: BlockStoreConnector) -> Callable[[], None]:
+        def run() -> None:
+            for chunk in batches(list(zip(block_ids, keys)), batch):
+                ids, chunk_keys = [b for b, _ in chunk], [k for _, k in chunk]
+                made.bind_connector_metadata(StorageConnectorMetadata(
+                    saves=[BlockTransfer("bench", ids, chunk_keys)]))
+                made.wait_for_save()
+                made.clear_connector_metadata()
+            assert made.get_save_failures() == 0
+        return run
+
+    def load_with(made: BlockStoreConnector) -> Callable[[], None]:
+        def run() -> None:
+            for chunk in batches(list(zip(block_ids, keys)), batch):
+                ids, chunk_keys = [b for b, _ in chunk], [k for _, k in chunk]
+                made.bind_connector_metadata(StorageConnectorMetadata(
+                    loads=[BlockTransfer("bench", ids, chunk_keys)]))
+                made.start_load_kv(caches)
+                made.clear_connector_metadata()
+            assert not made.get_block_ids_with_load_errors()
+        return run
+
+    def reset_folder() -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    redis_connector = connector("redis")
+    folder_connector = connector("folder")
+    unverified = connector("redis")
+    unverified.verify_after_load = False
+
+    def nothing() -> None:
+        pass
+
+    saves = best_times({
+        "raw": (flush, raw_save),
+        "redis": (flush, save_with(redis_connector)),
+        "folder": (reset_folder, save_with(folder_connector)),
+    }, repeats)
+    flush()
+    raw_save()
+    save_with(redis_connector)()
+    loads = best_times({
+        "raw": (nothing, raw_load),
+        "redis": (nothing, load_with(redis_connector)),
+        "redis-unverified": (nothing, load_with(unverified)),
+        "folder": (nothing, load_with(folder_connector)),
+    }, repeats)
+    for made in (redis_connector, unverified):
+        made.close()
+    flush()
+    reset_folder()
+    t_raw_save, t_redis_save, t_folder_save = saves["raw"], saves["redis"], saves["folder"]
+    t_raw_load, t_redis_load, t_folder_load = loads["raw"], loads["redis"], loads["folder"]
+    t_redis_load_noverify = loads["redis-unverified"]
+
+    def row(operation: str, seconds: float, reference: float) -> tuple[str, str, float, float]:
+        return (f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)", operation,
+                nbytes / seconds / 1e9, reference / seconds)
+
+    return [
+        row("save: raw redis-py pipeline SET", t_raw_save, t_raw_save),
+        row("save: RedisConnector wait_for_save", t_redis_save, t_raw_save),
+        row("save: SharedStorageConnector (folder)", t_folder_save, t_raw_save),
+        row("load: raw redis-py MGET", t_raw_load, t_raw_load),
+        row("load: RedisConnector, verify_after_load=False", t_redis_load_noverify, t_raw_load),
+        row("load: RedisConnector, verify_after_load=True", t_redis_load, t_raw_load),
+        row("load: SharedStorageConnector (folder)", t_folder_load, t_raw_load),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_dir = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+    parser.add_argument("--url", default=None, help="an existing server (default: start one)")
+    parser.add_argument("--dir", default=default_dir, help="folder store location (%(default)s)")
+    parser.add_argument("--megabytes", type=int, default=64, help="payload per layout (64)")
+    parser.add_argument("--batch-blocks", type=int, default=32, help="blocks per round trip (32)")
+    parser.add_argument("--repeats", type=int, default=5, help="best of N (5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    root = Path(tempfile.mkdtemp(prefix="kvrecover_bench_redis_", dir=args.dir))
+    server = None
+    try:
+        url = args.url
+        if url is None:
+            server, url = start_server(root)
+        version = redis.Redis.from_url(url).info("server")["redis_version"]
+        print(f"redis {version} at {url.split('@')[-1]}, redis-py {redis.__version__}, "
+              f"{args.batch_blocks} blocks per round trip, best of {args.repeats}\n")
+        print(f"{'layout':<34}{'operation':<48}{'GB/s':>8}{'x raw':>8}")
+        for name, layout in LAYOUTS.items():
+            for layout_name, operation, rate, ratio in bench_layout(
+                name, layout, url, root / "folder", args.megabytes, args.batch_blocks,
+                args.repeats,
+            ):
+                print(f"{layout_name:<34}{operation:<48}{rate:>8.2f}{ratio:>8.2f}")
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

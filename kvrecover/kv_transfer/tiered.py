@@ -1,0 +1,263 @@
+"""TieredConnector (alias MultiConnector): block stores tried in order, block by block.
+
+Configured in vLLM's MultiConnector format:
+
+    {"connectors": [
+        {"kv_connector": "SharedStorageConnector",
+         "kv_connector_extra_config": {"shared_storage_path": "/fast/kv"}},
+        {"kv_connector": "RedisConnector",
+         "kv_connector_extra_config": {"url": "redis://kv-host:6379/0"}, "save": true}],
+     "async_load": false}
+
+Each tier is a block-store connector (SharedStorageConnector, RedisConnector or any
+`BlockStoreConnector`); its `kv_role` defaults to the outer one (a `kv_producer` tier only
+saves, a `kv_consumer` tier only loads). `async_load`, `load_timeout_s` (default:
+the tiers' deadlines summed) and `verify_after_load` are set once, outside.
+
+- Lookup: every block of the prompt is looked for tier by tier (one batched call
+  per tier, later tiers only asked for what earlier ones lack); the prefix offered
+  is the longest run of blocks that some tier holds.
+- Load: each block is read from the first tier that held it; a block that is
+  missing or fails verification there is tried in each later tier before it is
+  declared invalid, so only blocks every tier lost are recomputed. Each block is
+  tried at most once per tier per load: retries are bounded by the tier count.
+- Save: into every tier, or, when any tier has `"save"`, into those with
+  `"save": true`; a block that fails in two tiers counts twice in
+  `kv_save_failed_blocks`.
+
+Per-tier counters appear in `LLM.stats` as `kv_tier<i>_<counter>_blocks`, `<i>`
+being the tier's position in `connectors`: `hit` (blocks planned to load from
+it), `loaded` (verified from it), `failed` (missing or bad there),
+`fallen_through` (failed there and tried in a later tier), `saved`, `save_failed`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvrecover.config import KVTransferConfig
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import KVConnectorRole
+from kvrecover.kv_transfer.block_store import BlockStore, StoredBlock
+from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.store_connector import (
+    BlockStoreConnector,
+    BlockTransfer,
+    deadline_event,
+)
+
+if TYPE_CHECKING:
+    from kvrecover.engine.request import Request
+
+TIER_KEYS = ("kv_connector", "kv_connector_extra_config", "kv_role", "kv_connector_module_path",
+             "save")
+COUNTERS = ("hit", "loaded", "failed", "fallen_through", "saved", "save_failed")
+
+
+@dataclass
+class Tier:
+    """One configured store: its position in `connectors`, its connector and what it does."""
+
+    index: int
+    connector: BlockStoreConnector | SharedStorageConnector
+    loads: bool
+    saves: bool
+
+    @property
+    def store(self) -> BlockStore:
+        return self.connector.store
+
+
+@dataclass
+class TieredTransfer(BlockTransfer):
+    """A load, with the tier (index into `connectors`) each block is read from first."""
+
+    first_tiers: list[int] = field(default_factory=list)
+
+
+class TieredConnector(BlockStoreConnector):
+    """Loads each block from the first tier that has it, falling through on failure."""
+
+    extra_config_keys = ("connectors", *BlockStoreConnector.extra_config_keys)
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
+        self.tiers: list[Tier] = []
+        self._lookups: dict[str, list[int]] = {}
+        self._counts = {f"kv_tier{i}_{name}_blocks": 0
+                        for i in range(len(_tier_entries(config))) for name in COUNTERS}
+        super().__init__(config, role, layout)
+
+    def _open_store(self) -> BlockStore:
+        from kvrecover.kv_transfer.registry import connector_class
+
+        entries = _tier_entries(self.config)
+        marked = any("save" in entry for entry in entries)
+        for index, entry in enumerate(entries):
+            inner = _tier_config(self.config, index, entry)
+            try:
+                cls = connector_class(inner)
+                if (not issubclass(cls, (BlockStoreConnector, SharedStorageConnector))
+                        or issubclass(cls, TieredConnector)):
+                    raise ValueError(
+                        f"{inner.kv_connector} is not a block-store connector; tiers must be "
+                        "SharedStorageConnector, RedisConnector or another BlockStoreConnector")
+                connector = cls(inner, self.role, self.layout)
+            except ValueError as error:
+                raise ValueError(f"connectors[{index}] ({inner.kv_connector}): {error}") from error
+            saves = inner.is_producer and (entry.get("save", False) if marked else True)
+            self.tiers.append(Tier(index, connector, inner.is_consumer, saves))
+        return self.tiers[0].store  # the codec every tier shares (one engine layout)
+
+    def _default_load_timeout_s(self) -> float:
+        return sum(tier.connector.load_timeout_s for tier in self.tiers)
+
+    def _count(self, tier: int, name: str, amount: int = 1) -> None:
+        self._counts[f"kv_tier{tier}_{name}_blocks"] += amount
+
+    # ----- scheduler role -------------------------------------------------------------
+    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+        first_tiers: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            if not tier.loads:
+                continue
+            present = tier.store.exists_many([keys[position] for position in pending])
+            for position, found in zip(pending, present):
+                if found:
+                    first_tiers[position] = tier.index
+            pending = [position for position in pending if first_tiers[position] is None]
+        count = next((i for i, tier in enumerate(first_tiers) if tier is None), len(keys))
+        self._lookups[request.request_id] = first_tiers[:count]
+        return count
+
+    def _new_load(self, request: Request, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+        first_tiers = self._lookups.pop(request.request_id, [])[: len(keys)]
+        first_tiers += [self._first_load_tier()] * (len(keys) - len(first_tiers))
+        for tier in first_tiers:
+            self._count(tier, "hit")
+        return TieredTransfer(request.request_id, block_ids, keys, is_async=self.async_load,
+                              first_tiers=first_tiers)
+
+    def _first_load_tier(self) -> int:
+        return next((tier.index for tier in self.tiers if tier.loads), 0)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self._lookups.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+    # ----- worker role ----------------------------------------------------------------
+    def _read_blocks(self, transfers: list[BlockTransfer],
+                     cancelled: threading.Event | None) -> list[list[StoredBlock | None]]:
+        """Read every block from its first tier, then each failed one from later tiers:
+        one batched read per tier per call."""
+        with deadline_event(cancelled, self.load_timeout_s) as cancelled:
+            return self._read_tiers(transfers, cancelled)
+
+    def _read_tiers(self, transfers: list[BlockTransfer],
+                    cancelled: threading.Event) -> list[list[StoredBlock | None]]:
+        results: list[list[StoredBlock | None]] = [[None] * len(t.keys) for t in transfers]
+        pending = [(t, p) for t, transfer in enumerate(transfers) for p in range(len(transfer.keys))]
+        for tier in self.tiers:
+            if not pending or cancelled.is_set():
+                break
+            if not tier.loads:
+                continue
+            todo = [(t, p) for t, p in pending if _first_tier(transfers[t], p) <= tier.index]
+            if not todo:
+                continue
+            raws = tier.store.read_many([transfers[t].keys[p] for t, p in todo])
+            for (t, p), raw in zip(todo, raws):
+                transfer = transfers[t]
+                block = self._verified_block(transfer.request_id, transfer.block_ids[p],
+                                             transfer.keys[p], raw, cancelled)
+                results[t][p] = block
+                self._count(tier.index, "failed" if block is None else "loaded")
+            pending = [(t, p) for t, p in pending if results[t][p] is None]
+            later = any(other.loads for other in self.tiers[tier.index + 1:])
+            if later:
+                failed_here = sum(results[t][p] is None for t, p in todo)
+                self._count(tier.index, "fallen_through", failed_here)
+        return results
+
+    def _save_blocks(self, blocks: dict[bytes, int]) -> int:
+        """Each saving tier gets the blocks it lacks; each block is encoded once."""
+        todo = {tier.index: self._missing(tier.store, blocks) for tier in self.tiers
+                if tier.saves}
+        union = list(dict.fromkeys(key for keys in todo.values() for key in keys))
+        if not union:
+            return 0
+        self._suspect_keys.difference_update(union)
+        encoded = self._encoded(union, blocks)
+        entries = dict(encoded)
+        failures = 0
+        for index, keys in todo.items():
+            failed = self.tiers[index].store.write_many([(key, entries[key]) for key in keys])
+            self._count(index, "saved", len(keys) - failed)
+            self._count(index, "save_failed", failed)
+            failures += failed
+        self.store.recycle(encoded)
+        return failures
+
+    def get_connector_stats(self) -> dict[str, int]:
+        counts = self._counts
+        self._counts = dict.fromkeys(counts, 0)
+        return counts
+
+    def close(self) -> None:
+        """Close every tier's connections."""
+        for tier in self.tiers:
+            close = getattr(tier.store, "close", None)
+            if close is not None:
+                close()
+
+    def extra(self) -> dict[str, Any]:
+        """The tiers' understood configs, in order."""
+        return {"connectors": [tier.connector.extra() for tier in self.tiers],
+                "async_load": self.async_load, "load_timeout_s": self.load_timeout_s}
+
+
+def _first_tier(transfer: BlockTransfer, position: int) -> int:
+    return transfer.first_tiers[position] if isinstance(transfer, TieredTransfer) else 0
+
+
+def _tier_entries(config: KVTransferConfig) -> list[dict[str, Any]]:
+    entries = config.get_extra("connectors")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(
+            "TieredConnector needs kv_connector_extra_config['connectors']: a non-empty list of "
+            "{'kv_connector': ..., 'kv_connector_extra_config': {...}} dicts, got "
+            f"{entries!r}")
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "kv_connector" not in entry:
+            raise ValueError(f"connectors[{index}] must be a dict with a 'kv_connector' name, "
+                             f"got {entry!r}")
+        unknown = sorted(set(entry) - set(TIER_KEYS))
+        if unknown:
+            raise ValueError(f"connectors[{index}] has unknown keys {unknown}; allowed: "
+                             f"{list(TIER_KEYS)}")
+        if "save" in entry and not isinstance(entry["save"], bool):
+            raise ValueError(f"connectors[{index}]['save'] must be True or False, "
+                             f"got {entry['save']!r}")
+    return entries
+
+
+def _tier_config(outer: KVTransferConfig, index: int, entry: dict[str, Any]) -> KVTransferConfig:
+    extra = entry.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"connectors[{index}]['kv_connector_extra_config'] must be a dict, "
+                         f"got {extra!r}")
+    try:
+        return KVTransferConfig(
+            kv_connector=entry["kv_connector"],
+            kv_role=entry.get("kv_role", outer.kv_role),
+            kv_connector_extra_config=extra,
+            kv_connector_module_path=entry.get("kv_connector_module_path"),
+            kv_load_failure_policy=outer.kv_load_failure_policy,
+            kv_load_retry_limit=outer.kv_load_retry_limit,
+        )
+    except ValueError as error:
+        raise ValueError(f"connectors[{index}]: {error}") from error

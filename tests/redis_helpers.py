@@ -1,0 +1,230 @@
+"""Redis test helpers: a private redis-server, and the network faults the tests inject
+(a proxy that breaks a load, a server that never answers)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+
+class RedisServer:
+    """A private redis-server on 127.0.0.1 (a free port) and a unix socket, in its own folder."""
+
+    def __init__(self, password: str | None = None) -> None:
+        # A short folder: unix socket paths are limited to ~100 bytes.
+        self.folder = Path(tempfile.mkdtemp(prefix="kvr-redis-"))
+        self.socket = self.folder / "redis.sock"
+        self.password = password
+        self.port = 0
+        self.process = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self, keep_port: bool = False) -> RedisServer:
+        """Start (or restart, on the same port with `keep_port`); waits until it answers."""
+        for _ in range(5):  # the free port may be taken between probing and binding
+            if not keep_port or not self.port:
+                self.port = free_port()
+            command = [shutil.which("redis-server"), "--port", str(self.port), "--bind",
+                       "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.folder),
+                       "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+                       "--daemonize", "no", "--loglevel", "warning"]
+            if self.password:
+                command += ["--requirepass", self.password]
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+            if self._wait_ready():
+                return self
+            self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    def _wait_ready(self) -> bool:
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_timeout=1, socket_connect_timeout=1)
+        for _ in range(200):  # up to ~10 s
+            if self.process.poll() is not None:
+                return False
+            try:
+                if client.ping():
+                    return True
+            except redis.RedisError:
+                time.sleep(0.05)
+        return False
+
+    def client(self) -> redis.Redis:
+        """A plain client of this server (for the tests' own checks)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                           socket_timeout=5)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-whatever it was doing."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def cleanup(self) -> None:
+        """Stop the server and remove its folder."""
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def require_redis_server() -> None:
+    """Skip without a redis-server binary, except in CI, where that is a failure."""
+    if shutil.which("redis-server"):
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail("redis-server is not installed but CI=true: scripts/bootstrap.sh installs it "
+                    "(apt-get install -y redis-server)")
+    pytest.skip("redis-server is not installed (apt-get install -y redis-server, or run "
+                "scripts/bootstrap.sh as root)")
+
+
+class FaultyProxy:
+    """Forwards TCP between clients and a redis-server on 127.0.0.1. The first time a
+    client sends GETRANGE (a block load), `on_load` runs before the bytes go on:
+    "kill" kills the server (the load's connection drops mid-load), "blackhole"
+    swallows that and all later traffic while keeping the sockets open (the load
+    times out)."""
+
+    def __init__(self, upstream_port: int, on_load: str, kill: Callable[[], None] | None = None):
+        if on_load not in ("kill", "blackhole"):
+            raise ValueError(f"on_load must be 'kill' or 'blackhole', got {on_load!r}")
+        self.upstream_port = upstream_port
+        self.on_load = on_load
+        self.kill = kill
+        self.triggered = threading.Event()
+        self.blackholed = False
+        self.port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        self._stopping = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False),
+                             daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, from_client: bool) -> None:
+        try:
+            while not self._stopping.is_set():
+                data = source.recv(1 << 16)
+                if not data:
+                    break
+                if from_client and b"GETRANGE" in data and not self.triggered.is_set():
+                    self.triggered.set()
+                    if self.on_load == "kill":
+                        self.kill()
+                    else:
+                        self.blackholed = True
+                if self.blackholed:
+                    continue  # swallowed: the peer waits for an answer that never comes
+                target.sendall(data)
+        except OSError:
+            pass
+        if not self.blackholed:
+            for sock in (source, target):
+                _close(sock)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        _close(self._listener)
+        with self._lock:
+            for sock in self._sockets:
+                _close(sock)
+
+
+class SilentServer:
+    """Accepts TCP connections on 127.0.0.1 and never sends a byte."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        self._stopping = threading.Event()
+        self._accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            self._accepted.append(connection)  # held open, never answered
+
+    def stop(self) -> None:
+        self._stopping.set()
+        _close(self._listener)
+        for connection in self._accepted:
+            _close(connection)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
