@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="check every stored block; exit 1 if any is bad")
     verify.add_argument("path", type=Path, help="the store folder (shared_storage_path)")
     verify.add_argument("--fix", action="store_true", help="delete the bad entries")
+
+    from kvrecover.entrypoints.commands import add_serving_parsers
+
+    add_serving_parsers(commands)
     return parser
 
 
@@ -91,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "storage":
         return _storage_verify(args.path, args.fix)
+    if args.command in ("serve", "proxy", "serve-demo"):
+        from kvrecover.entrypoints.commands import run_serving_command
+
+        return run_serving_command(args)
     from kvrecover.scenario import EngineOptions
 
     options = EngineOptions(args.model, args.device, args.dtype, args.batch_invariant)

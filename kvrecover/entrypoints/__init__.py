@@ -1,0 +1,2 @@
+"""Online serving: the OpenAI-compatible server (`kvrecover serve`) and the
+prefill/decode proxy (`kvrecover proxy`)."""

@@ -1,0 +1,213 @@
+"""The engine thread: continuous batching across HTTP requests.
+
+The engine is not thread-safe, so exactly one thread owns it. HTTP handlers talk
+to that thread through a command queue (add, abort, snapshot); the thread adds
+and aborts requests between steps and hands each step's outputs back to the
+asyncio loop in one batch. A request the engine rejects (a prompt too long, a
+bad token id) comes back as a finished output with `error_type`
+"invalid_request_error"; a step that raises ends the loop (`alive` turns False)
+and fails every open request with "internal_error".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrecover.outputs import CompletionOutput, RequestOutput
+from kvrecover.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle thread blocks on the command queue per turn
+
+
+@dataclass
+class LoopSnapshot:
+    """What `/metrics` shows about the engine: its counters and its queues."""
+
+    stats: dict[str, int]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable KV blocks in use
+    alive: bool
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | dict
+    params: SamplingParams
+    stream: OutputStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Snapshot:
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class OutputStream:
+    """The outputs of one request, readable from the asyncio loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    async def get(self, timeout: float) -> RequestOutput | None:
+        """The next output, or None when none came within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
+def error_output(request_id: str, message: str, error_type: str) -> RequestOutput:
+    """A finished output that carries only an error."""
+    return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "error")],
+                         finished=True, error=message, error_type=error_type)
+
+
+class EngineLoop:
+    """Owns an `LLM` on a thread of its own; handlers call `add`, `abort`, `snapshot`."""
+
+    def __init__(self, make_llm: Callable[[], Any]) -> None:
+        self._make_llm = make_llm
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvrecover-engine", daemon=True)
+        self.llm: Any = None  # read-only outside the thread: model_dir, max_model_len
+        self.alive = False
+
+    def start(self, timeout: float | None = None) -> None:
+        """Build the engine on its thread; raises what the build raised."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not start in time")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to finish and wait for it."""
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    # ----- called from the asyncio loop ----------------------------------------
+    def add(self, request_id: str, prompt: str | dict, params: SamplingParams) -> OutputStream:
+        """Queue a request; its outputs arrive on the returned stream."""
+        stream = OutputStream(asyncio.get_running_loop())
+        if not self.alive:
+            stream.queue.put_nowait(
+                error_output(request_id, "the engine loop is not running", "internal_error"))
+            return stream
+        self._commands.put(_Add(request_id, prompt, params, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (no more outputs arrive for it)."""
+        self._commands.put(_Abort(request_id))
+
+    async def snapshot(self, timeout: float = 5.0) -> LoopSnapshot:
+        """Counters and queue sizes, taken by the engine thread between steps."""
+        if not self.alive:
+            return LoopSnapshot({}, 0, 0, 0.0, alive=False)
+        command = _Snapshot()
+        self._commands.put(command)
+        return await asyncio.wait_for(asyncio.wrap_future(command.future), timeout)
+
+    # ----- the engine thread ---------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.llm = self._make_llm()
+        except BaseException as error:  # handed to start(), which re-raises it
+            self._startup_error = error
+            self._ready.set()
+            return
+        self.alive = True
+        self._ready.set()
+        engine = self.llm.engine
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not engine.has_unfinished())
+                if engine.has_unfinished():
+                    self._deliver(engine.step())
+        except Exception as error:
+            logger.exception("the engine loop failed")
+            self.alive = False
+            self._fail_all(f"the engine failed: {error}")
+        self.alive = False
+        self._fail_all("the server is shutting down")
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(timeout=IDLE_WAIT_S) if block else \
+                    self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                if self._streams.pop(command.request_id, None) is not None:
+                    self.llm.engine.abort_request(command.request_id)
+            else:
+                command.future.set_result(self._take_snapshot())
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.llm.engine.add_request(command.request_id, command.prompt, command.params)
+        except ValueError as error:
+            output = error_output(command.request_id, str(error), "invalid_request_error")
+            command.stream.loop.call_soon_threadsafe(command.stream.queue.put_nowait, output)
+            return
+        self._streams[command.request_id] = command.stream
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, message: str) -> None:
+        items = [(stream, error_output(rid, message, "internal_error"))
+                 for rid, stream in self._streams.items()]
+        self._streams.clear()
+        for stream, output in items:
+            try:
+                stream.loop.call_soon_threadsafe(_put_all, [(stream, output)])
+            except RuntimeError:  # that event loop is already closed
+                pass
+
+    def _take_snapshot(self) -> LoopSnapshot:
+        scheduler = self.llm.engine.scheduler
+        pool = scheduler.kv_manager.pool
+        usable = pool.num_usable_blocks
+        in_use = usable - pool.num_free_blocks
+        return LoopSnapshot(self.llm.engine.stats.snapshot(), len(scheduler.running),
+                            len(scheduler.waiting), in_use / usable if usable else 0.0,
+                            alive=self.alive)
+
+
+def _put_all(items: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.queue.put_nowait(output)

@@ -1,0 +1,142 @@
+"""One HTTP generation request against the engine loop.
+
+`Generation.first()` waits for the request's first token (or its error) before
+any response is sent, so an error, a KV load failure included, is always a
+plain HTTP error and never a stream that starts with 200. `deltas()` then yields
+text and token deltas until the request finishes, stops on a `stop` string, or
+the client goes away; in every case that is not a normal finish the engine
+request is aborted so its blocks are freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.engine_loop import EngineLoop, OutputStream
+from kvrecover.entrypoints.metrics import ServerMetrics
+from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.outputs import RequestOutput
+from kvrecover.sampling import SamplingParams
+
+DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+
+# HTTP status of each engine error type. A KV load failure is 503: the instance is
+# healthy but could not serve this request; a proxy fails over to another one.
+ERROR_STATUS = {"invalid_request_error": 400, "kv_load_failed": 503, "internal_error": 500}
+
+
+class ClientGone(Exception):
+    """The client disconnected; the request was aborted."""
+
+
+@dataclass
+class Delta:
+    """What one step added to a request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # set on the last delta
+
+
+class Generation:
+    """Drives one request: submit, wait for the first output, then stream deltas."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, prompt: str | dict,
+                 params: SamplingParams, detokenizer: IncrementalDetokenizer,
+                 is_disconnected: Callable[[], Awaitable[bool]] | None,
+                 metrics: ServerMetrics, endpoint: str) -> None:
+        self.loop = loop
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.detokenizer = detokenizer
+        self.is_disconnected = is_disconnected
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.prompt_token_ids: list[int] = []
+        self.num_sent_tokens = 0
+        self.finish_reason: str | None = None
+        self._stream: OutputStream | None = None
+        self._pending: RequestOutput | None = None
+        self._arrival = time.monotonic()
+        self._first_token_at: float | None = None
+        self._recorded = False
+
+    async def first(self) -> None:
+        """Submit and wait until the first output; an engine error is an ApiError."""
+        self._stream = self.loop.add(self.request_id, self.prompt, self.params)
+        try:
+            output = await self._next()
+        except BaseException:  # the client left (or the handler was cancelled) first
+            self.loop.abort(self.request_id)
+            self._record("aborted")
+            raise
+        if output.error is not None:
+            self._record("error")
+            error_type = output.error_type or "internal_error"
+            raise ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
+                           code=error_type)
+        self.prompt_token_ids = list(output.prompt_token_ids)
+        self._pending = output
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The request's deltas after `first()`; the last carries the finish reason."""
+        finished = False
+        try:
+            output = self._pending
+            while True:
+                delta = self._delta(output)
+                if delta.finish_reason is not None:
+                    finished = True
+                    self._record("ok")
+                    yield delta
+                    return
+                if delta.text or delta.token_ids:
+                    yield delta
+                output = await self._next()
+                if output.error is not None:
+                    self._record("error")
+                    finished = True
+                    error_type = output.error_type or "internal_error"
+                    raise ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
+                                   code=error_type)
+        finally:
+            if not finished:
+                self.loop.abort(self.request_id)
+                self._record("aborted")
+
+    def _delta(self, output: RequestOutput) -> Delta:
+        completion = output.outputs[0]
+        token_ids = completion.token_ids
+        if token_ids and self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+        new_tokens = token_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = max(self.num_sent_tokens, len(token_ids))
+        text = self.detokenizer.update(token_ids, completion.text if output.finished else None)
+        finish = completion.finish_reason if output.finished else None
+        if self.detokenizer.stopped and not output.finished:
+            self.loop.abort(self.request_id)
+            finish = "stop"
+        elif self.detokenizer.stopped:
+            finish = "stop"
+        self.finish_reason = finish
+        return Delta(text, new_tokens, finish)
+
+    async def _next(self) -> RequestOutput:
+        while True:
+            output = await self._stream.get(DISCONNECT_POLL_S)
+            if output is not None:
+                return output
+            if self.is_disconnected is not None and await self.is_disconnected():
+                raise ClientGone(self.request_id)
+
+    def _record(self, outcome: str) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        ttft = None if self._first_token_at is None else self._first_token_at - self._arrival
+        self.metrics.observe_request(self.endpoint, outcome, ttft,
+                                     time.monotonic() - self._arrival, self.num_sent_tokens)

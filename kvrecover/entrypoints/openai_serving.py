@@ -1,0 +1,170 @@
+"""`/v1/completions` and `/v1/chat/completions`: request -> Generation -> response.
+
+Both wait for the first token (or the error) before answering; a streamed answer
+is server-sent events in OpenAI's chunk format, each chunk carrying the new text
+(and, with `return_token_ids`, the new token ids), the last one the finish reason
+and `usage`, then `data: [DONE]`. An error after the first token ends the stream
+with an error event and without `[DONE]`, so no client takes it for a success.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvrecover.entrypoints.chat_template import ChatTemplate
+from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.engine_loop import EngineLoop
+from kvrecover.entrypoints.generation import Delta, Generation
+from kvrecover.entrypoints.metrics import ServerMetrics
+from kvrecover.entrypoints.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+
+
+@dataclass
+class ServingState:
+    """What the generation endpoints share."""
+
+    loop: EngineLoop
+    metrics: ServerMetrics
+    model_name: str
+    tokenizer: Any
+    chat_template: ChatTemplate
+    max_model_len: int
+
+
+def _check_model(state: ServingState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                            f"{state.model_name!r}", code="model_not_found", param="model")
+
+
+async def create_completion(state: ServingState, http: Request, body: Any):
+    """Answer one `/v1/completions` request."""
+    request = parse_request(CompletionRequest, body)
+    _check_model(state, request.model)
+    prompt = request.engine_prompt()
+    params = request.sampling_params(request.max_new_tokens())
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = await _start(state, http, request, request_id, prompt, params, "completions")
+    created = int(time.time())
+
+    def chunk(delta: Delta, first: bool) -> dict:
+        choice = {"index": 0, "text": delta.text, "logprobs": None,
+                  "finish_reason": delta.finish_reason}
+        if request.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+            if first:
+                choice["prompt_token_ids"] = generation.prompt_token_ids
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": state.model_name, "choices": [choice]}
+        if delta.finish_reason is not None:
+            body["usage"] = _usage(generation)
+        return body
+
+    if request.stream:
+        return _sse(generation, chunk)
+    text, token_ids = await _collect(generation)
+    choice = {"index": 0, "text": text, "logprobs": None,
+              "finish_reason": generation.finish_reason}
+    if request.return_token_ids:
+        choice["prompt_token_ids"] = generation.prompt_token_ids
+        choice["token_ids"] = token_ids
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
+                         "model": state.model_name, "choices": [choice],
+                         "usage": _usage(generation)})
+
+
+async def create_chat_completion(state: ServingState, http: Request, body: Any):
+    """Answer one `/v1/chat/completions` request."""
+    import asyncio
+
+    request = parse_request(ChatCompletionRequest, body)
+    _check_model(state, request.model)
+    conversation = request.conversation()
+    prompt_ids = await asyncio.to_thread(state.chat_template.prompt_token_ids, conversation)
+    room = max(1, state.max_model_len - len(prompt_ids))
+    params = request.sampling_params(request.max_new_tokens(room))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = await _start(state, http, request, request_id,
+                              {"prompt_token_ids": prompt_ids}, params, "chat")
+    created = int(time.time())
+
+    def chunk(delta: Delta, first: bool) -> dict:
+        message = {"role": "assistant", "content": delta.text} if first else \
+            {"content": delta.text}
+        choice = {"index": 0, "delta": message, "logprobs": None,
+                  "finish_reason": delta.finish_reason}
+        if request.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": state.model_name, "choices": [choice]}
+        if first and request.return_token_ids:
+            body["prompt_token_ids"] = generation.prompt_token_ids
+        if delta.finish_reason is not None:
+            body["usage"] = _usage(generation)
+        return body
+
+    if request.stream:
+        return _sse(generation, chunk)
+    text, token_ids = await _collect(generation)
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": None, "finish_reason": generation.finish_reason}
+    body = {"id": request_id, "object": "chat.completion", "created": created,
+            "model": state.model_name, "choices": [choice], "usage": _usage(generation)}
+    if request.return_token_ids:
+        choice["token_ids"] = token_ids
+        body["prompt_token_ids"] = generation.prompt_token_ids
+    return JSONResponse(body)
+
+
+async def _start(state: ServingState, http: Request, request: Any, request_id: str,
+                 prompt: Any, params: Any, endpoint: str) -> Generation:
+    detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
+    generation = Generation(state.loop, request_id, prompt, params, detokenizer,
+                            http.is_disconnected, state.metrics, endpoint)
+    await generation.first()
+    return generation
+
+
+async def _collect(generation: Generation) -> tuple[str, list[int]]:
+    text: list[str] = []
+    token_ids: list[int] = []
+    async for delta in generation.deltas():
+        text.append(delta.text)
+        token_ids.extend(delta.token_ids)
+    return "".join(text), token_ids
+
+
+def _usage(generation: Generation) -> dict[str, int]:
+    prompt_tokens = len(generation.prompt_token_ids)
+    completion_tokens = generation.num_sent_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(generation: Generation, chunk) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        first = True
+        try:
+            async for delta in generation.deltas():
+                yield f"data: {json.dumps(chunk(delta, first))}\n\n"
+                first = False
+        except ApiError as error:
+            yield f"data: {json.dumps(error.body())}\n\n"
+            return
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

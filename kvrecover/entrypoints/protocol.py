@@ -1,0 +1,179 @@
+"""OpenAI-compatible request records, their validation, and the error format.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a
+coercion) and turned into a prompt plus `SamplingParams` for the engine. Every
+error leaves the server as `{"error": {"message", "type", "code"}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvrecover.sampling import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format with an HTTP status."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
+                 code: str | int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code if code is not None else status
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: `{"error": {"message", "type", "code", "param"}}`."""
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "code": self.code, "param": self.param}}
+
+
+class StreamOptions(BaseModel):
+    """`stream_options` of a streamed request."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = True
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    n: int = 1
+    logprobs: Any = None
+
+    def stop_strings(self) -> list[str]:
+        """The `stop` strings as a list (empty ones dropped)."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters; a bad value is an ApiError naming the field."""
+        if self.n != 1:
+            raise ApiError(400, f"n must be 1 (kvrecover returns one choice), got {self.n}",
+                           param="n")
+        if self.logprobs not in (None, False):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ApiError(400, f"stop takes at most 4 strings, got {len(self.stop)}",
+                           param="stop")
+        values = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "max_tokens": max_tokens,
+            "seed": self.seed,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+        }
+        try:
+            return SamplingParams(**values)
+        except ValueError as error:
+            param = str(error).split(" ", 1)[0]
+            raise ApiError(400, str(error), param=param) from error
+
+
+class CompletionRequest(_GenerationFields):
+    """A `/v1/completions` request."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def engine_prompt(self) -> str | dict[str, list[int]]:
+        """The one prompt, as the engine takes it; a batch of prompts is a 400."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt must be one prompt, got a batch of {len(prompt)}",
+                               param="prompt")
+            prompt = prompt[0]
+        if self.echo or self.suffix:
+            raise ApiError(400, "echo and suffix are not supported", param="echo")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt must not be empty", param="prompt")
+            return prompt
+        if not prompt:
+            raise ApiError(400, "prompt must not be an empty list of token ids", param="prompt")
+        return {"prompt_token_ids": list(prompt)}
+
+    def max_new_tokens(self) -> int:
+        """`max_tokens`, or OpenAI's default of 16."""
+        return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as plain text (text parts joined; other parts are a 400)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "message content parts must be {'type': 'text', 'text': ...}",
+                               param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """A `/v1/chat/completions` request."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them."""
+        if not self.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def max_new_tokens(self, room: int) -> int:
+        """`max_completion_tokens` or `max_tokens`, else all the `room` left in the context."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return room if self.max_tokens is None else self.max_tokens
+
+
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; any problem is a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(400, f"{field}: {first['msg']} (got {first.get('input')!r:.80})",
+                       param=field) from error
