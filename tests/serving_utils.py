@@ -1,0 +1,100 @@
+"""Helpers for the serving tests: real `kvrecover serve` / `proxy` processes on free
+loopback ports, always killed, and a tiny checkpoint that has a chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 180.0  # two cores shared by several engineers: starts can be slow
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def free_port() -> int:
+    """A loopback port that nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def add_chat_template(model_dir: Path) -> Path:
+    """Give a tiny checkpoint a (simple) chat template."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config))
+    return model_dir
+
+
+class Process:
+    """One spawned `python -m kvrecover ...` listening on `url`."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict | None = None):
+        self.argv = argv
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrecover", *argv],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> Process:
+        """Block until GET /health is 200; fail with the log when it never is."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}:\n"
+                                   f"{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"{self.argv[0]} not healthy after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the process (SIGKILL by default) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+
+def serve(tmp: Path, model_dir: Path, *extra: str, env: dict | None = None,
+          name: str = "serve") -> Process:
+    """Start `kvrecover serve` on the tiny model; not yet waited for."""
+    port = free_port()
+    argv = ["serve", "--model", str(model_dir), "--port", str(port), *extra]
+    return Process(argv, port, tmp / f"{name}-{port}.log", env)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of a Prometheus metric from `url`/metrics (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
