@@ -12,9 +12,11 @@ from typing import Any
 
 def add_serving_parsers(commands: Any) -> None:
     """Register the serving subcommands on the CLI's subparsers."""
+    from kvrecover.entrypoints.proxy_command import add_proxy_parser
     from kvrecover.entrypoints.serve_command import add_serve_parser
 
     add_serve_parser(commands)
+    add_proxy_parser(commands)
 
 
 def run_serving_command(args: argparse.Namespace) -> int:
@@ -23,4 +25,8 @@ def run_serving_command(args: argparse.Namespace) -> int:
         from kvrecover.entrypoints.serve_command import run_serve
 
         return run_serve(args)
+    if args.command == "proxy":
+        from kvrecover.entrypoints.proxy_command import run_proxy
+
+        return run_proxy(args)
     raise ValueError(f"unknown serving command {args.command!r}")

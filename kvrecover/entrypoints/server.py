@@ -99,27 +99,29 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await create_completion(state, request, await _read_json(request, config))
+        body = await read_json_body(request, config.max_body_bytes)
+        return await create_completion(state, request, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await create_chat_completion(state, request, await _read_json(request, config))
+        body = await read_json_body(request, config.max_body_bytes)
+        return await create_chat_completion(state, request, body)
 
     return app
 
 
-async def _read_json(request: Request, config: ServerConfig) -> Any:
+async def read_json_body(request: Request, max_body_bytes: int) -> Any:
     """The JSON body, read with a size cap; a 413 or 400 otherwise."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise ApiError(413, f"the request body has {declared} bytes; the limit is "
-                            f"{config.max_body_bytes}", code="request_too_large")
+                            f"{max_body_bytes}", code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > config.max_body_bytes:
+        if size > max_body_bytes:
             raise ApiError(413, f"the request body is over the limit of "
-                                f"{config.max_body_bytes} bytes", code="request_too_large")
+                                f"{max_body_bytes} bytes", code="request_too_large")
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))

@@ -1,0 +1,234 @@
+"""`kvrecover proxy`: OpenAI endpoints in front of prefill and decode instances.
+
+Routing, failover and migration live in `proxy_request.py`; this module is the
+HTTP side: it parses the client's request, answers in the client's format
+(streamed or not, completions or chat) whatever instance produced the tokens,
+and sends no status line before the first token is known, so a request no
+instance could serve is a plain 503, never a 200 that ends badly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.proxy_instances import InstancePool, ProxyMetrics
+from kvrecover.entrypoints.proxy_request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
+from kvrecover.entrypoints.proxy_upstream import Piece, Rejected
+from kvrecover.entrypoints.server import MAX_BODY_BYTES, read_json_body
+
+FORWARDED_HEADERS = ("authorization",)
+
+
+@dataclass
+class ProxyConfig:
+    """Settings of `kvrecover proxy`."""
+
+    prefill: list[str]
+    decode: list[str]
+    max_retries: int = 2
+    timeout_s: float = 60.0  # connect/read timeout per upstream call
+    health_interval_s: float = 2.0
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not self.health_interval_s > 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s!r}")
+
+
+def build_proxy_app(config: ProxyConfig) -> FastAPI:
+    """The proxy's FastAPI app; it checks instance health while it runs."""
+    metrics = ProxyMetrics()
+    pool = InstancePool(config.prefill, config.decode, metrics)
+    holder: dict[str, ProxyContext] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 5.0))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            holder["context"] = ProxyContext(pool, metrics, client, config.max_retries)
+            await pool.check_all(client, timeout=5.0)
+            checker = asyncio.create_task(pool.health_loop(client, config.health_interval_s))
+            try:
+                yield
+            finally:
+                checker.cancel()
+
+    app = FastAPI(title="kvrecover proxy", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, error: StarletteHTTPException):
+        error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        body = ApiError(error.status_code, str(error.detail), error_type).body()
+        return JSONResponse(body, status_code=error.status_code)
+
+    @app.exception_handler(Rejected)
+    async def rejected(_request: Request, error: Rejected):
+        return Response(error.body, status_code=error.status, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        states = {i.url: ("up" if i.up else "down") for i in pool.all}
+        status = 200 if any(i.up for i in pool.all) else 503
+        return JSONResponse({"status": "ok" if status == 200 else "no instance up",
+                             "instances": states}, status_code=status)
+
+    @app.get("/metrics")
+    async def proxy_metrics():
+        return Response(generate_latest(metrics.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        client = holder["context"].client
+        for instance in pool.decode_candidates():
+            try:
+                response = await client.get(f"{instance.url}/v1/models",
+                                            headers=_forwarded(request))
+            except httpx.HTTPError:
+                continue
+            return Response(response.content, status_code=response.status_code,
+                            media_type="application/json")
+        raise ApiError(503, "no instance is up", "service_unavailable", code=503)
+
+    async def generate(request: Request, path: str):
+        body = await read_json_body(request, config.max_body_bytes)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        proxied = ProxiedRequest(holder["context"], path, body, _forwarded(request))
+        await proxied.prefill()
+        first = await proxied.open_decode()
+        formatter = ClientFormat(path, bool(body.get("return_token_ids")),
+                                 body.get("model") or first.model or "")
+        headers = {"x-kvrecover-decode-instance": proxied.stream.instance.url}
+        pieces = _chain(first, proxied.pieces(first))
+        if body.get("stream"):
+            return StreamingResponse(formatter.sse(pieces, proxied), headers=headers,
+                                     media_type="text/event-stream")
+        try:
+            return JSONResponse(await formatter.whole(pieces, proxied), headers=headers)
+        finally:
+            await pieces.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, CHAT)
+
+    return app
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+
+
+async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    try:
+        yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
+
+
+@dataclass
+class ClientFormat:
+    """Writes pieces as the client asked: completions or chat, streamed or whole."""
+
+    path: str
+    return_token_ids: bool
+    model: str
+    request_id: str = field(default_factory=lambda: f"proxy-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def chat(self) -> bool:
+        return self.path == CHAT
+
+    def _usage(self, proxied: ProxiedRequest) -> dict[str, int]:
+        prompt = len(proxied.prompt_token_ids or [])
+        return {"prompt_tokens": prompt, "completion_tokens": len(proxied.generated),
+                "total_tokens": prompt + len(proxied.generated)}
+
+    def chunk(self, piece: Piece, first: bool, proxied: ProxiedRequest) -> dict[str, Any]:
+        """One streamed chunk."""
+        if self.chat:
+            delta = {"role": "assistant", "content": piece.text} if first else \
+                {"content": piece.text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": piece.finish_reason}
+        else:
+            choice = {"index": 0, "text": piece.text, "logprobs": None,
+                      "finish_reason": piece.finish_reason}
+        body = {"id": self.request_id, "created": self.created, "model": self.model,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": [choice]}
+        if self.return_token_ids:
+            choice["token_ids"] = piece.token_ids
+            if first:
+                holder = body if self.chat else choice
+                holder["prompt_token_ids"] = proxied.prompt_token_ids
+        if piece.finish_reason is not None:
+            body["usage"] = self._usage(proxied)
+        return body
+
+    async def sse(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest):
+        """Server-sent events; an unrecoverable failure ends with an error, no [DONE]."""
+        first = True
+        try:
+            async for piece in pieces:
+                yield f"data: {json.dumps(self.chunk(piece, first, proxied))}\n\n"
+                first = False
+        except ApiError as error:
+            yield f"data: {json.dumps(error.body())}\n\n"
+            return
+        finally:
+            await pieces.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def whole(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest) -> dict:
+        """The non-streamed response body."""
+        text, finish = [], None
+        async for piece in pieces:
+            text.append(piece.text)
+            finish = piece.finish_reason or finish
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                      "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": "".join(text), "logprobs": None,
+                      "finish_reason": finish}
+        body = {"id": self.request_id, "created": self.created, "model": self.model,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [choice], "usage": self._usage(proxied)}
+        if self.return_token_ids:
+            choice["token_ids"] = list(proxied.generated)
+            holder = body if self.chat else choice
+            holder["prompt_token_ids"] = proxied.prompt_token_ids
+        return body

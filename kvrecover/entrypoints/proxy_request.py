@@ -1,0 +1,186 @@
+"""One client request through the proxy: prefill, decode with failover, migration.
+
+1. Prefill: the request with `max_tokens=1` goes to a prefill instance, which
+   computes and stores the prompt's KV. A failing prefill instance is retried on
+   another; with none left the request goes straight to decode (which computes
+   the prompt itself).
+2. Decode: the request, streamed with `return_token_ids`, goes to the least
+   loaded decode instance. Until its first piece arrives nothing has reached the
+   client, so any failure (refused, timeout, 5xx, `kv_load_failed`) moves it to
+   the next decode instance, then to the prefill instances; none left is a 503.
+3. Migration: an instance that dies mid-stream has the request continued on
+   another one as a completion of prompt + tokens already sent, with the rest of
+   `max_tokens`. Greedy requests continue token for token as if undisturbed.
+Every step is bounded by `max_retries`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvrecover.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
+from kvrecover.entrypoints.proxy_instances import Instance, InstancePool, ProxyMetrics
+from kvrecover.entrypoints.proxy_upstream import (
+    Piece,
+    Retryable,
+    StreamBroken,
+    UpstreamStream,
+    open_stream,
+    post_json,
+)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# What a continuation keeps of the original request (besides the prompt).
+CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "seed", "stop",
+                     "stop_token_ids", "ignore_eos")
+UNBOUNDED_MAX_TOKENS = 1 << 30  # the engine caps a request at max_model_len anyway
+
+
+@dataclass
+class ProxyContext:
+    """What every proxied request shares."""
+
+    pool: InstancePool
+    metrics: ProxyMetrics
+    client: httpx.AsyncClient
+    max_retries: int
+
+
+class ProxiedRequest:
+    """Drives one generation request across the instances."""
+
+    def __init__(self, context: ProxyContext, path: str, body: dict[str, Any],
+                 headers: dict[str, str]) -> None:
+        self.context = context
+        self.path = path
+        self.body = body
+        self.headers = headers
+        self.prompt_token_ids: list[int] | None = None
+        self.generated: list[int] = []
+        self.stream: UpstreamStream | None = None
+        self.max_tokens = self._max_tokens()
+
+    def _max_tokens(self) -> int | None:
+        body = self.body
+        if self.path == COMPLETIONS:
+            value = body.get("max_tokens")
+            return DEFAULT_COMPLETION_MAX_TOKENS if value is None else value
+        value = body.get("max_completion_tokens")
+        return body.get("max_tokens") if value is None else value
+
+    async def prefill(self) -> None:
+        """Have a prefill instance compute and store the prompt's KV (best effort)."""
+        body = {**self.body, "max_tokens": 1, "stream": False, "return_token_ids": True}
+        body.pop("stream_options", None)
+        body.pop("max_completion_tokens", None)
+        context = self.context
+        for instance in context.pool.prefill_candidates()[:context.max_retries + 1]:
+            context.metrics.count(context.metrics.requests, instance)
+            instance.in_flight += 1
+            try:
+                answer = await post_json(context.client, instance, self.path, body, self.headers)
+            except Retryable as error:
+                self._failed(instance, error, context.metrics.retries)
+                continue
+            finally:
+                instance.in_flight -= 1
+            self.prompt_token_ids = _prompt_ids(answer, self.path)
+            return
+
+    async def open_decode(self) -> Piece:
+        """Start decoding somewhere; its first piece (an ApiError 503 when nowhere)."""
+        body = {**self.body, "stream": True, "return_token_ids": True}
+        body.pop("stream_options", None)
+        first = await self._open(self.path, body)
+        self._absorb(first)
+        return first
+
+    async def pieces(self, first: Piece) -> AsyncIterator[Piece]:
+        """The pieces for the client after `first`, migrating when the instance dies."""
+        migrations = 0
+        piece = first
+        try:
+            while piece.finish_reason is None:
+                try:
+                    piece = await self.stream.next_piece()
+                except StreamBroken:
+                    dead = self.stream.instance
+                    await self._release()
+                    self.context.pool.mark(dead, False)
+                    self.context.metrics.count(self.context.metrics.migrations, dead)
+                    if migrations >= self.context.max_retries:
+                        raise ApiError(503, f"{dead.url} died mid-stream and the request could "
+                                            "not be continued within the retry limit",
+                                       "service_unavailable", code=503) from None
+                    migrations += 1
+                    piece = await self._continue()
+                self._absorb(piece)
+                yield piece
+        finally:
+            await self._release()
+
+    async def _continue(self) -> Piece:
+        if self.prompt_token_ids is None:
+            raise ApiError(503, "the decode instance died before the prompt was known",
+                           "service_unavailable", code=503)
+        remaining = UNBOUNDED_MAX_TOKENS if self.max_tokens is None else \
+            self.max_tokens - len(self.generated)
+        if remaining <= 0:
+            return Piece("", [], "length")
+        body = {key: self.body[key] for key in CONTINUATION_KEYS if key in self.body}
+        body.update(prompt=self.prompt_token_ids + self.generated, max_tokens=remaining,
+                    stream=True, return_token_ids=True)
+        piece = await self._open(COMPLETIONS, body)
+        piece.prompt_token_ids = None  # the continuation's prompt is not the client's
+        return piece
+
+    async def _open(self, path: str, body: dict[str, Any]) -> Piece:
+        context = self.context
+        errors = []
+        for instance in context.pool.decode_candidates()[:context.max_retries + 1]:
+            context.metrics.count(context.metrics.requests, instance)
+            instance.in_flight += 1
+            try:
+                self.stream, first = await open_stream(context.client, instance, path, body,
+                                                       self.headers)
+            except Retryable as error:
+                instance.in_flight -= 1
+                errors.append(str(error))
+                self._failed(instance, error, context.metrics.failovers)
+                continue
+            except BaseException:
+                instance.in_flight -= 1
+                raise
+            return first
+        context.metrics.unavailable.inc()
+        tried = "; ".join(errors) if errors else "every instance is marked down"
+        raise ApiError(503, f"no instance could serve the request ({tried})",
+                       "service_unavailable", code=503)
+
+    def _failed(self, instance: Instance, error: Retryable, counter: Any) -> None:
+        self.context.metrics.count(counter, instance)
+        if error.connect_failed:
+            self.context.pool.mark(instance, False)
+
+    def _absorb(self, piece: Piece) -> None:
+        if piece.prompt_token_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = list(piece.prompt_token_ids)
+        self.generated.extend(piece.token_ids)
+
+    async def _release(self) -> None:
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            stream.instance.in_flight -= 1
+            await stream.close()
+
+
+def _prompt_ids(answer: dict[str, Any], path: str) -> list[int] | None:
+    if path == CHAT:
+        return answer.get("prompt_token_ids")
+    choices = answer.get("choices") or [{}]
+    return choices[0].get("prompt_token_ids")
