@@ -83,9 +83,10 @@ class Process:
 
 
 def serve(tmp: Path, model_dir: Path, *extra: str, env: dict | None = None,
-          name: str = "serve") -> Process:
-    """Start `kvrecover serve` on the tiny model; not yet waited for."""
-    port = free_port()
+          name: str = "serve", port: int | None = None) -> Process:
+    """Start `kvrecover serve` on the tiny model (on a free port unless `port` is
+    given); not yet waited for."""
+    port = port or free_port()
     argv = ["serve", "--model", str(model_dir), "--port", str(port), *extra]
     return Process(argv, port, tmp / f"{name}-{port}.log", env)
 

@@ -1,0 +1,240 @@
+"""`kvrecover proxy` in front of real prefill and decode processes: exact output,
+failover before the first byte, migration after a SIGKILL mid-stream, prefill
+instances decoding when no decode instance is left, a 503 when nothing is, and
+health checks that mark instances down and back up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import build_tiny_model
+from serving_utils import Process, add_chat_template, free_port, metric, serve
+
+from kvrecover import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # separate processes
+
+PROMPT = "the capital of france is paris and the capital of china is beijing. the capital of"
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return add_chat_template(build_tiny_model(tmp_path_factory.mktemp("proxy_model"), seed=4))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(str(model_dir))
+
+
+def transfer(store, role: str) -> str:
+    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"shared_storage_path": str(store)}})
+
+
+class Cluster:
+    """One prefill and two decode instances sharing a KV folder, and proxies."""
+
+    def __init__(self, tmp, model_dir) -> None:
+        self.tmp, self.model_dir = tmp, model_dir
+        self.store = tmp / "kv"
+        self.store.mkdir()
+        self.processes: list[Process] = []
+        self.prefill = self.spawn("kv_producer", "prefill")
+        self.decode = [self.spawn("kv_consumer", f"decode{i}") for i in range(2)]
+        for process in [self.prefill, *self.decode]:
+            process.wait_healthy()
+
+    def spawn(self, role: str, name: str, port: int | None = None) -> Process:
+        process = serve(self.tmp, self.model_dir, "--kv-transfer-config",
+                        transfer(self.store, role), name=name, port=port)
+        self.processes.append(process)
+        return process
+
+    def proxy(self, health_interval: float) -> Process:
+        port = free_port()
+        argv = ["proxy", "--prefill", self.prefill.url,
+                "--decode", *[d.url for d in self.decode], "--port", str(port),
+                "--health-check-interval", str(health_interval), "--timeout", "30"]
+        process = Process(argv, port, self.tmp / f"proxy-{port}.log")
+        self.processes.append(process)
+        return process.wait_healthy()
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"), model_dir)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def fresh_cluster(model_dir, tmp_path):
+    cluster = Cluster(tmp_path, model_dir)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def completion(url: str, max_tokens: int, stream: bool = False) -> tuple[str, list[int], str]:
+    """Greedy completion of PROMPT through `url`: text, token ids, decode instance."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    if not stream:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=WAIT_S)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["token_ids"], response.headers["x-kvrecover-decode-instance"]
+    text, token_ids = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice["text"])
+                token_ids.extend(choice["token_ids"])
+        instance = response.headers["x-kvrecover-decode-instance"]
+    return "".join(text), token_ids, instance
+
+
+def expected(reference, max_tokens: int):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    output = reference.generate([PROMPT], params)[0].outputs[0]
+    return output.text, output.token_ids
+
+
+def proxy_count(proxy: Process, name: str, instance: Process, role: str) -> float:
+    return metric(proxy.url, f"kvrecover_proxy_{name}_total",
+                  f'instance="{instance.url}",role="{role}"')
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_prefill_then_decode_matches_generate(cluster, reference, model_dir):
+    proxy = cluster.proxy(health_interval=1.0)
+    want = expected(reference, 10)
+    for stream in (False, True):
+        text, token_ids, instance = completion(proxy.url, 10, stream)
+        assert (text, token_ids) == want
+        assert instance in [d.url for d in cluster.decode]
+    external = sum(metric(d.url, "kvrecover_engine_stat", 'name="prompt_tokens_external"')
+                   for d in cluster.decode)
+    assert external >= 16  # the decode instances loaded the prefill's KV
+    assert proxy_count(proxy, "requests", cluster.prefill, "prefill") == 2
+
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "the capital of france is"}]
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)
+    want_chat = reference.generate([{"prompt_token_ids": ids}],
+                                   SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    client = sdk(proxy.url)
+    got = client.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6,
+                                         temperature=0, extra_body={"return_token_ids": True})
+    assert got.choices[0].message.content == want_chat.text
+    assert got.choices[0].model_extra["token_ids"] == want_chat.token_ids
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=str(model_dir), messages=messages, max_tokens=6, temperature=0, stream=True)]
+    assert "".join(pieces) == want_chat.text
+
+
+def test_bad_request_is_passed_through_not_retried(cluster):
+    proxy = cluster.proxy(health_interval=1.0)
+    response = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "hi", "top_p": 7},
+                          timeout=WAIT_S)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "top_p"
+    bad_json = httpx.post(f"{proxy.url}/v1/completions", content=b"{oops", timeout=WAIT_S)
+    assert bad_json.status_code == 400
+    assert httpx.get(f"{proxy.url}/health", timeout=10).status_code == 200
+    for decode in cluster.decode:
+        assert proxy_count(proxy, "failovers", decode, "decode") == 0
+
+
+def test_failover_then_prefill_decodes_then_503_then_back_up(fresh_cluster, reference):
+    cluster = fresh_cluster
+    slow_checks = cluster.proxy(health_interval=600)  # sees failures only by trying
+    fast_checks = cluster.proxy(health_interval=0.3)
+    first, second = cluster.decode
+    want = expected(reference, 8)
+
+    first.kill(signal.SIGTERM)  # stopped before the request
+    text, token_ids, instance = completion(slow_checks.url, 8)
+    assert (text, token_ids, instance) == (*want, second.url)
+    assert proxy_count(slow_checks, "failovers", first, "decode") == 1
+
+    second.kill(signal.SIGTERM)  # no decode instance left: the prefill instance decodes
+    text, token_ids, instance = completion(slow_checks.url, 8, stream=True)
+    assert (text, token_ids, instance) == (*want, cluster.prefill.url)
+    assert proxy_count(slow_checks, "failovers", second, "decode") == 1
+
+    cluster.prefill.kill(signal.SIGTERM)  # nothing left: a clear 503
+    for stream in (False, True):
+        body = {"prompt": PROMPT, "max_tokens": 4, "stream": stream}
+        response = httpx.post(f"{slow_checks.url}/v1/completions", json=body, timeout=WAIT_S)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable"
+    assert metric(slow_checks.url, "kvrecover_proxy_unavailable_total") == 2
+
+    wait_for(lambda: httpx.get(f"{fast_checks.url}/health", timeout=5).status_code == 503,
+             "the health checks to mark every instance down")
+    revived = cluster.spawn("kv_consumer", "decode0", port=first.port).wait_healthy()
+    wait_for(lambda: metric(fast_checks.url, "kvrecover_proxy_instance_up",
+                    f'instance="{revived.url}",role="decode"') == 1,
+             "the health checks to mark the revived instance up")
+    text, token_ids, instance = completion(fast_checks.url, 8)  # prefill down: decode computes
+    assert (text, token_ids, instance) == (*want, revived.url)
+
+
+def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluster, reference):
+    cluster = fresh_cluster
+    proxy = cluster.proxy(health_interval=600)
+    max_tokens = 900
+    want = expected(reference, max_tokens)
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    token_ids, finish, done = [], None, False
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body,
+                      timeout=WAIT_S) as response:
+        assert response.status_code == 200
+        serving = next(d for d in cluster.decode
+                       if d.url == response.headers["x-kvrecover-decode-instance"])
+        serving.kill(signal.SIGKILL)
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                choice = json.loads(line[6:])["choices"][0]
+                token_ids.extend(choice["token_ids"])
+                finish = choice["finish_reason"] or finish
+    assert done and finish == "length"
+    assert token_ids == want[1]
+    assert proxy_count(proxy, "migrations", serving, "decode") == 1
+    other = next(d for d in cluster.decode if d is not serving)
+    assert 0 < metric(other.url, "kvrecover_engine_stat", 'name="generation_tokens"') < max_tokens
