@@ -6,7 +6,10 @@ health checks that mark instances down and back up."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -215,7 +218,7 @@ def test_failover_then_prefill_decodes_then_503_then_back_up(fresh_cluster, refe
 def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluster, reference):
     cluster = fresh_cluster
     proxy = cluster.proxy(health_interval=600)
-    max_tokens = 900
+    max_tokens = 400
     want = expected(reference, max_tokens)
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}
@@ -238,3 +241,16 @@ def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluste
     assert proxy_count(proxy, "migrations", serving, "decode") == 1
     other = next(d for d in cluster.decode if d is not serving)
     assert 0 < metric(other.url, "kvrecover_engine_stat", 'name="generation_tokens"') < max_tokens
+
+
+def test_serve_demo_starts_everything_and_answers(model_dir, tmp_path):
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "kvrecover", "serve-demo", "--model", str(model_dir), "--once",
+         "--port", str(port), "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "decoded by http://127.0.0.1:" in result.stdout
+    assert f"proxy     http://127.0.0.1:{port}" in result.stdout
+    with pytest.raises(httpx.ConnectError):  # everything was stopped on the way out
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
