@@ -254,3 +254,37 @@ def test_serve_demo_starts_everything_and_answers(model_dir, tmp_path):
     assert f"proxy     http://127.0.0.1:{port}" in result.stdout
     with pytest.raises(httpx.ConnectError):  # everything was stopped on the way out
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_kv_load_failed_on_a_decode_instance_fails_over(model_dir, tmp_path, reference):
+    store = tmp_path / "kv"
+    store.mkdir()
+    failing = json.dumps({
+        "kv_connector": "FaultInjectionConnector", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {
+            "inner_connector": "SharedStorageConnector", "shared_storage_path": str(store),
+            "faults": [{"requests": "all", "blocks": "all", "kind": "missing"}]}})
+    prefill = serve(tmp_path, model_dir, "--kv-transfer-config", transfer(store, "kv_producer"),
+                    name="prefill")
+    bad = serve(tmp_path, model_dir, "--kv-transfer-config", failing, name="bad")
+    good = serve(tmp_path, model_dir, "--kv-transfer-config", transfer(store, "kv_consumer"),
+                 name="good")
+    processes = [prefill, bad, good]
+    try:
+        for process in processes:
+            process.wait_healthy()
+        port = free_port()
+        proxy = Process(["proxy", "--prefill", prefill.url, "--decode", bad.url, good.url,
+                         "--port", str(port), "--health-check-interval", "600"],
+                        port, tmp_path / "proxy.log")
+        processes.append(proxy)
+        proxy.wait_healthy()
+        for stream in (False, True):
+            text, token_ids, instance = completion(proxy.url, 8, stream)
+            assert (text, token_ids, instance) == (*expected(reference, 8), good.url)
+        assert proxy_count(proxy, "failovers", bad, "decode") == 2
+        assert metric(bad.url, "kvrecover_engine_stat", 'name="kv_load_failed_requests"') == 2
+    finally:
+        for process in processes:
+            process.kill()

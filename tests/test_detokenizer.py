@@ -1,0 +1,55 @@
+"""The streaming detokenizer: whole characters per delta, stop strings never leak,
+and the deltas add up to the engine's text."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import build_tokenizer
+
+from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
+from kvrecover.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    build_tokenizer(folder, 384)
+    return Tokenizer(folder)
+
+
+def stream(detokenizer: IncrementalDetokenizer, token_ids: list[int], final_text: str | None):
+    deltas = [detokenizer.update(token_ids[:n]) for n in range(1, len(token_ids))]
+    deltas.append(detokenizer.update(token_ids, final_text))
+    return deltas
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = "héllo wörld, 北京 and 🙂 then paris"
+    token_ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in token_ids)  # some tokens are partial
+    deltas = stream(IncrementalDetokenizer(tokenizer), token_ids, tokenizer.decode(token_ids))
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(token_ids)
+    assert sum(1 for d in deltas if d) > 5  # it really streamed
+
+
+def test_stop_string_truncates_and_no_part_of_it_is_sent_early(tokenizer):
+    text = "the capital of france is paris and the capital of china is beijing"
+    token_ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=["paris and", "zzz"])
+    sent = ""
+    for n in range(1, len(token_ids) + 1):
+        sent += detokenizer.update(token_ids[:n])
+        assert "paris" not in sent
+        if detokenizer.stopped:
+            break
+    assert detokenizer.stopped
+    assert sent == tokenizer.decode(token_ids)[:text.index("paris and")]
+    assert detokenizer.update(token_ids) == ""  # nothing after the stop
+
+
+def test_final_text_is_the_engines(tokenizer):
+    token_ids = tokenizer.encode("hello, my name is kv.")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = stream(detokenizer, token_ids, "hello, my name is kv.")
+    assert "".join(deltas) == "hello, my name is kv."
