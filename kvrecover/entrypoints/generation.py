@@ -71,8 +71,7 @@ class Generation:
         try:
             output = await self._next()
         except BaseException:  # the client left (or the handler was cancelled) first
-            self.loop.abort(self.request_id)
-            self._record("aborted")
+            self.close()
             raise
         if output.error is not None:
             self._record("error")
@@ -84,13 +83,11 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The request's deltas after `first()`; the last carries the finish reason."""
-        finished = False
         try:
             output = self._pending
             while True:
                 delta = self._delta(output)
                 if delta.finish_reason is not None:
-                    finished = True
                     self._record("ok")
                     yield delta
                     return
@@ -99,14 +96,19 @@ class Generation:
                 output = await self._next()
                 if output.error is not None:
                     self._record("error")
-                    finished = True
                     error_type = output.error_type or "internal_error"
                     raise ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
                                    code=error_type)
         finally:
-            if not finished:
-                self.loop.abort(self.request_id)
-                self._record("aborted")
+            self.close()
+
+    def close(self) -> None:
+        """Abort the engine request unless it already ended (idempotent). Called when
+        the deltas stop early, and after a streamed response, which may never have
+        started reading them (the client left at once)."""
+        if not self._recorded:
+            self.loop.abort(self.request_id)
+            self._record("aborted")
 
     def _delta(self, output: RequestOutput) -> Delta:
         completion = output.outputs[0]

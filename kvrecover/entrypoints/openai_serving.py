@@ -9,6 +9,7 @@ with an error event and without `[DONE]`, so no client takes it for a success.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from kvrecover.entrypoints.chat_template import ChatTemplate
 from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
@@ -88,8 +90,6 @@ async def create_completion(state: ServingState, http: Request, body: Any):
 
 async def create_chat_completion(state: ServingState, http: Request, body: Any):
     """Answer one `/v1/chat/completions` request."""
-    import asyncio
-
     request = parse_request(ChatCompletionRequest, body)
     _check_model(state, request.model)
     conversation = request.conversation()
@@ -167,4 +167,5 @@ def _sse(generation: Generation, chunk) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(generation.close))

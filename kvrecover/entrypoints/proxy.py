@@ -22,6 +22,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrecover.entrypoints.protocol import ApiError
@@ -127,7 +128,8 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         pieces = _chain(first, proxied.pieces(first))
         if body.get("stream"):
             return StreamingResponse(formatter.sse(pieces, proxied), headers=headers,
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(proxied.close))
         try:
             return JSONResponse(await formatter.whole(pieces, proxied), headers=headers)
         finally:

@@ -172,6 +172,11 @@ class ProxiedRequest:
             self.prompt_token_ids = list(piece.prompt_token_ids)
         self.generated.extend(piece.token_ids)
 
+    async def close(self) -> None:
+        """Close the upstream stream, if one is open (idempotent). Called after a
+        streamed response, which may never have started reading the pieces."""
+        await self._release()
+
     async def _release(self) -> None:
         if self.stream is not None:
             stream, self.stream = self.stream, None
