@@ -53,3 +53,19 @@ def test_final_text_is_the_engines(tokenizer):
     detokenizer = IncrementalDetokenizer(tokenizer)
     deltas = stream(detokenizer, token_ids, "hello, my name is kv.")
     assert "".join(deltas) == "hello, my name is kv."
+
+
+@pytest.mark.parametrize("split", range(1, 12))
+def test_resumed_text_continues_across_a_split_character(tokenizer, split):
+    token_ids = tokenizer.encode("北京 🙂 paris ö")
+    assert len(token_ids) > split
+    full = tokenizer.decode(token_ids)
+    first = IncrementalDetokenizer(tokenizer)
+    sent = "".join(first.update(token_ids[:n]) for n in range(1, split + 1))
+    second = IncrementalDetokenizer(tokenizer)
+    second.resume(token_ids[:split], sent)
+    rest = token_ids[split:]
+    deltas = [second.update(rest[:n]) for n in range(1, len(rest))]
+    deltas.append(second.update(rest, "engine text of the new tokens alone"))
+    assert sent + "".join(deltas) == full
+    assert not any("\ufffd" in d for d in [sent, *deltas])

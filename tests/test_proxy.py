@@ -215,16 +215,35 @@ def test_failover_then_prefill_decodes_then_503_then_back_up(fresh_cluster, refe
     assert (text, token_ids, instance) == (*want, revived.url)
 
 
-def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluster, reference):
+def chat_prompt_ids(model_dir, messages) -> list[int]:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return hf.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluster, reference,
+                                                                     model_dir, endpoint):
     cluster = fresh_cluster
     proxy = cluster.proxy(health_interval=600)
     max_tokens = 400
-    want = expected(reference, max_tokens)
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}
-    token_ids, finish, done = [], None, False
-    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body,
-                      timeout=WAIT_S) as response:
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": PROMPT}]
+        body["messages"] = messages
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        output = reference.generate(
+            [{"prompt_token_ids": chat_prompt_ids(model_dir, messages)}], params)[0].outputs[0]
+        want = (output.text, output.token_ids)
+    else:
+        body["prompt"] = PROMPT
+        want = expected(reference, max_tokens)
+    text, token_ids, finish, done = [], [], None, False
+    with httpx.stream("POST", f"{proxy.url}/v1/{endpoint.replace('chat', 'chat/completions')}",
+                      json=body, timeout=WAIT_S) as response:
         assert response.status_code == 200
         serving = next(d for d in cluster.decode
                        if d.url == response.headers["x-kvrecover-decode-instance"])
@@ -233,11 +252,15 @@ def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluste
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: "):
-                choice = json.loads(line[6:])["choices"][0]
+                chunk = json.loads(line[6:])
+                assert chunk["object"] == ("chat.completion.chunk" if endpoint == "chat"
+                                           else "text_completion")
+                choice = chunk["choices"][0]
+                text.append(choice["delta"]["content"] if endpoint == "chat" else choice["text"])
                 token_ids.extend(choice["token_ids"])
                 finish = choice["finish_reason"] or finish
     assert done and finish == "length"
-    assert token_ids == want[1]
+    assert ("".join(text), token_ids) == want
     assert proxy_count(proxy, "migrations", serving, "decode") == 1
     other = next(d for d in cluster.decode if d is not serving)
     assert 0 < metric(other.url, "kvrecover_engine_stat", 'name="generation_tokens"') < max_tokens

@@ -6,6 +6,10 @@ character (a trailing U+FFFD) is held back until the character is complete: no
 chunk carries broken UTF-8. While `stop` strings are set, the last
 `len(longest stop) - 1` characters are held back too, so no part of a stop
 string is ever sent.
+
+`resume` continues the text of an earlier generation whose tokens now end the
+prompt (a request migrated by the proxy): a character split across the two
+servers comes out whole, and text the first server held back is sent.
 """
 
 from __future__ import annotations
@@ -29,6 +33,20 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string was found; the request must end
         self._prefix_offset = 0
         self._read_offset = 0
+        self._resumed: list[int] = []
+
+    def resume(self, token_ids: list[int], sent_text: str) -> None:
+        """Start after `token_ids` of earlier output, of which `sent_text` reached the
+        client; call before the first `update`."""
+        self._resumed = list(token_ids)
+        self.token_ids = list(token_ids)
+        stable = len(token_ids)
+        while stable > 0 and self.tokenizer.decode(token_ids[:stable]).endswith(REPLACEMENT_CHAR):
+            stable -= 1  # the tail is an incomplete character: decode it with what follows
+        self.text = self.tokenizer.decode(token_ids[:stable])
+        self.sent = len(sent_text) if self.text.startswith(sent_text) else len(self.text)
+        self._read_offset = stable
+        self._prefix_offset = max(0, stable - PREFIX_WINDOW)
 
     def update(self, token_ids: list[int], final_text: str | None = None) -> str:
         """Take the request's tokens so far; return the text that may be sent now.
@@ -38,6 +56,9 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
+        if self._resumed:  # the engine's text lacks the resumed part: decode it all
+            token_ids = self._resumed + list(token_ids)
+            final_text = None if final_text is None else self.tokenizer.decode(token_ids)
         if len(token_ids) > len(self.token_ids):
             self.token_ids = list(token_ids)
         if final_text is not None:

@@ -59,7 +59,12 @@ async def create_completion(state: ServingState, http: Request, body: Any):
     prompt = request.engine_prompt()
     params = request.sampling_params(request.max_new_tokens())
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await _start(state, http, request, request_id, prompt, params, "completions")
+    detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
+    resumed = request.resumed_token_ids()
+    if resumed:
+        detokenizer.resume(resumed, request.resumed_output_text)
+    generation = await _start(state, http, request_id, prompt, params, detokenizer,
+                              "completions")
     created = int(time.time())
 
     def chunk(delta: Delta, first: bool) -> dict:
@@ -97,8 +102,9 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
     room = max(1, state.max_model_len - len(prompt_ids))
     params = request.sampling_params(request.max_new_tokens(room))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await _start(state, http, request, request_id,
-                              {"prompt_token_ids": prompt_ids}, params, "chat")
+    detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
+    generation = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
+                              params, detokenizer, "chat")
     created = int(time.time())
 
     def chunk(delta: Delta, first: bool) -> dict:
@@ -129,9 +135,8 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
     return JSONResponse(body)
 
 
-async def _start(state: ServingState, http: Request, request: Any, request_id: str,
-                 prompt: Any, params: Any, endpoint: str) -> Generation:
-    detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
+async def _start(state: ServingState, http: Request, request_id: str, prompt: Any,
+                 params: Any, detokenizer: IncrementalDetokenizer, endpoint: str) -> Generation:
     generation = Generation(state.loop, request_id, prompt, params, detokenizer,
                             http.is_disconnected, state.metrics, endpoint)
     await generation.first()

@@ -100,6 +100,23 @@ class CompletionRequest(_GenerationFields):
     max_tokens: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # kvrecover's own: the last `resumed_output_tokens` prompt tokens are output of an
+    # earlier generation (a request the proxy migrated), of which `resumed_output_text`
+    # reached the client; the new text continues theirs.
+    resumed_output_tokens: int = 0
+    resumed_output_text: str = ""
+
+    def resumed_token_ids(self) -> list[int]:
+        """The resumed output tokens (the prompt's tail); a 400 when they do not fit."""
+        count = self.resumed_output_tokens
+        if count == 0:
+            return []
+        prompt = self.prompt
+        if count < 0 or not isinstance(prompt, list) or not prompt or \
+                not isinstance(prompt[0], int) or count >= len(prompt):
+            raise ApiError(400, "resumed_output_tokens must be >= 0 and shorter than a "
+                                f"token-id prompt, got {count}", param="resumed_output_tokens")
+        return list(prompt[-count:])
 
     def engine_prompt(self) -> str | dict[str, list[int]]:
         """The one prompt, as the engine takes it; a batch of prompts is a 400."""

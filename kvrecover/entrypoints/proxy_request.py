@@ -10,7 +10,9 @@
    the next decode instance, then to the prefill instances; none left is a 503.
 3. Migration: an instance that dies mid-stream has the request continued on
    another one as a completion of prompt + tokens already sent, with the rest of
-   `max_tokens`. Greedy requests continue token for token as if undisturbed.
+   `max_tokens` (and `resumed_output_tokens` / `resumed_output_text`, so its text
+   continues the first one's). Greedy requests continue token for token as if
+   undisturbed.
 Every step is bounded by `max_retries`.
 """
 
@@ -62,6 +64,7 @@ class ProxiedRequest:
         self.headers = headers
         self.prompt_token_ids: list[int] | None = None
         self.generated: list[int] = []
+        self.sent_text: list[str] = []  # what reached the client (for a continuation)
         self.stream: UpstreamStream | None = None
         self.max_tokens = self._max_tokens()
 
@@ -134,7 +137,9 @@ class ProxiedRequest:
             return Piece("", [], "length")
         body = {key: self.body[key] for key in CONTINUATION_KEYS if key in self.body}
         body.update(prompt=self.prompt_token_ids + self.generated, max_tokens=remaining,
-                    stream=True, return_token_ids=True)
+                    stream=True, return_token_ids=True,
+                    resumed_output_tokens=len(self.generated),
+                    resumed_output_text="".join(self.sent_text))
         piece = await self._open(COMPLETIONS, body)
         piece.prompt_token_ids = None  # the continuation's prompt is not the client's
         return piece
@@ -171,6 +176,7 @@ class ProxiedRequest:
         if piece.prompt_token_ids is not None and self.prompt_token_ids is None:
             self.prompt_token_ids = list(piece.prompt_token_ids)
         self.generated.extend(piece.token_ids)
+        self.sent_text.append(piece.text)
 
     async def close(self) -> None:
         """Close the upstream stream, if one is open (idempotent). Called after a
