@@ -60,11 +60,11 @@ class Cluster:
         self.processes.append(process)
         return process
 
-    def proxy(self, health_interval: float) -> Process:
+    def proxy(self, health_interval: float, timeout: float = 30) -> Process:
         port = free_port()
         argv = ["proxy", "--prefill", self.prefill.url,
                 "--decode", *[d.url for d in self.decode], "--port", str(port),
-                "--health-check-interval", str(health_interval), "--timeout", "30"]
+                "--health-check-interval", str(health_interval), "--timeout", str(timeout)]
         process = Process(argv, port, self.tmp / f"proxy-{port}.log")
         self.processes.append(process)
         return process.wait_healthy()
@@ -149,12 +149,8 @@ def test_prefill_then_decode_matches_generate(cluster, reference, model_dir):
     assert external >= 16  # the decode instances loaded the prefill's KV
     assert proxy_count(proxy, "requests", cluster.prefill, "prefill") == 2
 
-    from transformers import AutoTokenizer
-
     messages = [{"role": "user", "content": "the capital of france is"}]
-    hf = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False)
+    ids = chat_prompt_ids(model_dir, messages)
     want_chat = reference.generate([{"prompt_token_ids": ids}],
                                    SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
     client = sdk(proxy.url)
@@ -213,6 +209,20 @@ def test_failover_then_prefill_decodes_then_503_then_back_up(fresh_cluster, refe
              "the health checks to mark the revived instance up")
     text, token_ids, instance = completion(fast_checks.url, 8)  # prefill down: decode computes
     assert (text, token_ids, instance) == (*want, revived.url)
+
+
+def test_silent_decode_instance_times_out_and_fails_over(fresh_cluster, reference):
+    cluster = fresh_cluster
+    proxy = cluster.proxy(health_interval=600, timeout=2)
+    first, second = cluster.decode
+    first.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        for stream in (False, True):
+            text, token_ids, instance = completion(proxy.url, 8, stream)
+            assert (text, token_ids, instance) == (*expected(reference, 8), second.url)
+        assert proxy_count(proxy, "failovers", first, "decode") == 2
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
 
 
 def chat_prompt_ids(model_dir, messages) -> list[int]:
