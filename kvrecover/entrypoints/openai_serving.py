@@ -81,7 +81,7 @@ async def create_completion(state: ServingState, http: Request, body: Any):
         return body
 
     if request.stream:
-        return _sse(generation, chunk)
+        return _sse(generation, chunk, request.return_token_ids)
     text, token_ids = await _collect(generation)
     choice = {"index": 0, "text": text, "logprobs": None,
               "finish_reason": generation.finish_reason}
@@ -123,7 +123,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
         return body
 
     if request.stream:
-        return _sse(generation, chunk)
+        return _sse(generation, chunk, request.return_token_ids)
     text, token_ids = await _collect(generation)
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
               "logprobs": None, "finish_reason": generation.finish_reason}
@@ -159,11 +159,14 @@ def _usage(generation: Generation) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(generation: Generation, chunk) -> StreamingResponse:
+def _sse(generation: Generation, chunk, with_token_ids: bool) -> StreamingResponse:
+    """Chunks without text are sent only to clients that asked for token ids."""
     async def events() -> AsyncIterator[str]:
         first = True
         try:
             async for delta in generation.deltas():
+                if not (first or delta.text or with_token_ids or delta.finish_reason):
+                    continue
                 yield f"data: {json.dumps(chunk(delta, first))}\n\n"
                 first = False
         except ApiError as error:
