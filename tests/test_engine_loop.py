@@ -1,0 +1,101 @@
+"""The server's engine thread, in process: continuous batching across callers,
+abort, rejection, and a failing step that stops the loop and fails open requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import build_tiny_model, random_prompts
+
+from kvrecover import LLM, SamplingParams
+from kvrecover.entrypoints.engine_loop import EngineLoop
+
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("loop_model"), seed=5)
+
+
+@pytest.fixture
+def engine_loop(model_dir):
+    loop = EngineLoop(lambda: LLM(str(model_dir)))
+    loop.start(timeout=WAIT_S)
+    yield loop
+    loop.stop()
+
+
+async def collect(stream) -> list:
+    outputs = []
+    while not outputs or not outputs[-1].finished:
+        output = await stream.get(WAIT_S)
+        assert output is not None, "no output in time"
+        outputs.append(output)
+    return outputs
+
+
+def test_concurrent_requests_match_generate(engine_loop, model_dir):
+    prompts = random_prompts(6, [5, 17, 33], 384, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    want = [o.outputs[0].token_ids
+            for o in LLM(str(model_dir)).generate([{"prompt_token_ids": p} for p in prompts],
+                                                  params)]
+
+    async def run():
+        streams = [engine_loop.add(f"r{i}", {"prompt_token_ids": p}, params)
+                   for i, p in enumerate(prompts)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(run())
+    assert [r[-1].outputs[0].token_ids for r in results] == want
+    assert all(len(r) == 9 for r in results)  # one output per token: they streamed
+
+
+def test_abort_frees_the_request(engine_loop):
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        stream = engine_loop.add("long", {"prompt_token_ids": [5, 6, 7]}, params)
+        first = await stream.get(WAIT_S)
+        assert first is not None and not first.finished
+        engine_loop.abort("long")
+        for _ in range(200):
+            snapshot = await engine_loop.snapshot()
+            if snapshot.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return snapshot
+
+    snapshot = asyncio.run(run())
+    assert (snapshot.num_running, snapshot.num_waiting, snapshot.kv_cache_usage) == (0, 0, 0.0)
+    assert snapshot.stats["generation_tokens"] < 500
+
+
+def test_rejected_request_is_an_invalid_request_error(engine_loop):
+    async def run():
+        stream = engine_loop.add("bad", {"prompt_token_ids": [1, 10_000]}, SamplingParams())
+        return await collect(stream)
+
+    output = asyncio.run(run())[-1]
+    assert output.error_type == "invalid_request_error"
+    assert "token ids" in output.error
+    assert engine_loop.alive
+
+
+def test_a_failing_step_stops_the_loop_and_fails_open_requests(engine_loop):
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    async def run():
+        engine_loop.llm.engine.step = broken_step
+        stream = engine_loop.add("doomed", {"prompt_token_ids": [5, 6]}, SamplingParams())
+        failed = await collect(stream)
+        later = await collect(engine_loop.add("after", {"prompt_token_ids": [5]},
+                                              SamplingParams()))
+        return failed[-1], later[-1]
+
+    failed, later = asyncio.run(run())
+    assert failed.error_type == "internal_error" and "device lost" in failed.error
+    assert not engine_loop.alive
+    assert later.error_type == "internal_error"
