@@ -176,6 +176,30 @@ def test_bad_request_is_passed_through_not_retried(cluster):
         assert proxy_count(proxy, "failovers", decode, "decode") == 0
 
 
+def test_client_disconnect_through_the_proxy_frees_the_decode_request(cluster):
+    proxy = cluster.proxy(health_interval=1.0)
+    aborted = 'endpoint="completions",outcome="aborted"'
+
+    def total_aborted() -> float:
+        return sum(metric(d.url, "kvrecover_requests_total", aborted) for d in cluster.decode)
+
+    def generated() -> float:
+        return sum(metric(d.url, "kvrecover_engine_stat", 'name="generation_tokens"')
+                   for d in cluster.decode)
+
+    before, generated_before = total_aborted(), generated()
+    body = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body,
+                      timeout=WAIT_S) as response:
+        assert response.status_code == 200
+        assert next(line for line in response.iter_lines() if line.startswith("data: "))
+    wait_for(lambda: total_aborted() == before + 1, "the decode instance to abort")
+    wait_for(lambda: all(metric(d.url, "kvrecover_num_requests_running") == 0
+                         for d in cluster.decode), "the running count to return to 0")
+    assert generated() - generated_before < 900  # stopped early, not run to length
+
+
 def test_failover_then_prefill_decodes_then_503_then_back_up(fresh_cluster, reference):
     cluster = fresh_cluster
     slow_checks = cluster.proxy(health_interval=600)  # sees failures only by trying
