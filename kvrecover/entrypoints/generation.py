@@ -74,10 +74,7 @@ class Generation:
             self.close()
             raise
         if output.error is not None:
-            self._record("error")
-            error_type = output.error_type or "internal_error"
-            raise ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
-                           code=error_type)
+            raise self._error(output)
         self.prompt_token_ids = list(output.prompt_token_ids)
         self._pending = output
 
@@ -95,10 +92,7 @@ class Generation:
                     yield delta
                 output = await self._next()
                 if output.error is not None:
-                    self._record("error")
-                    error_type = output.error_type or "internal_error"
-                    raise ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
-                                   code=error_type)
+                    raise self._error(output)
         finally:
             self.close()
 
@@ -109,6 +103,12 @@ class Generation:
         if not self._recorded:
             self.loop.abort(self.request_id)
             self._record("aborted")
+
+    def _error(self, output: RequestOutput) -> ApiError:
+        self._record("error")
+        error_type = output.error_type or "internal_error"
+        return ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
+                        code=error_type)
 
     def _delta(self, output: RequestOutput) -> Delta:
         completion = output.outputs[0]

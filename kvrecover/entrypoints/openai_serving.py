@@ -161,6 +161,10 @@ def _usage(generation: Generation) -> dict[str, int]:
 
 def _sse(generation: Generation, chunk, with_token_ids: bool) -> StreamingResponse:
     """Chunks without text are sent only to clients that asked for token ids."""
+    # Once streaming, Starlette watches for the disconnect and cancels `events`;
+    # polling for it here too would race it for the same ASGI message.
+    generation.is_disconnected = None
+
     async def events() -> AsyncIterator[str]:
         first = True
         try:
