@@ -262,13 +262,13 @@ def main() -> int:
                         asyncio.run(run_load(prefill.url, model, prompts, 4, 1))
                     url = decode.url if mode == "direct" else proxy.url
                     failed_before = metric(decode.url,
-                                           'kvrecover_engine_stat{name="kv_load_failed_blocks"}')
+                                           "kvrecover_kv_load_failed_blocks_total")
                     seconds, results, errors = asyncio.run(
                         run_load(url, model, prompts, concurrency, args.max_tokens))
                     row = summarize(f"kvrecover-{mode}", rate, concurrency, seconds, results,
                                     errors)
                     row.failed_blocks = metric(
-                        decode.url, 'kvrecover_engine_stat{name="kv_load_failed_blocks"}'
+                        decode.url, "kvrecover_kv_load_failed_blocks_total"
                     ) - failed_before
                     tokens = [r[2] if r else None for r in results]
                     key = (mode, concurrency)

@@ -144,7 +144,7 @@ def test_prefill_then_decode_matches_generate(cluster, reference, model_dir):
         text, token_ids, instance = completion(proxy.url, 10, stream)
         assert (text, token_ids) == want
         assert instance in [d.url for d in cluster.decode]
-    external = sum(metric(d.url, "kvrecover_engine_stat", 'name="prompt_tokens_external"')
+    external = sum(metric(d.url, "kvrecover_prompt_tokens_external_total")
                    for d in cluster.decode)
     assert external >= 16  # the decode instances loaded the prefill's KV
     assert proxy_count(proxy, "requests", cluster.prefill, "prefill") == 2
@@ -184,7 +184,7 @@ def test_client_disconnect_through_the_proxy_frees_the_decode_request(cluster):
         return sum(metric(d.url, "kvrecover_requests_total", aborted) for d in cluster.decode)
 
     def generated() -> float:
-        return sum(metric(d.url, "kvrecover_engine_stat", 'name="generation_tokens"')
+        return sum(metric(d.url, "kvrecover_generation_tokens_total")
                    for d in cluster.decode)
 
     before, generated_before = total_aborted(), generated()
@@ -297,7 +297,7 @@ def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluste
     assert ("".join(text), token_ids) == want
     assert proxy_count(proxy, "migrations", serving, "decode") == 1
     other = next(d for d in cluster.decode if d is not serving)
-    assert 0 < metric(other.url, "kvrecover_engine_stat", 'name="generation_tokens"') < max_tokens
+    assert 0 < metric(other.url, "kvrecover_generation_tokens_total") < max_tokens
 
 
 def test_serve_demo_starts_everything_and_answers(model_dir, tmp_path):
@@ -341,7 +341,7 @@ def test_kv_load_failed_on_a_decode_instance_fails_over(model_dir, tmp_path, ref
             text, token_ids, instance = completion(proxy.url, 8, stream)
             assert (text, token_ids, instance) == (*expected(reference, 8), good.url)
         assert proxy_count(proxy, "failovers", bad, "decode") == 2
-        assert metric(bad.url, "kvrecover_engine_stat", 'name="kv_load_failed_requests"') == 2
+        assert metric(bad.url, "kvrecover_kv_load_failed_requests_total") == 2
     finally:
         for process in processes:
             process.kill()

@@ -205,14 +205,14 @@ def test_models_and_metrics(server):
     for name in ("kvrecover_num_requests_running", "kvrecover_num_requests_waiting",
                  "kvrecover_kv_cache_usage_ratio", "kvrecover_time_to_first_token_seconds",
                  "kvrecover_time_per_output_token_seconds", "kvrecover_e2e_request_latency_seconds",
-                 'kvrecover_engine_stat{name="kv_load_failed_blocks"}'):
+                 "kvrecover_kv_load_failed_blocks_total"):
         assert name in text
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(server):
     aborted_before = metric(server.url, "kvrecover_requests_total",
                             'endpoint="completions",outcome="aborted"')
-    generated_before = metric(server.url, "kvrecover_engine_stat", 'name="generation_tokens"')
+    generated_before = metric(server.url, "kvrecover_generation_tokens_total")
     body = {"prompt": PROMPTS[1], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
@@ -230,7 +230,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(server):
     assert metric(server.url, "kvrecover_num_requests_waiting") == 0
     assert metric(server.url, "kvrecover_requests_total",
                   'endpoint="completions",outcome="aborted"') == aborted_before + 1
-    generated = metric(server.url, "kvrecover_engine_stat", 'name="generation_tokens"')
+    generated = metric(server.url, "kvrecover_generation_tokens_total")
     assert generated - generated_before < 1000  # stopped early, not run to length
     assert metric(server.url, "kvrecover_kv_cache_usage_ratio") == 0
 
@@ -289,9 +289,8 @@ def test_kv_load_failure_recompute_gives_identical_output(model_dir, stored_kv, 
                                             extra_body={"return_token_ids": True}).choices[0]
             text, token_ids = choice.text, choice.model_extra["token_ids"]
         assert (text, token_ids) == (want.text, want.token_ids)
-        assert metric(process.url, "kvrecover_engine_stat", 'name="kv_load_failed_blocks"') > 0
-        assert metric(process.url, "kvrecover_engine_stat",
-                      'name="kv_load_recovered_requests"') == 1
+        assert metric(process.url, "kvrecover_kv_load_failed_blocks_total") > 0
+        assert metric(process.url, "kvrecover_kv_load_recovered_requests_total") == 1
     finally:
         process.kill()
 
@@ -311,7 +310,7 @@ def test_kv_load_failure_policy_fail_is_an_http_error(model_dir, stored_kv, tmp_
                                            max_tokens=8, temperature=0, stream=True)
         assert info.value.status_code == 503
         assert info.value.body["type"] == "kv_load_failed"
-        assert metric(url, "kvrecover_engine_stat", 'name="kv_load_failed_requests"') == 3
+        assert metric(url, "kvrecover_kv_load_failed_requests_total") == 3
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
         process.kill()

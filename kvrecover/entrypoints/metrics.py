@@ -8,6 +8,7 @@ has its own registry, so several apps can live in one process (tests).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from kvrecover.entrypoints.engine_loop import LoopSnapshot
 
@@ -29,9 +30,8 @@ class ServerMetrics:
                                     "fraction of KV cache blocks in use", registry=registry)
         self.engine_alive = Gauge(f"{PREFIX}_engine_alive", "1 while the engine loop runs",
                                   registry=registry)
-        self.engine_counters = Gauge(f"{PREFIX}_engine_stat",
-                                     "engine counters (LLM.stats), cumulative",
-                                     ["name"], registry=registry)
+        self.engine_counters = EngineCounters()
+        registry.register(self.engine_counters)
         self.requests = Counter(f"{PREFIX}_requests", "finished HTTP generation requests",
                                 ["endpoint", "outcome"], registry=registry)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
@@ -60,6 +60,18 @@ class ServerMetrics:
         self.num_waiting.set(snapshot.num_waiting)
         self.kv_cache_usage.set(snapshot.kv_cache_usage)
         self.engine_alive.set(1 if snapshot.alive else 0)
-        for name, value in snapshot.stats.items():
-            self.engine_counters.labels(name).set(value)
+        self.engine_counters.stats = snapshot.stats
         return generate_latest(self.registry)
+
+
+class EngineCounters:
+    """Exports each `LLM.stats` counter as `kvrecover_<name>_total` (a Prometheus
+    counter), from the last engine snapshot."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def collect(self):
+        for name, value in self.stats.items():
+            yield CounterMetricFamily(f"{PREFIX}_{name}", f"engine counter {name} (LLM.stats)",
+                                      value=value)
