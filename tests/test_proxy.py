@@ -345,3 +345,16 @@ def test_kv_load_failed_on_a_decode_instance_fails_over(model_dir, tmp_path, ref
     finally:
         for process in processes:
             process.kill()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["proxy"], "at least one --prefill or --decode URL"),
+    (["proxy", "--decode", "http://127.0.0.1:1", "--max-retries", "-1"], "max_retries"),
+    (["serve", "--kv-transfer-config", "{oops"], "not valid JSON"),
+])
+def test_bad_serving_flags_are_clean_errors(capsys, argv, message):
+    from kvrecover.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvrecover: error: ") and message in err
