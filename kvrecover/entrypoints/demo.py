@@ -89,10 +89,10 @@ def run_demo(args: argparse.Namespace) -> int:
         answer.raise_for_status()
         print(f"\n{DEMO_PROMPT!r} -> {answer.json()['choices'][0]['text']!r} "
               f"(decoded by {answer.headers['x-kvrecover-decode-instance']})")
-        print(f"\nTry:\n  curl {proxy_url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{json.dumps(body)}'\n  curl {proxy_url}/metrics")
         if args.once:
             return 0
+        print(f"\nTry:\n  curl {proxy_url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{json.dumps(body)}'\n  curl {proxy_url}/metrics")
         print("\nServing; Ctrl-C stops everything.", flush=True)
         while all(proc.poll() is None for _, proc, _ in children):
             time.sleep(1.0)
