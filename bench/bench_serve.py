@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/bench_serve.py [--model DIR] [--device cpu]
         [--concurrency 1 4 16] [--failure-rates 0 0.1 1] [--num-prompts 32]
         [--prompt-words 150] [--max-tokens 32] [--threads N] [--json out.json]
+        [--server-args '--kv-cache-memory-gb 8']
 
 For each KV failure rate (the fraction of loaded blocks a `FaultInjectionConnector`
 drops, policy `recompute`) a fresh prefill server, decode server and proxy start
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -219,6 +221,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of each server (default: torch's choice)")
+    parser.add_argument("--server-args", default="",
+                        help="more `kvrecover serve` flags for every server, e.g. "
+                             "'--kv-cache-memory-gb 8' when several share one GPU")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
 
@@ -233,7 +238,7 @@ def main() -> int:
     if args.model:
         engine += ["--model", args.model]
     model = args.model or "SmolLM2-135M-Instruct"
-    engine += ["--served-model-name", model]
+    engine += ["--served-model-name", model, *shlex.split(args.server_args)]
     rows: list[RunResult] = []
     baseline: dict[tuple[str, int], list] = {}
     servers: list[Server] = []
