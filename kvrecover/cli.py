@@ -1,4 +1,10 @@
-"""The `kvrecover` command line."""
+"""The `kvrecover` command line.
+
+Engine flags come from `EngineArgs` (`add_engine_flags`), sampling flags from
+`SamplingParams`: each option is declared once, with its help and validation.
+Errors the user can fix (bad values, missing files, OS errors such as a
+read-only folder) print one `kvrecover: error: ...` line and exit 2.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +13,24 @@ import logging
 import sys
 from pathlib import Path
 
+from kvrecover.config import add_engine_flags, engine_args_from_namespace
 from kvrecover.default_model import DefaultModelError
+from kvrecover.options import add_flags, from_namespace
+from kvrecover.sampling import SamplingParams
 
 DESCRIPTION = """\
 kvrecover: LLM inference for disaggregated serving that recovers exactly from
 KV cache load failures. Without --model, every command uses the built-in
 default model (SmolLM2-135M-Instruct, converted on first use)."""
 
-
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="local Hugging Face checkpoint folder (default: built-in model)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto = float32 on CPU, bf16 on GPU")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="numerics independent of batch composition (exact recovery on GPU)")
+# `kvrecover generate` samples greedily by default, unlike SamplingParams().
+GENERATE_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
+# The scenario commands build their own connector settings.
+SCENARIO_SKIPPED_FLAGS = ("kv_transfer_config",)
 
 
 def _scenario_flags(parser: argparse.ArgumentParser) -> None:
-    _engine_flags(parser)
+    add_engine_flags(parser, skip=SCENARIO_SKIPPED_FLAGS)
     parser.add_argument("--workdir", type=Path, default=Path("kvrecover_scenario"),
                         help="folder for the KV store and the output files "
                              "(default: ./kvrecover_scenario)")
@@ -43,12 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser("generate", help="generate a continuation of one prompt")
-    _engine_flags(generate)
     generate.add_argument("--prompt", required=True, help="the prompt text")
-    generate.add_argument("--max-tokens", type=int, default=32, help="new tokens (default: 32)")
-    generate.add_argument("--temperature", type=float, default=0.0,
-                          help="0 is greedy (default: 0)")
-    generate.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_flags(generate, SamplingParams, only=("max_tokens", "temperature", "top_p", "top_k"),
+              defaults=GENERATE_DEFAULTS)
+    add_engine_flags(generate)
 
     prefill = commands.add_parser(
         "prefill", help="scenario phase 1: compute and store the KV of the reference prompts")
@@ -87,9 +88,17 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return _dispatch(args)
-    except (ValueError, FileNotFoundError, DefaultModelError) as error:
-        print(f"kvrecover: error: {error}", file=sys.stderr)
+    except (ValueError, OSError, DefaultModelError) as error:
+        print(f"kvrecover: error: {describe_error(error)}", file=sys.stderr)
         return 2
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for the user: OS errors as "what: path", others as their message."""
+    if isinstance(error, OSError) and error.strerror:
+        where = " -> ".join(str(p) for p in (error.filename, error.filename2) if p is not None)
+        return f"{error.strerror}: {where}" if where else error.strerror
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -99,33 +108,33 @@ def _dispatch(args: argparse.Namespace) -> int:
         from kvrecover.entrypoints.commands import run_serving_command
 
         return run_serving_command(args)
-    from kvrecover.scenario import EngineOptions
-
-    options = EngineOptions(args.model, args.device, args.dtype, args.batch_invariant)
+    engine_args = engine_args_from_namespace(args)
     if args.command == "generate":
-        return _generate(args, options)
+        return _generate(args, engine_args)
     from kvrecover import scenario
 
+    if args.workdir.exists() and not args.workdir.is_dir():
+        raise ValueError(f"--workdir {args.workdir} is not a folder")
     if args.command == "prefill":
         args.workdir.mkdir(parents=True, exist_ok=True)
-        for prompt in scenario.run_prefill(options, args.workdir, args.store):
+        for prompt in scenario.run_prefill(engine_args, args.workdir, args.store):
             print(repr("..." + prompt[-57:]))
         return 0
     if args.command == "decode":
-        scenario.run_decode(options, args.workdir, args.simulate_failure, args.async_load,
+        scenario.run_decode(engine_args, args.workdir, args.simulate_failure, args.async_load,
                             args.store)
         return 0
-    return scenario.run_scenario(options, args.workdir, args.store)
+    return scenario.run_scenario(engine_args, args.workdir, args.store)
 
 
-def _generate(args: argparse.Namespace, options) -> int:
-    from kvrecover import LLM, SamplingParams
+def _generate(args: argparse.Namespace, engine_args) -> int:
+    from kvrecover import LLM
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=args.seed)
-    llm = LLM(options.model, device=options.device, dtype=options.dtype,
-              batch_invariant=options.batch_invariant)
-    output = llm.generate([args.prompt], params)[0]
+    params = from_namespace(SamplingParams, args, **GENERATE_DEFAULTS)
+    with LLM.from_engine_args(engine_args) as llm:
+        output = llm.generate([args.prompt], params)[0]
+    if output.outputs[0].finish_reason == "error":
+        raise ValueError(f"generation failed: {output.error}")
     print(args.prompt + output.outputs[0].text)
     return 0
 

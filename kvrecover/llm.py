@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from kvrecover.config import EngineArgs, KVTransferConfig
+from kvrecover.config import ENGINE_OPTIONS, EngineArgs
 from kvrecover.engine.engine import Engine
+from kvrecover.options import option_fields, reject_unknown
 from kvrecover.outputs import RequestOutput
 from kvrecover.sampling import SamplingParams
 
@@ -15,57 +17,37 @@ class LLM:
 
     `model` is a local Hugging Face checkpoint folder (config.json, safetensors,
     tokenizer), a hub id already in the local cache, or None for the built-in
-    default model. `block_size` sets the KV block size in tokens,
-    `max_num_batched_tokens` the tokens computed per step (longer prompts are
-    prefilled in chunks), `max_num_seqs` the requests decoded together. The KV
-    cache size comes from a memory budget (`kv_cache_memory_gb`, or
-    `gpu_memory_utilization` of the GPU) unless `num_kv_blocks` fixes it.
-    `batch_invariant=True` makes each request's numerics independent of what
-    else is in the batch (exact recovery on GPUs in bf16). `attention_backend`
-    picks the kernels: "auto" (Triton on CUDA, the torch reference elsewhere),
-    "torch" or "triton".
+    default model. Every other argument is a keyword option of `EngineArgs`
+    (listed below); an unknown keyword is an error with a "did you mean".
+    `close()` (or leaving a `with LLM(...) as llm:` block) stops the connector's
+    background loads; a closed LLM generates no more.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
-        enforce_eager: bool = False,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        kv_transfer_config: KVTransferConfig | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        gpu_memory_utilization: float = 0.85,
-        batch_invariant: bool = False,
-        attention_backend: str = "auto",
-    ) -> None:
-        args = EngineArgs(
-            model=model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            kv_transfer_config=kv_transfer_config,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
-            batch_invariant=batch_invariant,
-            attention_backend=attention_backend,
-        )
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        reject_unknown(options, ENGINE_OPTIONS[1:], "LLM option")
+        self._start(EngineArgs(model=model, **options))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An LLM from ready-made `EngineArgs` (what the CLI builds from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
         self.engine = Engine(args)
         self._batch_counter = 0
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Shut the engine down: in-flight KV loads are cancelled and their threads
+        joined. Idempotent; `generate` raises afterwards."""
+        self.engine.close()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -82,7 +64,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one output per prompt, in input order."""
+        """Generate for every prompt; returns one output per prompt, in input order.
+
+        A request that fails inside a step ends with finish_reason "error" (see
+        `RequestOutput.error`); the others, and the LLM, carry on.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -91,6 +77,11 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(
+                "sampling_params must be a SamplingParams or a list of them, "
+                f"got {type(sampling_params).__name__}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
@@ -110,10 +101,37 @@ class LLM:
         from tqdm import tqdm  # here, not at module level: the import costs ~60 ms of start-up
 
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:
-            while self.engine.has_unfinished():
-                for output in self.engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-                        progress.update(1)
+        try:
+            with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:
+                while self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            progress.update(1)
+        except BaseException:  # an engine error or Ctrl-C: leave no request of ours behind
+            for request_id in request_ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+            raise
         return [results[request_id] for request_id in request_ids]
+
+
+def _options_doc() -> str:
+    lines = ["\n    Options (keyword only; the CLI takes each as --flag-name):\n"]
+    for f, spec in option_fields(EngineArgs):
+        lines.append(f"    - `{f.name}` (default {f.default!r}): {spec.help}")
+    return "\n".join(lines) + "\n"
+
+
+def _signature() -> inspect.Signature:
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f, _ in option_fields(EngineArgs):
+        kind = (inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model"
+                else inspect.Parameter.KEYWORD_ONLY)
+        parameters.append(inspect.Parameter(f.name, kind, default=f.default,
+                                            annotation=f.type))
+    return inspect.Signature(parameters, return_annotation=None)
+
+
+LLM.__doc__ += _options_doc()
+LLM.__init__.__signature__ = _signature()

@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+from kvrecover.options import option, validate
+
+# Below this, logits / temperature overflows float32 (and sampling would fail inside
+# a step); any temperature this small already picks the argmax in practice.
+MIN_TEMPERATURE = 1e-5
+# Below this, top_p rounds to 0 in float32 and would drop every token.
+MIN_TOP_P = 1e-6
+
+
+def _temperature_problem(value: float) -> str | None:
+    return None if value == 0 or value >= MIN_TEMPERATURE else "too small"
+
+
+def _top_k_problem(value: int) -> str | None:
+    return None if value == -1 or value >= 1 else "-1 (disabled) or an integer >= 1"
+
+
+def _token_ids_problem(value: Any) -> str | None:
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+    return None if ok else "a list of token ids (integers >= 0)"
 
 
 @dataclass
@@ -11,29 +35,31 @@ class SamplingParams:
 
     `temperature=0` is greedy decoding. Generation stops at an EOS token (unless
     `ignore_eos`), at any of `stop_token_ids`, or after `max_tokens` new tokens.
-    `seed` makes random sampling reproducible per request.
+    `seed` makes random sampling reproducible per request. A value that cannot
+    work is a ValueError naming the field, here, not an error inside a step.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = field(default=True, repr=False)
+    temperature: float = option(
+        1.0, "sampling temperature; 0 is greedy", float, check=_temperature_problem,
+        describe=f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
+    top_p: float = option(
+        1.0, "sample from the smallest set of tokens whose probability reaches top_p", float,
+        minimum=MIN_TOP_P, maximum=1)
+    top_k: int = option(-1, "sample from the k most likely tokens; -1 disables", int,
+                        check=_top_k_problem)
+    max_tokens: int = option(16, "new tokens to generate at most", int, minimum=1)
+    seed: int | None = option(None, "sampling seed of the request", int, nullable=True)
+    stop_token_ids: list[int] | None = option(
+        None, "token ids that end the request", list, nullable=True, check=_token_ids_problem,
+        flag=False)
+    ignore_eos: bool = option(False, "keep generating after an EOS token", bool)
+    skip_special_tokens: bool = option(
+        True, "leave special tokens out of the output text", bool, repr=False, flag=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if self.stop_token_ids is not None:
-            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        validate(self)
 
     @property
     def is_greedy(self) -> bool:

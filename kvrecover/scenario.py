@@ -2,9 +2,10 @@
 
 Each phase is a function that a separate process runs (`kvrecover prefill`,
 `kvrecover decode ...`); `run_scenario` starts the four phases as processes in
-a work folder and compares the recovered outputs with the baseline byte for byte.
-The KV goes to a folder in the work folder, or, with a `store` URL such as
-`redis://127.0.0.1:6379/0`, to Redis through the RedisConnector.
+a work folder, checks that the baseline really loaded KV and that each failure
+phase really failed and recovered, and compares the recovered outputs with the
+baseline byte for byte. The KV goes to a folder in the work folder, or, with a
+`store` URL such as `redis://127.0.0.1:6379/0`, to Redis through the RedisConnector.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
-from kvrecover.config import KVTransferConfig
+from kvrecover.config import EngineArgs, KVTransferConfig
 from kvrecover.sampling import SamplingParams
 
 STORAGE_DIR = "local_storage"
@@ -45,24 +46,6 @@ def reference_prompts(long_words: int = 1000, short_words: int = 500) -> list[st
     ]
 
 
-@dataclass
-class EngineOptions:
-    """Engine settings shared by every phase."""
-
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    batch_invariant: bool = False
-
-    def to_args(self) -> list[str]:
-        args = ["--device", self.device, "--dtype", self.dtype]
-        if self.model:
-            args += ["--model", self.model]
-        if self.batch_invariant:
-            args.append("--batch-invariant")
-        return args
-
-
 def store_extra(workdir: Path, store: str | None) -> tuple[str, dict]:
     """The connector and extra config that keep the scenario's KV in `store`
     (a Redis URL) or, when it is None, in the work folder."""
@@ -71,30 +54,24 @@ def store_extra(workdir: Path, store: str | None) -> tuple[str, dict]:
     return "RedisConnector", {"url": store}
 
 
-def _make_llm(options: EngineOptions, transfer: KVTransferConfig, **overrides):
+def _make_llm(args: EngineArgs, transfer: KVTransferConfig, **overrides):
     from kvrecover.llm import LLM
 
-    return LLM(
-        options.model,
-        device=options.device,
-        dtype=options.dtype,
-        batch_invariant=options.batch_invariant,
-        kv_transfer_config=transfer,
-        **overrides,
-    )
+    return LLM.from_engine_args(replace(args, kv_transfer_config=transfer, **overrides))
 
 
-def run_prefill(options: EngineOptions, workdir: Path, store: str | None = None) -> list[str]:
+def run_prefill(args: EngineArgs, workdir: Path, store: str | None = None) -> list[str]:
     """Phase 1: compute the prompts' KV, store it, write prompt + first token per line (JSON)."""
     connector, extra = store_extra(workdir, store)
     transfer = KVTransferConfig(connector, "kv_both", extra)
-    llm = _make_llm(options, transfer)
-    outputs = llm.generate(reference_prompts(), SamplingParams(temperature=0, max_tokens=1))
+    with _make_llm(args, transfer) as llm:
+        outputs = llm.generate(reference_prompts(), SamplingParams(temperature=0, max_tokens=1))
+        stats = llm.stats
     new_prompts = [o.prompt + o.outputs[0].text for o in outputs]
     with open(workdir / PREFILL_OUTPUT, "w", encoding="utf-8") as handle:
         for prompt in new_prompts:
             handle.write(json.dumps(prompt) + "\n")  # JSON keeps a generated newline on its line
-    _write_phase_stats(workdir, "prefill", llm.stats)
+    _write_phase_stats(workdir, "prefill", stats)
     return new_prompts
 
 
@@ -114,10 +91,12 @@ def decode_output_name(simulate_failure: bool, async_load: bool) -> str:
 
 
 def run_decode(
-    options: EngineOptions, workdir: Path, simulate_failure: bool, async_load: bool,
+    args: EngineArgs, workdir: Path, simulate_failure: bool, async_load: bool,
     store: str | None = None,
 ) -> Path:
-    """Phases 2-4: decode the stored prompts, optionally with the first load failing."""
+    """Phases 2-4: decode the stored prompts, optionally with the first load failing.
+
+    Batching follows the reference settings unless `args` sets it."""
     prompts = read_prefill_output(workdir)
     connector, extra = store_extra(workdir, store)
     extra["async_load"] = async_load
@@ -127,11 +106,14 @@ def run_decode(
         transfer = KVTransferConfig("FaultInjectionConnector", "kv_both", extra)
     else:
         transfer = KVTransferConfig(connector, "kv_both", extra)
-    llm = _make_llm(
-        options, transfer,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+    batching = dict(
+        max_num_batched_tokens=args.max_num_batched_tokens or MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=args.max_num_seqs or MAX_NUM_SEQS,
     )
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=DECODE_MAX_TOKENS))
+    params = SamplingParams(temperature=0, top_p=0.95, max_tokens=DECODE_MAX_TOKENS)
+    with _make_llm(args, transfer, **batching) as llm:
+        outputs = llm.generate(prompts, params)
+        stats = llm.stats
     out_path = workdir / decode_output_name(simulate_failure, async_load)
     with open(out_path, "w", encoding="utf-8") as handle:
         for output in outputs:
@@ -143,7 +125,7 @@ def run_decode(
             handle.write(text)
             shown = output.prompt if len(output.prompt) <= 60 else "..." + output.prompt[-57:]
             print(f"{shown!r} -> {completion.text!r}")
-    _write_phase_stats(workdir, out_path.stem, llm.stats)
+    _write_phase_stats(workdir, out_path.stem, stats)
     return out_path
 
 
@@ -159,24 +141,29 @@ PHASES = (
 )
 
 
-def run_scenario(options: EngineOptions, workdir: Path, store: str | None = None) -> int:
+def run_scenario(args: EngineArgs, workdir: Path, store: str | None = None) -> int:
     """Run the four phases as processes, compare, print a table; returns the exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name in (PREFILL_OUTPUT, DECODE_OUTPUT, SYNC_RECOVERED_OUTPUT, ASYNC_RECOVERED_OUTPUT):
         (workdir / name).unlink(missing_ok=True)
     _remove_tree(workdir / STORAGE_DIR)
     timings = []
-    for label, args in PHASES:
+    engine_flags = args.to_argv()
+    for label, phase_args in PHASES:
         print(f"==> {label}", flush=True)
         started = time.perf_counter()
-        command = [sys.executable, "-m", "kvrecover", *args, "--workdir", str(workdir),
-                   *options.to_args(), *(["--store", store] if store else [])]
+        command = [sys.executable, "-m", "kvrecover", *phase_args, "--workdir", str(workdir),
+                   *engine_flags, *(["--store", store] if store else [])]
         result = subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         timings.append(time.perf_counter() - started)
         if result.returncode != 0:
             print(f"phase '{label}' failed with exit code {result.returncode}", file=sys.stderr)
             return 1
     _print_table(workdir, timings)
+    problem = _check_phases(workdir)
+    if problem is not None:
+        print(f"FAILED: {problem}")
+        return 1
     baseline = (workdir / DECODE_OUTPUT).read_text(encoding="utf-8")
     for name, mode in ((SYNC_RECOVERED_OUTPUT, "sync"), (ASYNC_RECOVERED_OUTPUT, "async")):
         recovered = (workdir / name).read_text(encoding="utf-8")
@@ -191,13 +178,33 @@ def run_scenario(options: EngineOptions, workdir: Path, store: str | None = None
     return 0
 
 
+def _check_phases(workdir: Path) -> str | None:
+    """Why the run proves nothing, or None: the baseline must really have loaded KV,
+    and each failure phase must really have hit failed blocks and recovered."""
+    baseline = _read_stats(workdir, Path(DECODE_OUTPUT).stem)
+    if baseline["prompt_tokens_external"] <= 0:
+        return (f"the baseline decode loaded no KV (0 tokens) from {workdir / STORAGE_DIR}; "
+                "the prefill phase stored nothing usable there, so recovery was not tested")
+    for name, mode in ((SYNC_RECOVERED_OUTPUT, "sync"), (ASYNC_RECOVERED_OUTPUT, "async")):
+        stats = _read_stats(workdir, Path(name).stem)
+        if stats["kv_load_failed_blocks"] <= 0 or stats["kv_load_recovered_requests"] <= 0:
+            return (f"the {mode} failure phase hit {stats['kv_load_failed_blocks']} invalid "
+                    f"blocks and recovered {stats['kv_load_recovered_requests']} requests; "
+                    "both must be > 0 for the comparison to mean anything")
+    return None
+
+
+def _read_stats(workdir: Path, stem: str) -> dict[str, int]:
+    return json.loads((workdir / f"{stem}.stats.json").read_text())
+
+
 def _print_table(workdir: Path, timings: list[float]) -> None:
     stems = ["prefill", Path(DECODE_OUTPUT).stem, Path(SYNC_RECOVERED_OUTPUT).stem,
              Path(ASYNC_RECOVERED_OUTPUT).stem]
     print(f"\n{'phase':<24}{'wall s':>8}{'recovered':>11}{'invalid blocks':>16}"
           f"{'recomputed':>12}{'loaded tok':>12}")
     for (label, _), stem, seconds in zip(PHASES, stems, timings):
-        stats = json.loads((workdir / f"{stem}.stats.json").read_text())
+        stats = _read_stats(workdir, stem)
         print(f"{label:<24}{seconds:>8.1f}{stats['kv_load_recovered_requests']:>11}"
               f"{stats['kv_load_failed_blocks']:>16}{stats['kv_load_recomputed_tokens']:>12}"
               f"{stats['prompt_tokens_external']:>12}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import hf_greedy
@@ -26,7 +27,8 @@ def test_generate_help(capsys):
         main(["generate", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--prompt", "--max-tokens", "--temperature", "--model", "--device", "--dtype"):
+    for flag in ("--prompt", "--max-tokens", "--temperature", "--model", "--device", "--dtype",
+                 "--max-num-seqs", "--max-model-len", "--kv-transfer-config", "--batch-invariant"):
         assert flag in out
 
 
@@ -65,7 +67,7 @@ def test_unsupported_architecture_is_a_clean_error(capsys, tiny_llama, tmp_path)
     "flags, message",
     [
         (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--temperature", "-1"], "temperature must be 0 (greedy) or a finite number >= 1e-05"),
         (["--device", "tpu"], "device must be 'auto', 'cpu' or 'cuda"),
     ],
 )
@@ -122,3 +124,123 @@ def test_generate_on_the_default_model(capsys):
     out = capsys.readouterr().out
     assert out == prompt + tokenizer.decode(expected) + "\n"
     assert out.startswith("The capital of France is Paris")
+
+
+# ----- OS errors: one line, exit 2, never a traceback ---------------------------------------
+def deny_writes_under(monkeypatch, module, folder: Path) -> None:
+    """Make `module`'s open() refuse to write under `folder`, as a read-only folder does
+    (the tests may run as root, for whom chmod changes nothing)."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def guarded_open(path, mode="r", *args, **kwargs):
+        if any(m in mode for m in "wax+") and Path(path).resolve().is_relative_to(folder):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(module, "open", guarded_open, raising=False)
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode", "scenario"])
+def test_a_workdir_that_is_a_file_is_a_clean_error(capsys, tiny_llama, tmp_path, command):
+    workdir = tmp_path / "workdir"
+    workdir.write_text("a file")
+    assert_clean_error(capsys, [command, "--workdir", str(workdir), "--model", str(tiny_llama),
+                                "--device", "cpu"], f"--workdir {workdir} is not a folder")
+
+
+def test_a_workdir_below_a_file_is_a_clean_error(capsys, tiny_llama, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    assert_clean_error(capsys, ["prefill", "--workdir", str(blocker / "workdir"), "--model",
+                                str(tiny_llama), "--device", "cpu"],
+                       f"Not a directory: {blocker / 'workdir'}")
+
+
+def test_a_read_only_workdir_is_a_clean_error(capsys, tiny_llama, tmp_path, monkeypatch):
+    from kvrecover import scenario
+
+    workdir = tmp_path / "readonly"
+    workdir.mkdir()
+    (workdir / scenario.PREFILL_OUTPUT).write_text('"the quick brown fox"\n"hello, my name"\n')
+    deny_writes_under(monkeypatch, scenario, workdir.resolve())
+    assert_clean_error(capsys, ["decode", "--workdir", str(workdir), "--model", str(tiny_llama),
+                                "--device", "cpu", "--num-kv-blocks", "64"],
+                       f"Permission denied: {workdir / scenario.DECODE_OUTPUT}")
+
+
+def test_fix_on_a_read_only_store_is_a_clean_error(capsys, tmp_path, monkeypatch):
+    import errno
+
+    bad = tmp_path / "store" / ("0" * 16) / "ab" / "junk.kvblock"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"junk")
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert main(["storage", "verify", str(tmp_path / "store"), "--fix"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"kvrecover: error: Permission denied: {bad}"]
+    assert bad.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_a_bad_kvrecover_cache_is_a_clean_error(capsys, tmp_path, monkeypatch, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    monkeypatch.setenv("KVRECOVER_CACHE", str(blocker if where == "a file" else blocker / "x"))
+    assert_clean_error(capsys, ["generate", "--prompt", "hi", "--device", "cpu"],
+                       "set KVRECOVER_CACHE to a writable folder")
+
+
+def test_engine_flags_reach_the_engine(capsys, tiny_llama, monkeypatch):
+    """Every engine option is a flag; what the user typed arrives in EngineArgs."""
+    from kvrecover import LLM
+
+    seen = {}
+    real = LLM.from_engine_args
+
+    def spy(args):
+        seen["args"] = args
+        return real(args)
+
+    monkeypatch.setattr(LLM, "from_engine_args", staticmethod(spy))
+    argv = ["generate", "--model", str(tiny_llama), "--prompt", "hi", "--device", "cpu",
+            "--max-tokens", "2", "--block-size", "8", "--max-num-seqs", "3",
+            "--max-num-batched-tokens", "40", "--max-model-len", "512", "--no-enable-prefix-caching",
+            "--seed", "7", "--num-kv-blocks", "50", "--dtype", "float32"]
+    assert main(argv) == 0
+    args = seen["args"]
+    assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens) == (8, 3, 40)
+    assert (args.max_model_len, args.enable_prefix_caching, args.seed) == (512, False, 7)
+    assert (args.num_kv_blocks, args.dtype, args.device) == (50, "float32", "cpu")
+    assert args.to_argv() == [
+        "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--block-size", "8",
+        "--max-num-batched-tokens", "40", "--max-num-seqs", "3", "--max-model-len", "512",
+        "--no-enable-prefix-caching", "--seed", "7", "--num-kv-blocks", "50"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+    (["--num-kv-blocks", "1"], "num_kv_blocks must be an integer >= 2"),
+    (["--max-model-len", "4096"], "max_model_len must be <= 1024"),
+    (["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be a finite number > 0"),
+    (["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector", '
+      '"kv_connector_extra_config": {"shared_storage_path": "/tmp/x", "asyn_load": true}}'],
+     "did you mean 'async_load'"),
+])
+def test_bad_engine_flags_are_clean_errors(capsys, tiny_llama, flags, message):
+    assert_clean_error(capsys, ["generate", "--model", str(tiny_llama), "--prompt", "hi",
+                                "--device", "cpu", *flags], message)
+
+
+def test_a_bad_kv_transfer_config_json_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompt", "x", "--kv-transfer-config", '{"kv_conector": "A"}'])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'kv_connector'" in err and "Traceback" not in err

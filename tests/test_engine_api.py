@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import random_prompts
+from conftest import hf_greedy, random_prompts
 
 from kvrecover import LLM, CompletionOutput, RequestOutput, SamplingParams
 
@@ -79,7 +79,7 @@ def test_request_output_fields(llm, reference):
     assert completion.finish_reason == "length"
 
 
-def test_string_and_token_id_prompts_agree(llm):
+def test_string_and_token_id_prompts_agree(llm, tiny_llama):
     text = "the capital of france is"
     ids = llm.get_tokenizer().encode(text)
     outputs = llm.generate(
@@ -87,15 +87,30 @@ def test_string_and_token_id_prompts_agree(llm):
     )
     assert [o.prompt for o in outputs] == [text, None, text]
     assert all(o.prompt_token_ids == ids for o in outputs)
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    assert tokens[0] == tokens[1] == tokens[2]
-    assert len(tokens[0]) == 6
+    expected = hf_greedy(tiny_llama, [ids], max_new_tokens=6)[0]  # an independent reference
+    assert [o.outputs[0].token_ids for o in outputs] == [expected] * 3
+    assert all(o.outputs[0].text == llm.get_tokenizer().decode(expected) for o in outputs)
 
 
-def test_a_single_prompt_and_default_params(llm):
-    outputs = llm.generate({"prompt_token_ids": PROMPTS[1]})
-    assert len(outputs) == 1
-    assert len(outputs[0].outputs[0].token_ids) <= SamplingParams().max_tokens
+def test_a_single_prompt_and_default_params(tiny_llama):
+    """Default SamplingParams sample randomly, seeded from the engine seed and the
+    request's arrival order: two fresh engines give the same tokens, another seed others."""
+
+    def first_request_tokens(seed: int) -> list[int]:
+        with LLM(str(tiny_llama), device="cpu", block_size=8, seed=seed) as fresh:
+            (output,) = fresh.generate({"prompt_token_ids": PROMPTS[1]})
+        completion = output.outputs[0]
+        assert completion.finish_reason in ("stop", "length")
+        assert 1 <= len(completion.token_ids) <= SamplingParams().max_tokens
+        if completion.finish_reason == "length":
+            assert len(completion.token_ids) == SamplingParams().max_tokens
+        else:
+            assert completion.token_ids[-1] == 1  # the tiny model's EOS
+        return completion.token_ids
+
+    tokens = first_request_tokens(seed=0)
+    assert first_request_tokens(seed=0) == tokens
+    assert first_request_tokens(seed=1) != tokens
 
 
 # ----- LLM.engine -----------------------------------------------------------------------
@@ -207,10 +222,10 @@ def test_prompt_longer_than_max_model_len(tiny_llama):
     [
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"max_tokens": -3}, "max_tokens must be an integer >= 1"),
-        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
-        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": -0.1}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
+        ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
+        ({"top_p": 0.0}, r"top_p must be a finite number >= 1e-06 and <= 1"),
+        ({"top_p": 1.5}, r"top_p must be a finite number >= 1e-06 and <= 1"),
         ({"top_k": 0}, "top_k must be -1"),
     ],
 )
@@ -244,7 +259,7 @@ def test_bad_prompts(llm):
         ({"device": "meta"}, "device must be 'auto', 'cpu' or 'cuda"),
         ({"device": "cuda:x"}, "device must be 'auto', 'cpu' or 'cuda"),
         ({"block_size": 0}, "block_size must be an integer >= 1"),
-        ({"num_kv_blocks": 1}, "num_kv_blocks must be >= 2"),
+        ({"num_kv_blocks": 1}, "num_kv_blocks must be an integer >= 2"),
     ],
 )
 def test_bad_engine_args(tiny_llama, kwargs, message):

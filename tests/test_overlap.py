@@ -1,9 +1,10 @@
 """Overlapped decode: the engine launches step N+1 before step N's tokens reach the host.
 
-On the GPU (tests/test_gpu.py) the real CUDA-graph path runs this. Here the
-engine and scheduler logic runs on the CPU, with a stand-in for the device that
-computes each launched step at once and resolves the pending input tokens from
-the previous step's results, as the device does.
+The real path runs here on the CPU: `ModelRunner.launch_decode` with an eager
+forward in place of the CUDA graph (`eager_overlap`), its input tokens gathered
+from the previous step's device tensor, plain host buffers and a done-event in
+place of pinned memory and CUDA events. On the GPU (tests/test_gpu.py) the same
+path replays CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,39 +19,21 @@ VOCAB = 384
 PROMPTS = random_prompts(6, [9, 40, 3, 75, 17, 1], VOCAB, seed=33)
 
 
-class EagerPending:
-    """A 'launched' step computed eagerly; its inputs come from `previous`'s tokens."""
-
-    def __init__(self, runner, scheduler_output, previous):
-        for item in scheduler_output.scheduled:
-            if item.token_ids == [PENDING_TOKEN]:
-                assert previous is not None, "a pending token needs a previous step"
-                item.token_ids = [previous.tokens[item.request_id]]
-        self.output = runner.execute(scheduler_output)
-        self.tokens = self.output.sampled_token_ids
-
-    def result(self):
-        return self.output
-
-
 def enable_overlap(llm: LLM) -> list[bool]:
-    """Route greedy decode steps through the overlapped path; returns a launch log
-    (True for a launch that continues an in-flight step)."""
+    """Turn on the real overlapped path; returns a launch log (True for a launch that
+    continues an in-flight step, whose inputs are still pending on the device)."""
     runner = llm.engine.model_runner
+    runner.eager_overlap = True
+    launch = runner.launch_decode
     launches: list[bool] = []
 
-    def can_overlap(scheduler_output):
-        return all(
-            len(s.token_ids) == 1 and s.sample and s.sampling_params.is_greedy
-            for s in scheduler_output.scheduled
-        ) and bool(scheduler_output.scheduled)
-
-    def launch_decode(scheduler_output, previous=None):
+    def logged_launch(scheduler_output, previous=None):
+        pending = [s.token_ids == [PENDING_TOKEN] for s in scheduler_output.scheduled]
+        assert all(pending) == (previous is not None) and (any(pending) == all(pending))
         launches.append(previous is not None)
-        return EagerPending(runner, scheduler_output, previous)
+        return launch(scheduler_output, previous)
 
-    runner.can_overlap = can_overlap
-    runner.launch_decode = launch_decode
+    runner.launch_decode = logged_launch
     return launches
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from conftest import build_tiny_model
 
 from kvrecover import scenario
+from kvrecover.config import EngineArgs
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +40,29 @@ def test_scenario_on_tiny_model(long_context_model, tmp_path):
         assert '"kv_load_recovered_requests": 0' not in stats
 
 
-def test_scenario_detects_a_difference(tiny_llama, tmp_path, monkeypatch, capsys):
-    """The comparison must fail loudly when a recovered output differs."""
-    (tmp_path / scenario.DECODE_OUTPUT).write_text("Token ids: [1]\n")
+GOOD_STATS = {
+    "prefill": {"prompt_tokens_external": 0, "kv_load_failed_blocks": 0,
+                "kv_load_recovered_requests": 0},
+    "decode_output": {"prompt_tokens_external": 2400, "kv_load_failed_blocks": 0,
+                      "kv_load_recovered_requests": 0},
+    "sync_decode_recovered_output": {"prompt_tokens_external": 1900,
+                                     "kv_load_failed_blocks": 31,
+                                     "kv_load_recovered_requests": 1},
+    "async_decode_recovered_output": {"prompt_tokens_external": 1900,
+                                      "kv_load_failed_blocks": 31,
+                                      "kv_load_recovered_requests": 1},
+}
+
+
+def run_fabricated_scenario(tmp_path, monkeypatch, stats, baseline="Token ids: [1]\n",
+                            recovered="Token ids: [1]\n") -> int:
+    """`run_scenario` over phase results written here instead of by four processes."""
+    (tmp_path / scenario.DECODE_OUTPUT).write_text(baseline)
     for name in (scenario.SYNC_RECOVERED_OUTPUT, scenario.ASYNC_RECOVERED_OUTPUT):
-        (tmp_path / name).write_text("Token ids: [2]\n")
-    for stem in ("prefill", "decode_output", "sync_decode_recovered_output",
-                 "async_decode_recovered_output"):
+        (tmp_path / name).write_text(recovered)
+    for stem, values in stats.items():
         (tmp_path / f"{stem}.stats.json").write_text(
-            '{"kv_load_recovered_requests": 0, "kv_load_failed_blocks": 0, '
-            '"kv_load_recomputed_tokens": 0, "prompt_tokens_external": 0}')
+            json.dumps({"kv_load_recomputed_tokens": 0, **values}))
 
     class Done:
         returncode = 0
@@ -56,11 +71,53 @@ def test_scenario_detects_a_difference(tiny_llama, tmp_path, monkeypatch, capsys
     monkeypatch.setattr(scenario, "_remove_tree", lambda path: None)
     original_unlink = scenario.Path.unlink
     monkeypatch.setattr(scenario.Path, "unlink", lambda self, missing_ok=False: None)
-    code = scenario.run_scenario(scenario.EngineOptions(str(tiny_llama), "cpu"), tmp_path)
-    monkeypatch.setattr(scenario.Path, "unlink", original_unlink)
+    try:
+        return scenario.run_scenario(EngineArgs(model="unused", device="cpu"), tmp_path)
+    finally:
+        monkeypatch.setattr(scenario.Path, "unlink", original_unlink)
+
+
+def test_scenario_detects_a_difference(tmp_path, monkeypatch, capsys):
+    """The comparison must fail loudly when a recovered output differs."""
+    code = run_fabricated_scenario(tmp_path, monkeypatch, GOOD_STATS,
+                                   recovered="Token ids: [2]\n")
     out = capsys.readouterr().out
     assert code == 1
     assert "FAILED" in out and "-Token ids: [1]" in out and "+Token ids: [2]" in out
+
+
+def test_fabricated_good_phases_pass(tmp_path, monkeypatch, capsys):
+    assert run_fabricated_scenario(tmp_path, monkeypatch, GOOD_STATS) == 0
+    assert "SUCCESS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stem, counter, message", [
+    ("decode_output", "prompt_tokens_external", "the baseline decode loaded no KV"),
+    ("sync_decode_recovered_output", "kv_load_failed_blocks", "the sync failure phase hit 0"),
+    ("sync_decode_recovered_output", "kv_load_recovered_requests", "recovered 0 requests"),
+    ("async_decode_recovered_output", "kv_load_failed_blocks", "the async failure phase hit 0"),
+    ("async_decode_recovered_output", "kv_load_recovered_requests", "recovered 0 requests"),
+])
+def test_a_phase_that_proves_nothing_fails_the_scenario(tmp_path, monkeypatch, capsys, stem,
+                                                        counter, message):
+    """Identical outputs are no success when nothing was loaded or nothing failed."""
+    stats = json.loads(json.dumps(GOOD_STATS))
+    stats[stem][counter] = 0
+    assert run_fabricated_scenario(tmp_path, monkeypatch, stats) == 1
+    out = capsys.readouterr().out
+    assert "SUCCESS" not in out
+    assert "FAILED: " in out and message in out
+
+
+@pytest.mark.slow
+def test_a_file_where_the_store_should_be_fails_the_scenario(long_context_model, tmp_path):
+    (tmp_path / scenario.STORAGE_DIR).write_text("not a folder")
+    result = run_cli("scenario", "--model", str(long_context_model), "--device", "cpu",
+                     "--workdir", str(tmp_path))
+    assert result.returncode != 0
+    assert "SUCCESS" not in result.stdout
+    assert "Traceback" not in result.stderr
+    assert "loaded no KV" in result.stdout or "kvrecover: error:" in result.stderr
 
 
 def test_decode_without_prefill_is_a_clean_error(tmp_path):

@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from prefill import add_common_flags, is_redis, load_prompts, transfer_config
+from prefill import add_common_flags, is_redis, load_prompts, make_llm, transfer_config
 
-from kvrecover import LLM, SamplingParams
+from kvrecover import SamplingParams
 from kvrecover.kv_transfer.redis_store import redact_url
 
 
@@ -37,8 +37,7 @@ def main() -> None:
     prompts = load_prompts(args.prompts_file)
     # Load only: this instance never writes to the store.
     transfer = transfer_config(args.storage, "kv_consumer", async_load=args.async_load)
-    llm = LLM(args.model, device=args.device, block_size=args.block_size,
-              kv_transfer_config=transfer)
+    llm = make_llm(args, transfer)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
     stats = llm.stats
     for output in outputs:

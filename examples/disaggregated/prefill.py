@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
+from kvrecover.config import add_engine_flags, engine_args_from_namespace
 from kvrecover.scenario import reference_prompts
 
 
@@ -38,17 +40,21 @@ def load_prompts(prompts_file: Path | None) -> list[str]:
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags both instances take; they must agree on model, storage, prompts and block size."""
-    parser.add_argument("--model", default=None,
-                        help="local Hugging Face checkpoint folder (default: built-in model)")
+    """Flags both instances take; they must agree on model, storage, prompts and block
+    size. Every engine option is a flag too (`--model`, `--device`, `--block-size`, ...)."""
     parser.add_argument("--storage", default="kv_store",
                         help="KV store shared by prefill and decode: a folder, or a Redis URL "
                              "(redis://host:port/db, unix:///path.sock) (default: ./kv_store)")
     parser.add_argument("--prompts-file", type=Path, default=None,
                         help="JSON list of strings (.json) or one prompt per line "
                              "(default: four built-in prompts)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size (default: 16)")
+    add_engine_flags(parser, skip=("kv_transfer_config",))
+
+
+def make_llm(args: argparse.Namespace, transfer: KVTransferConfig) -> LLM:
+    """The engine the flags describe, with this instance's connector."""
+    return LLM.from_engine_args(
+        replace(engine_args_from_namespace(args), kv_transfer_config=transfer))
 
 
 def is_redis(storage: str) -> bool:
@@ -70,8 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = load_prompts(args.prompts_file)
     transfer = transfer_config(args.storage, "kv_producer")  # save only: never loads KV
-    llm = LLM(args.model, device=args.device, block_size=args.block_size,
-              kv_transfer_config=transfer)
+    llm = make_llm(args, transfer)
     # One token is enough: the point is the prompt's KV, which is saved as it is computed.
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
     stats = llm.stats

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvrecover.config import EngineArgs, SchedulerConfig
+from kvrecover.engine.inputs import (
+    check_request,
+    or_default,
+    prompt_tokens,
+    resolve_device,
+    resolve_dtype,
+)
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler import Scheduler
@@ -18,6 +27,7 @@ from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.fingerprint import checkpoint_fingerprint
+from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import Tokenizer
@@ -27,7 +37,7 @@ from kvrecover.worker.model_runner import ModelRunner
 if TYPE_CHECKING:
     from kvrecover.worker.overlap import PendingDecode
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -41,20 +51,24 @@ class Engine:
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.device = _resolve_device(args.device)
-        self.dtype = _resolve_dtype(args.dtype, self.device, self.model_config)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
         self.tokenizer = Tokenizer(self.model_dir)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         cuda = self.device.type == "cuda"
-        self.max_model_len = args.max_model_len or min(
-            self.model_config.max_position_embeddings, 32768
-        )
+        model_limit = self.model_config.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len must be <= {model_limit} (the model's "
+                f"max_position_embeddings), got {args.max_model_len}"
+            )
+        self.max_model_len = args.max_model_len or min(model_limit, 32768)
         self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens or (8192 if cuda else 2048),
-            max_num_seqs=args.max_num_seqs or (256 if cuda else 64),
+            max_num_batched_tokens=or_default(args.max_num_batched_tokens, 8192 if cuda else 2048),
+            max_num_seqs=or_default(args.max_num_seqs, 256 if cuda else 64),
             max_model_len=self.max_model_len,
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -94,6 +108,12 @@ class Engine:
         self._hash_prompts = args.enable_prefix_caching or connector is not None
         # A launched, overlapped decode step: (its schedule, its pending tokens).
         self._in_flight: tuple[SchedulerOutput, PendingDecode] | None = None
+        self.closed = False
+        # Shuts the connectors down on close(), when the engine is garbage collected, or
+        # at interpreter exit, whichever comes first: no loader thread may still be inside
+        # torch while the interpreter tears down (that aborts the process).
+        connectors = [c for c in (self.model_runner.connector, connector) if c is not None]
+        self._shutdown_connectors = weakref.finalize(self, _shutdown, connectors)
 
     def _num_blocks(self) -> int:
         if self.args.num_kv_blocks is not None:
@@ -121,27 +141,18 @@ class Engine:
         sampling_params: SamplingParams | None = None,
     ) -> None:
         """Tokenize (if needed), validate and queue a request."""
+        if self.closed:
+            raise RuntimeError("the engine is closed; create a new LLM")
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvrecover.SamplingParams")
-        text, token_ids = self._prompt_tokens(prompt)
-        if not token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(token_ids)} tokens does not fit "
-                f"max_model_len={self.max_model_len} (at least one new token must fit)"
-            )
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"request {request_id!r}: token ids must be in [0, {vocab})")
-        longest = min(len(token_ids) + sampling_params.max_tokens, self.max_model_len)
-        if blocks_needed(longest, self.args.block_size) > self.num_blocks - 1:
-            raise ValueError(
-                f"request {request_id!r} needs {blocks_needed(longest, self.args.block_size)} "
-                f"KV blocks but the cache has {self.num_blocks - 1}; raise num_kv_blocks or "
-                "kv_cache_memory_gb, or shorten the request"
-            )
+        validate(sampling_params)  # again: the dataclass may have been changed since
+        text, token_ids = prompt_tokens(prompt, self.tokenizer)
+        check_request(
+            str(request_id), token_ids, sampling_params, max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, block_size=self.args.block_size,
+            num_blocks=self.num_blocks,
+        )
         seed = sampling_params.seed
         if seed is None:
             seed = self.args.seed * 1_000_003 + self._request_counter
@@ -154,18 +165,6 @@ class Engine:
             update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
         self.scheduler.add_request(request)
 
-    def _prompt_tokens(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(
-            "a prompt must be a string or {'prompt_token_ids': [...]}, "
-            f"got {type(prompt).__name__}"
-        )
-
     def abort_request(self, request_id: str) -> None:
         """Stop a request; a later `step()` no longer reports it."""
         request = self.scheduler.abort_request(str(request_id))
@@ -173,12 +172,28 @@ class Engine:
             self.scheduler.pop_finished(request.request_id)
 
     def has_unfinished(self) -> bool:
-        """Whether `step()` still has work."""
+        """Whether `step()` still has work (never, once closed)."""
+        if self.closed:
+            return False
         return self._in_flight is not None or self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop for good: land an in-flight step, then shut both connector roles down
+        (their in-flight loads cancelled, loader threads joined). Idempotent; unfinished
+        requests are dropped. `LLM.close()` and interpreter exit call this."""
+        if self.closed:
+            return
+        self.closed = True
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight[1].result()
+        self._shutdown_connectors()
 
     # ----- stepping ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step."""
+        if self.closed:
+            raise RuntimeError("the engine is closed; create a new LLM")
         if self._in_flight is not None:
             return self._land_in_flight()
         scheduler_output = self.scheduler.schedule()
@@ -211,7 +226,11 @@ class Engine:
     def _apply(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
+        # Before the update, so that it skips them like requests aborted during the step.
+        failed = runner_output.failed_requests and self._fail_requests(runner_output.failed_requests)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if failed:
+            progressed = failed + progressed
         if not (scheduler_output.scheduled or progressed or runner_output.finished_recving):
             self._check_progress()
         outputs = [self._output(request) for request in progressed]
@@ -219,6 +238,18 @@ class Engine:
             if request.is_finished:
                 self.scheduler.pop_finished(request.request_id)
         return outputs
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[Request]:
+        """End the requests whose part of a step failed, with an internal error; the
+        rest of the step applies as usual (a bad request never poisons the engine)."""
+        failed = []
+        for request_id, message in errors.items():
+            request = self.scheduler.abort_request(request_id)  # frees or parks its blocks
+            if request is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error, request.error_type = message, "internal_error"
+                failed.append(request)
+        return failed
 
     def _check_progress(self) -> None:
         """An idle step is fine only while async loads are in flight."""
@@ -250,27 +281,9 @@ class Engine:
         )
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return _resolve_device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
-    if resolved.type not in ("cpu", "cuda"):  # torch knows more types than we run on
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available")
-        if resolved.index is None:  # torch.cuda.set_device needs an index
-            resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def _resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type != "cuda":
-        return torch.float32
-    return torch.float16 if config.checkpoint_dtype == torch.float16 else torch.bfloat16
-
+def _shutdown(connectors: list) -> None:
+    for connector in connectors:  # worker role first: it owns the loader threads
+        try:
+            connector.shutdown()
+        except Exception:  # closing must finish; the connector's bug is logged
+            logger.exception("KV connector %s failed to shut down", type(connector).__name__)

@@ -52,3 +52,6 @@ class ModelRunnerOutput:
     kv_load_report_failed: bool = False
     kv_connector_errors: int = 0  # worker-side connector failures contained in this step
     kv_connector_stats: dict[str, int] = field(default_factory=dict)  # increments, by name
+    # Requests whose part of the step failed (the sampler or the forward raised):
+    # request id -> message. The engine ends exactly these with an internal error.
+    failed_requests: dict[str, str] = field(default_factory=dict)

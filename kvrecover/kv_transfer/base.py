@@ -37,12 +37,13 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.options import reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
@@ -81,7 +82,14 @@ class KVConnectorMetadata:
 
 
 class KVConnectorBase:
-    """Base class of every KV connector; subclasses override what they support."""
+    """Base class of every KV connector; subclasses override what they support.
+
+    `extra_config_keys` declares the `kv_connector_extra_config` keys a connector
+    reads; any other key is a ValueError at construction (with a "did you mean"),
+    so a typo never passes silently. None (the default) accepts every key.
+    """
+
+    extra_config_keys: ClassVar[tuple[str, ...] | None] = None
 
     # Seconds an asynchronous load may run before all its blocks count as failed.
     # Connectors that load set it from their config (extra key `load_timeout_s`);
@@ -91,10 +99,20 @@ class KVConnectorBase:
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
+        accepted = self.accepted_extra_config_keys(config)
+        if accepted is not None:
+            reject_unknown(config.kv_connector_extra_config, accepted,
+                           f"kv_connector_extra_config key of {type(self).__name__}")
         self.config = config
         self.role = role
         self.layout = layout
         self._metadata: KVConnectorMetadata | None = None
+
+    @classmethod
+    def accepted_extra_config_keys(cls, config: KVTransferConfig) -> tuple[str, ...] | None:
+        """The extra-config keys `config` may hold for this class (default:
+        `extra_config_keys`); a wrapper adds those of the connector it wraps."""
+        return cls.extra_config_keys
 
     # ----- scheduler role -----------------------------------------------------
     def get_num_new_matched_tokens(
@@ -198,3 +216,9 @@ class KVConnectorBase:
         int); they are summed into `LLM.stats` under those names. Prefix them (e.g.
         `kv_tier0_loaded_blocks`): an engine counter of the same name hides them."""
         return {}
+
+    # ----- both roles -----------------------------------------------------------
+    def shutdown(self) -> None:
+        """The engine calls this once when it closes (`LLM.close()`, garbage collection,
+        interpreter exit): cancel in-flight loads and join every thread the connector
+        started, bounded in time. No other method is called afterwards."""

@@ -31,6 +31,7 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from kvrecover.options import reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
@@ -40,6 +41,7 @@ FAULT_KINDS = ("missing", "error", "corrupt", "hang")
 BLOCK_SELECTORS = ("all", "first", "last", "middle")
 DEFAULT_FAULTS = [{"requests": "first", "blocks": "all", "kind": "missing"}]
 WRAPPER_KEYS = ("inner_connector", "faults", "seed")
+FAULT_KEYS = ("requests", "blocks", "kind")
 
 
 class InjectedFault(OSError):
@@ -58,6 +60,7 @@ class FaultRule:
     def parse(cls, raw: dict[str, Any]) -> FaultRule:
         if not isinstance(raw, dict):
             raise ValueError(f"each fault must be a dict, got {raw!r}")
+        reject_unknown(raw, FAULT_KEYS, "fault key")
         requests, blocks = raw.get("requests", "first"), raw.get("blocks", "all")
         kind = raw.get("kind", "missing")
         if not (requests in ("first", "all") or _is_int(requests) or _is_fraction(requests)):
@@ -119,6 +122,20 @@ class FaultMetadata(KVConnectorMetadata):
 
 class FaultInjectionConnector(KVConnectorBase):
     """Delegates to an inner connector and injects the configured load faults."""
+
+    @classmethod
+    def accepted_extra_config_keys(cls, config: KVTransferConfig) -> tuple[str, ...] | None:
+        from kvrecover.kv_transfer.registry import connector_class
+
+        inner_name = config.get_extra("inner_connector", "SharedStorageConnector")
+        if inner_name == "FaultInjectionConnector":
+            raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
+        try:
+            inner = connector_class(KVTransferConfig(inner_name, config.kv_role))
+        except ValueError as error:
+            raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
+        inner_keys = inner.accepted_extra_config_keys(config)
+        return None if inner_keys is None else WRAPPER_KEYS + tuple(inner_keys)
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -268,3 +285,7 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def discard_saves_for(self, request_ids: set[str]) -> None:
         self.inner.discard_saves_for(request_ids)
+
+    def shutdown(self) -> None:
+        self._active = {}
+        self.inner.shutdown()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from kvrecover.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
 
 
 def _extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
@@ -107,10 +110,14 @@ class _AsyncLoad:
     future: concurrent.futures.Future
     deadline: float
     cancelled: threading.Event
+    thread: threading.Thread
 
 
 class SharedStorageConnector(KVConnectorBase):
     """Saves and loads KV blocks through a shared folder (see module docstring)."""
+
+    extra_config_keys = ("shared_storage_path", "async_load", "load_timeout_s",
+                         "verify_after_load")
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -118,6 +125,11 @@ class SharedStorageConnector(KVConnectorBase):
         if not path:
             raise ValueError(
                 f"{type(self).__name__} needs kv_connector_extra_config['shared_storage_path']"
+            )
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(
+                "kv_connector_extra_config['shared_storage_path'] must be a folder path "
+                f"(a string), got {path!r}"
             )
         self.store = BlockStore(path, layout)
         self.async_load = _extra_flag(config, "async_load", False)
@@ -272,10 +284,11 @@ class SharedStorageConnector(KVConnectorBase):
                 future.set_exception(error)
 
         # A daemon thread: a read stuck in the kernel past its deadline must not
-        # keep the process alive at exit.
-        threading.Thread(target=load, name=f"kv-load-{transfer.request_id}", daemon=True).start()
+        # keep the process alive at exit (`shutdown` cancels and joins the others).
+        thread = threading.Thread(target=load, name=f"kv-load-{transfer.request_id}", daemon=True)
+        thread.start()
         self._async_loads[transfer.request_id] = _AsyncLoad(
-            transfer, future, time.monotonic() + self.load_timeout_s, cancelled
+            transfer, future, time.monotonic() + self.load_timeout_s, cancelled, thread
         )
 
     def wait_for_save(self) -> None:
@@ -348,6 +361,16 @@ class SharedStorageConnector(KVConnectorBase):
         super().clear_connector_metadata()
         self._failed_requests = set()
         self._discarded_saves = set()
+
+    def shutdown(self) -> None:
+        """Cancel every in-flight async load and join its thread (a read stuck in the
+        kernel is given up after SHUTDOWN_JOIN_S, its daemon thread left behind)."""
+        loads, self._async_loads = list(self._async_loads.values()), {}
+        for load in loads:
+            load.cancelled.set()
+        give_up = time.monotonic() + SHUTDOWN_JOIN_S
+        for load in loads:
+            load.thread.join(max(0.0, give_up - time.monotonic()))
 
     def extra(self) -> dict[str, Any]:
         """The extra config this connector understood (for logs and tests)."""

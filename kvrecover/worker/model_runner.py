@@ -76,7 +76,12 @@ class ModelRunner:
         self.connector_errors = ConnectorErrorLog(logger)
         self.inputs = None  # the Triton path's packed step inputs
         self.graphs = None
-        self._token_buffers = None  # pinned host buffers for overlapped decode tokens
+        self._token_buffers = None  # host buffers for overlapped decode tokens
+        # Overlap greedy decode steps without CUDA graphs too (an eager forward). It hides
+        # nothing on the CPU, so it is off unless asked for: tests run the real overlapped
+        # path on the CPU with it.
+        self.eager_overlap = False
+        self._failed_requests: dict[str, str] = {}  # the running step's, see ModelRunnerOutput
         if self.backend.name == "triton":
             from kvrecover.ops.triton_attention import tile_tokens
 
@@ -106,23 +111,36 @@ class ModelRunner:
         output = ModelRunnerOutput()
         connector = self.connector
         self._load_error = self._save_error = False
+        self._failed_requests = output.failed_requests
         if connector is not None:
             self._guard(connector.bind_connector_metadata, scheduler_output.kv_connector_metadata,
                         on_error="load")
             if not self._load_error:
                 self._guard(connector.start_load_kv, self.kv_caches, on_error="load")
         if scheduler_output.scheduled:
-            output.sampled_token_ids = self._forward(scheduler_output)
+            try:
+                output.sampled_token_ids = self._forward(scheduler_output)
+            except Exception as error:  # ends this step's requests, never the engine
+                logger.exception("a step of %d requests failed", len(scheduler_output.scheduled))
+                message = f"the step failed: {type(error).__name__}: {error}"
+                for item in scheduler_output.scheduled:
+                    output.failed_requests[item.request_id] = message
         if connector is not None:
             self._finish_connector_step(scheduler_output, output)
         return output
 
     def can_overlap(self, scheduler_output: SchedulerOutput) -> bool:
-        """Whether `launch_decode` may run this step: greedy decode on CUDA graphs,
-        no connector (its loads, saves and failures stay on the synchronous path)."""
-        if self.connector is not None or not self._can_replay(scheduler_output):
+        """Whether `launch_decode` may run this step: greedy decode on CUDA graphs (or
+        eagerly, with `eager_overlap`), no connector (its loads, saves and failures
+        stay on the synchronous path)."""
+        scheduled = scheduler_output.scheduled
+        if self.connector is not None or not scheduled:
             return False
-        return all(s.sample and s.sampling_params.is_greedy for s in scheduler_output.scheduled)
+        if not self._can_replay(scheduler_output) and not (
+            self.eager_overlap and all(len(s.token_ids) == 1 for s in scheduled)
+        ):
+            return False
+        return all(s.sample and s.sampling_params.is_greedy for s in scheduled)
 
     @torch.inference_mode()
     def launch_decode(
@@ -132,19 +150,34 @@ class ModelRunner:
 
         With `previous`, every request's input is the token `previous` samples for it.
         """
-        from kvrecover.worker.cuda_graphs import BUCKETS
-        from kvrecover.worker.overlap import PendingDecode, TokenBuffers
+        from kvrecover.worker.overlap import TokenBuffers
 
         scheduled = scheduler_output.scheduled
         source = None
         if previous is not None:
             rows = previous.rows()
             source = (previous.device_tokens, [rows[s.request_id] for s in scheduled])
-        _, greedy = self.graphs.run(scheduled, source)
+        if self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None:
+            _, greedy = self.graphs.run(scheduled, source)
+        else:
+            greedy = self._eager_decode(scheduled, source)
         if self._token_buffers is None:
-            self._token_buffers = TokenBuffers(BUCKETS[-1])
-        request_ids = [s.request_id for s in scheduled]
-        return PendingDecode(request_ids, greedy, self._token_buffers.next())
+            self._token_buffers = TokenBuffers(self.device)
+        return self._token_buffers.launch([s.request_id for s in scheduled], greedy)
+
+    def _eager_decode(self, scheduled: list, source: tuple[torch.Tensor, list[int]] | None
+                      ) -> torch.Tensor:
+        """A decode step without graphs: the greedy token of every row, left on the device.
+        With `source`, the input tokens are gathered there, as a graph replay does."""
+        token_ids = None
+        if source is not None:
+            tokens, rows = source
+            token_ids = tokens.index_select(0, torch.tensor(rows, device=self.device))
+        inputs = self._step_inputs(scheduled)
+        if token_ids is not None:
+            inputs.input_ids.copy_(token_ids)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        return self.model.logits(hidden[inputs.sample_rows]).argmax(dim=-1)
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         scheduled = scheduler_output.scheduled
@@ -168,8 +201,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[inputs.sample_rows])
         if not sampling:
             return {}
-        tokens = self._sample(logits, sampling, greedy)
-        return {s.request_id: token for s, token in zip(sampling, tokens)}
+        return self._sample(logits, sampling, greedy)
 
     def _step_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """The step's inputs on the device, in the form the backend's attention reads."""
@@ -180,13 +212,18 @@ class ModelRunner:
 
     def _sample(
         self, logits: torch.Tensor, sampling: list, greedy: torch.Tensor | None = None
-    ) -> list[int]:
-        """Tokens for the sampled rows; `greedy` (the graph's argmax) serves all-greedy steps."""
+    ) -> dict[str, int]:
+        """Request id -> token for the sampled rows; `greedy` (the graph's argmax) serves
+        all-greedy steps. A row that cannot be sampled is reported in the step's
+        `failed_requests` instead of failing the others."""
         if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
-            return greedy.tolist()
-        return self.sampler(
+            return {s.request_id: token for s, token in zip(sampling, greedy.tolist())}
+        tokens, errors = self.sampler.sample_isolated(
             logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
         )
+        for row, message in errors.items():
+            self._failed_requests[sampling[row].request_id] = message
+        return {s.request_id: t for s, t in zip(sampling, tokens) if t is not None}
 
     def _decode_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and argmax for every row."""

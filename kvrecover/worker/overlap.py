@@ -3,7 +3,10 @@
 The engine launches step N+1 before it reads step N's tokens (N+1 takes them
 from the device), so the device never idles while the host schedules and
 applies results. Each launched step copies its greedy tokens into one of two
-pinned host buffers: at most two steps are ever in flight.
+host buffers: at most two steps are ever in flight. On a GPU the buffers are
+pinned and an event marks the copy done; on the CPU (where the model runner can
+run the same path eagerly, see `ModelRunner.eager_overlap`) they are plain
+tensors and the copy is done when it returns. `TokenBuffers` chooses once.
 """
 
 from __future__ import annotations
@@ -13,17 +16,30 @@ import torch
 from kvrecover.engine.scheduler_output import ModelRunnerOutput
 
 
+class _DoneEvent:
+    """Stands in for a CUDA event where work completes before the call returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class PendingDecode:
     """A launched decode step; `result()` waits for its tokens."""
 
-    def __init__(self, request_ids: list[str], device_tokens: torch.Tensor, host: torch.Tensor) -> None:
+    def __init__(
+        self, request_ids: list[str], device_tokens: torch.Tensor, host: torch.Tensor,
+        ready: torch.cuda.Event | _DoneEvent,
+    ) -> None:
         self.request_ids = request_ids
         # [B], a graph output: the next replay of that graph overwrites it, after (in stream
         # order) every read of it that was launched before.
         self.device_tokens = device_tokens
         self._host = host[: len(request_ids)]
         self._host.copy_(device_tokens, non_blocking=True)
-        self._ready = torch.cuda.Event()
+        self._ready = ready
         self._ready.record()
 
     def rows(self) -> dict[str, int]:
@@ -37,12 +53,23 @@ class PendingDecode:
 
 
 class TokenBuffers:
-    """Two pinned host buffers used in turn by consecutive pending steps."""
+    """Two host buffers used in turn by consecutive pending steps (pinned on a GPU).
 
-    def __init__(self, max_batch: int) -> None:
-        self._buffers = [torch.empty(max_batch, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+    A buffer grows when a batch outgrows it; the other one, possibly still being
+    copied into, is left alone."""
+
+    def __init__(self, device: torch.device, max_batch: int = 512) -> None:
+        self._pin = device.type == "cuda"
+        self._event = torch.cuda.Event if self._pin else _DoneEvent
+        self._buffers = [self._allocate(max_batch) for _ in range(2)]
         self._turn = 0
 
-    def next(self) -> torch.Tensor:
+    def _allocate(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int32, pin_memory=self._pin)
+
+    def launch(self, request_ids: list[str], device_tokens: torch.Tensor) -> PendingDecode:
+        """Start copying a launched step's tokens into the next buffer."""
         self._turn ^= 1
-        return self._buffers[self._turn]
+        if self._buffers[self._turn].numel() < len(request_ids):
+            self._buffers[self._turn] = self._allocate(len(request_ids))
+        return PendingDecode(request_ids, device_tokens, self._buffers[self._turn], self._event())
