@@ -13,7 +13,7 @@ from kvrecover.ops.torch_ops import TorchOps
 
 
 def test_attention_backend_is_validated_with_the_allowed_values():
-    with pytest.raises(ValueError, match=r"attention_backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"):
+    with pytest.raises(ValueError, match="attention_backend must be one of 'auto', 'torch', 'triton', got 'cuda'"):
         EngineArgs(attention_backend="cuda")
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         select_backend("fast", torch.device("cpu"))
