@@ -8,10 +8,13 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from redis_helpers import RedisServer, require_redis_server
+
+if TYPE_CHECKING:
+    from redis_helpers import RedisServer
 
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. hello, my name is kv. "
@@ -332,9 +335,14 @@ def private_checkpoint_digest_cache(tmp_path_factory):
     patch.setattr(fingerprint, "cache_root", lambda: folder)
     yield folder
     patch.undo()
+
+
 # ----- a private redis-server (tests/test_redis_connector.py, test_tiered.py) -----------
 @pytest.fixture(scope="session")
 def redis_session_server():
+    # Imported here so that suites without redis-py installed (the GPU machine) still load.
+    from redis_helpers import RedisServer, require_redis_server
+
     require_redis_server()
     server = RedisServer().start()
     yield server
@@ -353,6 +361,8 @@ def redis_server(redis_session_server) -> RedisServer:
 @pytest.fixture
 def own_redis_server():
     """A redis-server of this test alone (to kill, restart or password-protect)."""
+    from redis_helpers import RedisServer, require_redis_server
+
     require_redis_server()
     servers: list[RedisServer] = []
 
