@@ -23,8 +23,8 @@ CATEGORIES = {
     "linears": ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
     "attention": ("scaled_dot_product", "aten::_softmax", "aten::bmm", "aten::baddbmm",
                   "kvrecover::", "paged_attention"),
-    "kv gather": ("aten::index_select", "aten::index", "aten::take"),
     "kv store": ("aten::index_copy", "aten::index_put", "aten::copy_"),
+    "kv gather": ("aten::index_select", "aten::index_fill", "aten::index", "aten::take"),
     "sampling": ("aten::argmax", "aten::topk", "aten::sort", "aten::multinomial"),
     "small ops": ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
                   "aten::silu", "aten::roll", "aten::embedding", "aten::cat", "aten::to",
@@ -56,16 +56,10 @@ class PhaseTimer:
         finally:
             self.seconds[(self.kind, name)] += time.perf_counter() - start
 
-    def wrap(self, owner, attr: str, name: str, sets_kind: bool = False) -> None:
+    def wrap(self, owner, attr: str, name: str) -> None:
         original = getattr(owner, attr)
 
         def wrapped(*args, **kwargs):
-            if sets_kind:
-                result = original(*args, **kwargs)
-                prefill = any(len(s.token_ids) > 1 for s in result.scheduled)
-                self.kind = "prefill" if prefill else "decode"
-                self.steps[self.kind] += 1
-                return result
             with self.phase(name):
                 return original(*args, **kwargs)
 

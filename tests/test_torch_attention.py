@@ -19,6 +19,8 @@ from kvrecover.ops.torch_ops import TorchOps
 # (tokens already cached, new tokens) per request.
 CASES = {
     "decode": [(5, 1), (17, 1), (0, 1), (40, 1)],
+    "decode_equal": [(21, 1), (21, 1), (21, 1)],
+    "chunk_alone": [(21, 6)],
     "fresh_equal": [(0, 9), (0, 9)],
     "fresh_padded": [(0, 1), (0, 23), (0, 7)],
     "chunk_after_prefix": [(16, 8), (3, 20)],
@@ -51,7 +53,8 @@ def test_paged_attention_matches_reference(case, block_size, heads, kv_heads):
     _check_paged_attention(CASES[case], block_size, heads, kv_heads)
 
 
-@pytest.mark.parametrize("case", ["decode", "chunk_after_prefix", "mixed"])
+@pytest.mark.parametrize("case", ["decode", "decode_equal", "chunk_after_prefix", "chunk_alone",
+                                  "mixed"])
 def test_stale_nan_blocks_never_reach_the_output(case):
     """Slots past a request's context (the tail of its last block, blocks it holds
     beyond its context) may hold a failed load's NaNs: they must not leak in."""

@@ -24,7 +24,7 @@ class ContextGather:
 
     `blocks` holds `num_blocks` block ids per request (0, the null block, past
     each request's context); the gathered keys are [requests, num_blocks *
-    block_size, Hkv, D]. `stale_rows` are the flat rows of that tensor past a
+    block_size, Hkv, D], cut to `common_len` when set. `stale_rows` are the flat rows of that tensor past a
     request's context inside its last block: another request's leftovers (or a
     failed load's NaNs), zeroed before attending so that masking them is exact.
     `mask` is [requests, 1, queries, num_blocks * block_size], True where a query
@@ -33,8 +33,11 @@ class ContextGather:
 
     blocks: torch.Tensor  # [requests * num_blocks] int64
     stale_rows: torch.Tensor  # [S] int64
-    mask: torch.Tensor
+    mask: torch.Tensor | None  # None: every kept key is visible to every query
     num_blocks: int
+    # All requests have this context length: the gathered keys are cut to it
+    # (nothing stale is kept, no zeroing), and decodes need no mask at all.
+    common_len: int | None = None
 
 
 @dataclass
@@ -157,12 +160,21 @@ def _context(
     last_block_end = -(-lengths // block_size) * block_size
     stale = (key_pos[None, :] >= lengths[:, None]) & (key_pos[None, :] < last_block_end[:, None])
     flat = torch.arange(len(seq_lens))[:, None] * padded_len + key_pos[None, :]
+    if min(seq_lens) == max(seq_lens):
+        key_pos = key_pos[: seq_lens[0]]
+        stale_rows = torch.empty(0, dtype=torch.int64, device=device)
+        common_len = seq_lens[0]
+    else:
+        stale_rows, common_len = flat[stale].to(device), None
     mask = key_pos[None, None, :] <= query_positions[:, :, None]
+    if common_len is not None and query_positions.shape[1] == 1:
+        mask = None  # decodes of equal length: each sees exactly the kept keys
     return ContextGather(
         blocks=blocks.reshape(-1).to(device),
-        stale_rows=flat[stale].to(device),
-        mask=mask.unsqueeze(1).to(device),
+        stale_rows=stale_rows,
+        mask=None if mask is None else mask.unsqueeze(1).to(device),
         num_blocks=num_blocks,
+        common_len=common_len,
     )
 
 

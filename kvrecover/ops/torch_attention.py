@@ -64,7 +64,7 @@ def _gather(
         rows = cache.view(num_cache_blocks, -1).index_select(0, context.blocks)
         if context.stale_rows.numel():
             rows.view(-1, num_kv_heads * head_dim).index_fill_(0, context.stale_rows, 0.0)
-        gathered.append(rows.view(shape))
+        gathered.append(rows.view(shape)[:, : context.common_len])
     return gathered[0], gathered[1]
 
 
@@ -83,7 +83,7 @@ def _decode(
         query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=context.mask,  # [B, 1, 1, L]: broadcast over the grouped query rows
+        attn_mask=context.mask,  # [B, 1, 1, L] or None: broadcast over the grouped query rows
         scale=scale,
     )
     return out.reshape(batch, num_heads, head_dim)
