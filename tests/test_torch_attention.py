@@ -61,6 +61,17 @@ def test_stale_nan_blocks_never_reach_the_output(case):
     _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=2)
 
 
+@pytest.mark.parametrize("case", ["decode", "decode_equal", "mixed"])
+@pytest.mark.parametrize("gather_bytes", [1, 2 * 2 * 3 * 16 * 2 * 16 * 4])
+def test_decode_in_slices_matches_reference(monkeypatch, case, gather_bytes):
+    """Decodes gathered a few requests at a time (as long contexts are on the CPU)
+    give the same result, stale NaNs still kept out."""
+    from kvrecover.ops import torch_attention
+
+    monkeypatch.setattr(torch_attention, "_GATHER_BYTES", gather_bytes)
+    _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1)
+
+
 def _check_paged_attention(requests, block_size, heads, kv_heads, fill=None, extra_blocks=0):
     head_dim = 16
     num_blocks = 1 + sum(-(-(c + n) // block_size) + extra_blocks for c, n in requests) + 3
