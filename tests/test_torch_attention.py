@@ -19,6 +19,8 @@ from kvrecover.ops.torch_ops import TorchOps
 # (tokens already cached, new tokens) per request.
 CASES = {
     "decode": [(5, 1), (17, 1), (0, 1), (40, 1)],
+    "decode_equal": [(21, 1), (21, 1), (21, 1)],
+    "chunk_alone": [(21, 6)],
     "fresh_equal": [(0, 9), (0, 9)],
     "fresh_padded": [(0, 1), (0, 23), (0, 7)],
     "chunk_after_prefix": [(16, 8), (3, 20)],
@@ -48,13 +50,44 @@ def _reference(query, cache_keys, cache_values, new_keys, new_values, requests, 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
 def test_paged_attention_matches_reference(case, block_size, heads, kv_heads):
-    requests = CASES[case]
-    head_dim, num_blocks = 16, 1 + sum(-(-(c + n) // block_size) for c, n in requests) + 3
+    _check_paged_attention(CASES[case], block_size, heads, kv_heads)
+
+
+@pytest.mark.parametrize("case", ["decode", "decode_equal", "chunk_after_prefix", "chunk_alone",
+                                  "mixed"])
+def test_stale_nan_blocks_never_reach_the_output(case):
+    """Slots past a request's context (the tail of its last block, blocks it holds
+    beyond its context) may hold a failed load's NaNs: they must not leak in."""
+    _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=2)
+
+
+@pytest.mark.parametrize("case", ["decode", "decode_equal", "mixed"])
+@pytest.mark.parametrize("gather_bytes", [1, 2 * 2 * 3 * 16 * 2 * 16 * 4])
+def test_decode_in_slices_matches_reference(monkeypatch, case, gather_bytes):
+    """Decodes gathered a few requests at a time (as long contexts are on the CPU)
+    give the same result, stale NaNs still kept out."""
+    from kvrecover.ops import torch_attention
+
+    monkeypatch.setattr(torch_attention, "_GATHER_BYTES", gather_bytes)
+    _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1)
+
+
+def _check_paged_attention(requests, block_size, heads, kv_heads, fill=None, extra_blocks=0):
+    head_dim = 16
+    num_blocks = 1 + sum(-(-(c + n) // block_size) + extra_blocks for c, n in requests) + 3
     generator = torch.Generator().manual_seed(0)
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    if fill is not None:
+        kv_cache.fill_(fill)  # every slot not written below is stale
     kv_cache[:, 0] = 0  # the null block, as allocated
     free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in requests]
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size) + extra_blocks)]
+              for c, n in requests]
+    if fill is not None:
+        for (computed, _), table in zip(requests, tables):
+            for p in range(computed):
+                block, offset = table[p // block_size], p % block_size
+                kv_cache[:, block, offset] = torch.randn(2, kv_heads, head_dim, generator=generator)
     cached_k, cached_v = [], []
     for (computed, _), table in zip(requests, tables):
         slots = [table[p // block_size] * block_size + p % block_size for p in range(computed)]
@@ -71,6 +104,7 @@ def test_paged_attention_matches_reference(case, block_size, heads, kv_heads):
     out = TorchPagedAttention().forward(query, key, value, kv_cache, meta, scale)
     expected = _reference(query, cached_k, cached_v, key, value, requests, scale)
     assert out.shape == (total, heads, head_dim)
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 

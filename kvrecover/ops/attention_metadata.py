@@ -6,7 +6,9 @@ KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 
 `AttentionMetadata` serves the torch reference backend, `PagedAttentionMetadata`
 the Triton kernels; both are plain records (no Triton import), built by the
-worker's step inputs.
+worker's step inputs. The torch backend reads the cache block by block: each
+step gathers whole blocks (one row copy per block, not per token) only for
+requests that have a cached context; fresh prompts attend to their own new keys.
 """
 
 from __future__ import annotations
@@ -17,22 +19,64 @@ import torch
 
 
 @dataclass
+class ContextGather:
+    """Which cache blocks a group of requests reads, gathered block by block.
+
+    `blocks` holds `num_blocks` block ids per request (0, the null block, past
+    each request's context); the gathered keys are [requests, num_blocks *
+    block_size, Hkv, D], cut to `common_len` when set. `stale_rows` are the flat rows of that tensor past a
+    request's context inside its last block: another request's leftovers (or a
+    failed load's NaNs), zeroed before attending so that masking them is exact.
+    `mask` is [requests, 1, queries, num_blocks * block_size], True where a query
+    may attend.
+    """
+
+    blocks: torch.Tensor  # [requests * num_blocks] int64
+    stale_rows: torch.Tensor  # [S] int64
+    mask: torch.Tensor | None  # None: every kept key is visible to every query
+    num_blocks: int
+    # All requests have this context length: the gathered keys are cut to it
+    # (nothing stale is kept, no zeroing), and decodes need no mask at all.
+    common_len: int | None = None
+
+
+@dataclass
+class PrefillGroup:
+    """Requests of one step with more than one new token, attended together.
+
+    Rows `[row_start, row_start + num_requests * query_len)` of the step. A
+    `fresh` group (nothing cached before the new tokens) attends causally to its
+    own new keys and needs no cache read; otherwise it is one request whose new
+    tokens follow a cached prefix, read through `context`.
+    """
+
+    row_start: int
+    num_requests: int
+    query_len: int
+    context: ContextGather | None = None
+
+    @property
+    def row_end(self) -> int:
+        return self.row_start + self.num_requests * self.query_len
+
+
+@dataclass
 class AttentionMetadata:
-    """Per-step indexing shared by all layers (built once by the model runner).
+    """Per-step indexing for the torch reference attention (built once per step).
 
     The batch holds B requests; request b contributes `query_lens[b]` new tokens
     (flattened into T rows) attending to its first `seq_lens[b]` cached tokens.
+    Requests with one new token form the decode group (`decode_rows`, read through
+    `decode_context`); the others form `prefills`.
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor  # [B, max_blocks] (int32), padded with 0
-    # Reference-backend indexing, all [B, ...] padded:
-    query_index: torch.Tensor  # [B, Qmax] rows of q (T = padding row)
-    key_slots: torch.Tensor  # [B, Lmax] cache slots of each request's context
-    mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where a query may attend
-    output_index: torch.Tensor  # [T] flat row of each token in the padded output
+    decode_rows: slice | torch.Tensor | None  # rows of the decode group, a slice when contiguous
+    decode_context: ContextGather | None
+    prefills: list[PrefillGroup]
 
     @classmethod
     def build(
@@ -44,42 +88,94 @@ class AttentionMetadata:
         device: torch.device,
     ) -> AttentionMetadata:
         """Index tensors for requests whose new tokens start at `num_computed[b]`."""
-        batch = len(query_lens)
         seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
-        max_query, max_seq = max(query_lens), max(seq_lens)
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
+        tables = torch.zeros(len(query_lens), max_blocks, dtype=torch.int64)
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
         query_lens_t = torch.tensor(query_lens)
         starts = torch.tensor(num_computed)
-        # Flat token layout: request b's tokens are rows [offset_b, offset_b + query_len_b).
-        offsets = torch.cumsum(query_lens_t, 0) - query_lens_t
-        q_pos = torch.arange(max_query)
-        valid_q = q_pos[None, :] < query_lens_t[:, None]
-        total = int(query_lens_t.sum())
-        query_index = torch.where(valid_q, offsets[:, None] + q_pos[None, :], total)
-        token_positions = starts[:, None] + q_pos[None, :]  # [B, Qmax]
-        # Padding rows attend to key 0 only so no row of the softmax is empty.
-        token_positions = torch.where(valid_q, token_positions, 0)
-        key_pos = torch.arange(max_seq)
-        mask = key_pos[None, None, :] <= token_positions[:, :, None]
-        block_of_key = (key_pos // block_size).clamp(max=max_blocks - 1)
-        key_slots = tables[:, block_of_key] * block_size + key_pos % block_size
-        # Keys past a request's length read the (zeroed) null block, never stale memory.
-        key_slots = torch.where(key_pos[None, :] < torch.tensor(seq_lens)[:, None], key_slots, 0)
-        flat_rows = (torch.arange(batch)[:, None] * max_query + q_pos[None, :])[valid_q]
-        slot_mapping = key_slots.gather(1, token_positions.clamp(max=max_seq - 1))[valid_q]
+        row_starts = (torch.cumsum(query_lens_t, 0) - query_lens_t).tolist()
+        # Slot of every new token: its block's id times block_size plus its offset.
+        positions = torch.repeat_interleave(starts, query_lens_t) + torch.arange(
+            int(query_lens_t.sum())
+        ) - torch.repeat_interleave(torch.tensor(row_starts), query_lens_t)
+        request_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_t)
+        slot_mapping = tables[request_of_row, positions // block_size] * block_size
+        slot_mapping += positions % block_size
+
+        decode = [b for b, q in enumerate(query_lens) if q == 1]
+        decode_rows: slice | torch.Tensor | None = None
+        decode_context = None
+        if decode:
+            rows = [row_starts[b] for b in decode]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            decode_rows = (slice(rows[0], rows[0] + len(rows)) if contiguous
+                           else torch.tensor(rows, device=device))
+            decode_context = _context(
+                tables[decode], [seq_lens[b] for b in decode],
+                torch.tensor([[seq_lens[b] - 1] for b in decode]),
+                block_size, device,
+            )
+        prefills: list[PrefillGroup] = []
+        for b, query_len in enumerate(query_lens):
+            if query_len == 1:
+                continue
+            if num_computed[b] == 0:
+                last = prefills[-1] if prefills else None
+                if (last is not None and last.context is None and last.query_len == query_len
+                        and last.row_end == row_starts[b]):
+                    last.num_requests += 1  # equal fresh prompts side by side: one batch
+                else:
+                    prefills.append(PrefillGroup(row_starts[b], 1, query_len))
+                continue
+            query_positions = torch.arange(num_computed[b], seq_lens[b])[None, :]
+            context = _context(tables[b : b + 1], [seq_lens[b]], query_positions, block_size, device)
+            prefills.append(PrefillGroup(row_starts[b], 1, query_len, context))
         return cls(
             slot_mapping=slot_mapping.to(device),
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=tables.to(device=device, dtype=torch.int32),
-            query_index=query_index.to(device),
-            key_slots=key_slots.to(device),
-            mask=mask.unsqueeze(1).to(device),
-            output_index=flat_rows.to(device),
+            decode_rows=decode_rows,
+            decode_context=decode_context,
+            prefills=prefills,
         )
+
+
+def _context(
+    tables: torch.Tensor, seq_lens: list[int], query_positions: torch.Tensor,
+    block_size: int, device: torch.device,
+) -> ContextGather:
+    """The `ContextGather` of requests with these block tables, context lengths and
+    query positions ([requests, queries])."""
+    num_blocks = -(-max(seq_lens) // block_size)
+    padded_len = num_blocks * block_size
+    lengths = torch.tensor(seq_lens)
+    block_index = torch.arange(num_blocks)
+    used = block_index[None, :] * block_size < lengths[:, None]
+    # Blocks past a request's context read the zeroed null block, never stale memory.
+    blocks = torch.where(used, tables[:, :num_blocks], 0)
+    key_pos = torch.arange(padded_len)
+    last_block_end = -(-lengths // block_size) * block_size
+    stale = (key_pos[None, :] >= lengths[:, None]) & (key_pos[None, :] < last_block_end[:, None])
+    flat = torch.arange(len(seq_lens))[:, None] * padded_len + key_pos[None, :]
+    if min(seq_lens) == max(seq_lens):
+        key_pos = key_pos[: seq_lens[0]]
+        stale_rows = torch.empty(0, dtype=torch.int64, device=device)
+        common_len = seq_lens[0]
+    else:
+        stale_rows, common_len = flat[stale].to(device), None
+    mask = key_pos[None, None, :] <= query_positions[:, :, None]
+    if common_len is not None and query_positions.shape[1] == 1:
+        mask = None  # decodes of equal length: each sees exactly the kept keys
+    return ContextGather(
+        blocks=blocks.reshape(-1).to(device),
+        stale_rows=stale_rows,
+        mask=None if mask is None else mask.unsqueeze(1).to(device),
+        num_blocks=num_blocks,
+        common_len=common_len,
+    )
 
 
 @dataclass

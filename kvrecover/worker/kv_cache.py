@@ -29,7 +29,8 @@ def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.dev
 
     Left uninitialised (zeroing gigabytes costs seconds at start-up) except the
     null block 0, which padded attention reads: slots past a request's length
-    are never read, and written slots always hold finite values.
+    are never attended to (the torch backend zeroes those it gathers with a
+    request's last block), and written slots always hold finite values.
     """
     shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     caches = [torch.empty(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

@@ -21,6 +21,7 @@ from kvrecover.models.config import ModelConfig
 from kvrecover.models.llama import LlamaForCausalLM
 from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.ops.backend import select_backend
+from kvrecover.worker.cpu_threads import set_cpu_threads
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.sampler import Sampler
 from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs, reference_step_inputs
@@ -57,6 +58,8 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         self.backend = select_backend(attention_backend, device, batch_invariant=batch_invariant)
+        if device.type == "cpu":
+            set_cpu_threads()
         self.device = device
         self.dtype = dtype
         self.layout = layout

@@ -53,28 +53,23 @@ class StepInputs:
 def reference_step_inputs(
     scheduled: list[ScheduledRequest], block_size: int, device: torch.device
 ) -> StepInputs:
-    """The inputs of one step for the torch reference attention."""
-    token_ids: list[int] = []
-    positions: list[int] = []
-    sample_rows: list[int] = []
-    for item in scheduled:
-        token_ids.extend(item.token_ids)
-        start = item.num_computed_tokens
-        positions.extend(range(start, start + len(item.token_ids)))
-        if item.sample:
-            sample_rows.append(len(token_ids) - 1)
+    """The inputs of one step for the torch reference attention (per request, never per
+    token, in Python)."""
+    query_lens = [len(s.token_ids) for s in scheduled]
+    num_computed = [s.num_computed_tokens for s in scheduled]
+    lengths = torch.tensor(query_lens)
+    ends = torch.cumsum(lengths, 0)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in scheduled)))
+    # Position of each row: its request's first position plus its offset in the request.
+    positions = torch.arange(int(ends[-1])) + torch.repeat_interleave(
+        torch.tensor(num_computed) - (ends - lengths), lengths
+    )
+    sample = torch.tensor([s.sample for s in scheduled])
     attn = AttentionMetadata.build(
-        [s.num_computed_tokens for s in scheduled],
-        [len(s.token_ids) for s in scheduled],
-        [s.block_ids for s in scheduled],
-        block_size,
-        device,
+        num_computed, query_lens, [s.block_ids for s in scheduled], block_size, device
     )
     return StepInputs(
-        torch.tensor(token_ids, device=device),
-        torch.tensor(positions, device=device),
-        torch.tensor(sample_rows, device=device, dtype=torch.int64),
-        attn,
+        token_ids.to(device), positions.to(device), (ends[sample] - 1).to(device), attn
     )
 
 
