@@ -268,20 +268,27 @@ def test_store_failure_becomes_recovery(tiny_llama, own_redis_server, fault, asy
     assert "outputs" in outcome, "decode raised"
 
     affected = AFFECTED[fault]
+    # With async loads, B's lookup may come after A's load already broke the store: B then
+    # finds nothing to load and computes its prompt itself, which is correct too.
+    may_miss = {"B"} if async_load and fault in ("killed-mid-load", "timeout-mid-load") else set()
     expected = dict(zip(prompts, baseline(tiny_llama, list(prompts.values()))))
     stats = outcome["stats"]
+    failed = set()
     for name, output in zip(prompts, outcome["outputs"]):
         completion = output.outputs[0]
-        if policy == "fail" and name in affected:
+        if policy == "fail" and name in affected and not (
+                name in may_miss and completion.finish_reason != "error"):
             assert completion.finish_reason == "error" and completion.token_ids == []
+            failed.add(name)
         else:
             assert completion.token_ids == expected[name], name
     if affected:
         assert stats["kv_load_failed_blocks"] >= 1
         if policy == "fail":
-            assert stats["kv_load_failed_requests"] == len(affected)
+            assert failed >= set(affected) - may_miss
+            assert stats["kv_load_failed_requests"] == len(failed)
         else:  # a retried lookup may find (and fail on) the same bad entry once more
-            assert stats["kv_load_recovered_requests"] >= len(affected)
+            assert stats["kv_load_recovered_requests"] >= len(set(affected) - may_miss)
     else:
         assert stats["kv_load_failed_blocks"] == 0 and stats["kv_load_failed_requests"] == 0
     if fault in ("refused", "never-answers"):  # nothing loaded; every save failed, counted
