@@ -180,7 +180,7 @@ def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megab
         "folder": (nothing, load_with(folder_connector)),
     }, repeats)
     for made in (redis_connector, unverified):
-        made.close()
+        made.shutdown()
     flush()
     reset_folder()
     t_raw_save, t_redis_save, t_folder_save = saves["raw"], saves["redis"], saves["folder"]

@@ -244,3 +244,30 @@ def test_a_bad_kv_transfer_config_json_is_an_argparse_error(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "did you mean 'kv_connector'" in err and "Traceback" not in err
+
+
+def test_serve_flags_reach_the_engine_and_the_engine_is_closed(capsys, tiny_llama, monkeypatch):
+    """`kvrecover serve` builds its engine through EngineArgs and closes it on the way out."""
+    import uvicorn
+
+    from kvrecover import LLM
+
+    built = []
+    real = LLM.from_engine_args
+
+    def spy(args):
+        built.append(real(args))
+        return built[-1]
+
+    served = {}
+    monkeypatch.setattr(LLM, "from_engine_args", staticmethod(spy))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.update(kwargs))
+    argv = ["serve", "--model", str(tiny_llama), "--device", "cpu", "--max-num-seqs", "3",
+            "--max-model-len", "256", "--batch-invariant", "--port", "8123"]
+    assert main(argv) == 0
+    (llm,) = built
+    assert served["port"] == 8123 and served["host"] == "127.0.0.1"
+    assert f"kvrecover serve: {tiny_llama} on http://127.0.0.1:8123" in capsys.readouterr().err
+    assert llm.engine.closed
+    args = llm.engine.args
+    assert (args.max_num_seqs, args.max_model_len, args.batch_invariant) == (3, 256, True)

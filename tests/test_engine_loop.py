@@ -99,3 +99,12 @@ def test_a_failing_step_stops_the_loop_and_fails_open_requests(engine_loop):
     assert failed.error_type == "internal_error" and "device lost" in failed.error
     assert not engine_loop.alive
     assert later.error_type == "internal_error"
+
+
+def test_stop_closes_the_llm(model_dir):
+    loop = EngineLoop(lambda: LLM(str(model_dir)))
+    loop.start(timeout=WAIT_S)
+    engine = loop.llm.engine
+    assert not engine.closed
+    loop.stop(timeout=WAIT_S)
+    assert engine.closed and not loop.alive

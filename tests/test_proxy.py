@@ -350,7 +350,6 @@ def test_kv_load_failed_on_a_decode_instance_fails_over(model_dir, tmp_path, ref
 @pytest.mark.parametrize("argv,message", [
     (["proxy"], "at least one --prefill or --decode URL"),
     (["proxy", "--decode", "http://127.0.0.1:1", "--max-retries", "-1"], "max_retries"),
-    (["serve", "--kv-transfer-config", "{oops"], "not valid JSON"),
 ])
 def test_bad_serving_flags_are_clean_errors(capsys, argv, message):
     from kvrecover.cli import main
@@ -358,3 +357,15 @@ def test_bad_serving_flags_are_clean_errors(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvrecover: error: ") and message in err
+
+
+def test_bad_serve_engine_flags_are_argparse_errors(capsys):
+    """serve parses engine flags like every other command (EngineArgs): usage + one line."""
+    from kvrecover.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--kv-transfer-config", "{oops"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvrecover serve: error: argument --kv-transfer-config" in err
+    assert "not valid JSON" in err and "Traceback" not in err

@@ -451,3 +451,33 @@ def test_the_readme_example_scripts_share_kv_through_redis(tiny_llama, own_redis
     assert stats["prompt_tokens_external"] == sum(
         (len(o.prompt_token_ids) - 1) // 16 * 16 for o in reference)
     assert stats["kv_load_failed_blocks"] == 0
+
+
+def connected_clients(server, admin) -> int:
+    """Clients of `server` other than the test's own `admin` client."""
+    return admin.info("clients")["connected_clients"] - 1
+
+
+def wait_for_clients(server, admin, want: int, tries: int = 200) -> int:
+    """Poll (bounded: `tries` x 10 ms) until the server counts `want` other clients."""
+    for _ in range(tries):
+        count = connected_clients(server, admin)
+        if count == want:
+            return count
+        threading.Event().wait(0.01)
+    return count
+
+
+def test_llm_close_shuts_the_redis_pools_down(tiny_llama, own_redis_server):
+    server = own_redis_server()
+    admin = server.client()
+    llm = make_llm(tiny_llama, redis_transfer(server.url, "kv_both"))
+    run(llm, [PROMPT_A])  # lookups, saves: both roles' pools hold connections
+    assert connected_clients(server, admin) >= 2
+    connectors = [llm.engine.scheduler.connector, llm.engine.model_runner.connector]
+    assert all(isinstance(c, RedisConnector) for c in connectors)
+    llm.close()
+    assert wait_for_clients(server, admin, 0) == 0
+    for connector in connectors:
+        connector.shutdown()  # idempotent
+    assert connected_clients(server, admin) == 0

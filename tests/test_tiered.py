@@ -8,6 +8,7 @@ recomputed, and only from that block on.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,21 @@ def test_bad_config_is_a_value_error_naming_the_field(tiny_llama, case):
     extra, message = BAD_CONFIGS[case]
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_llama, KVTransferConfig("TieredConnector", "kv_both", extra))
+
+
+def test_llm_close_shuts_every_tier_down(tiny_llama, tmp_path, own_redis_server):
+    """LLM.close() reaches each tier: the Redis tier's pool lets its connections go."""
+    server = own_redis_server()
+    admin = server.client()
+    transfer = tiered([folder_tier(tmp_path / "kv"), redis_tier(server.url)], async_load=True)
+    llm = make_llm(tiny_llama, transfer)
+    greedy_token_ids(llm, [PROMPT_A], 1)
+    assert admin.info("clients")["connected_clients"] > 1
+    worker = llm.engine.model_runner.connector
+    llm.close()
+    for _ in range(200):  # the server notices closed sockets within a few ms
+        if admin.info("clients")["connected_clients"] == 1:
+            break
+        threading.Event().wait(0.01)
+    assert admin.info("clients")["connected_clients"] == 1
+    worker.shutdown()  # idempotent

@@ -1,6 +1,7 @@
 """`kvrecover serve-demo`: one prefill, two decode servers and the proxy on loopback.
 
-Each server is a `kvrecover serve` child process sharing a KV folder; the proxy
+Each server is a `kvrecover serve` child process sharing a KV folder (the demo's
+engine flags, those of `EngineArgs`, are passed on to every server); the proxy
 listens on `--port`. The demo sends one request through the proxy, prints it with
 copy-paste commands, and serves until Ctrl-C (`--once`: exits after the request).
 Children are always stopped on the way out.
@@ -25,13 +26,11 @@ DEMO_PROMPT = "The capital of France is"
 
 def add_demo_parser(commands: Any) -> None:
     """Register `kvrecover serve-demo` on the CLI's subparsers."""
+    from kvrecover.config import add_engine_flags
+
     demo = commands.add_parser(
         "serve-demo", help="start one prefill, two decode servers and the proxy on loopback")
-    demo.add_argument("--model", default=None,
-                      help="local Hugging Face checkpoint folder (default: built-in model)")
-    demo.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
-    demo.add_argument("--dtype", default="auto",
-                      choices=["auto", "float32", "bfloat16", "float16"])
+    add_engine_flags(demo, skip=("kv_transfer_config",))
     demo.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000)")
     demo.add_argument("--workdir", type=Path, default=None,
                       help="folder for the KV store and the server logs (default: a temp dir)")
@@ -54,12 +53,12 @@ def run_demo(args: argparse.Namespace) -> int:
     """Start the servers and the proxy, send one request, serve until interrupted."""
     import httpx
 
+    from kvrecover.config import engine_args_from_namespace
+
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvrecover-demo-"))
     store = workdir / "kv"
     store.mkdir(parents=True, exist_ok=True)
-    engine = ["--device", args.device, "--dtype", args.dtype]
-    if args.model:
-        engine += ["--model", args.model]
+    engine = engine_args_from_namespace(args).to_argv()  # every server gets the same engine
     roles = [("prefill", "kv_producer"), ("decode-1", "kv_consumer"),
              ("decode-2", "kv_consumer")]
     children: list[tuple[str, subprocess.Popen, str]] = []

@@ -6,7 +6,8 @@ and aborts requests between steps and hands each step's outputs back to the
 asyncio loop in one batch. A request the engine rejects (a prompt too long, a
 bad token id) comes back as a finished output with `error_type`
 "invalid_request_error"; a step that raises ends the loop (`alive` turns False)
-and fails every open request with "internal_error".
+and fails every open request with "internal_error". When the loop ends (`stop()`
+or a failed step) the thread closes its LLM.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class EngineLoop:
             raise self._startup_error
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the thread to finish and wait for it."""
+        """Ask the thread to finish, close the LLM (on that thread) and wait for it."""
         self._stopping.set()
         self._thread.join(timeout)
 
@@ -150,6 +151,10 @@ class EngineLoop:
             self._fail_all(f"the engine failed: {error}")
         self.alive = False
         self._fail_all("the server is shutting down")
+        try:  # the owning thread closes it: cancels in-flight loads, shuts the connector
+            self.llm.close()
+        except Exception:
+            logger.exception("closing the engine failed")
 
     def _drain_commands(self, block: bool) -> None:
         while True:

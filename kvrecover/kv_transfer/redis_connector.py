@@ -48,9 +48,8 @@ class RedisConnector(BlockStoreConnector):
     def __repr__(self) -> str:
         return f"RedisConnector({self.role.value}, {self.store!r})"
 
-    def close(self) -> None:
-        """Close the store's connections."""
-        self.store.close()
+    def _close_store(self) -> None:
+        self.store.close()  # `shutdown` (LLM.close(), GC, exit) lets the pool's sockets go
 
     def extra(self) -> dict[str, Any]:
         """The extra config this connector understood (URL without its password)."""

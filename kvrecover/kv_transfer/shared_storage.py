@@ -6,11 +6,11 @@ it. Loads cover the longest stored run of blocks after the locally cached ones,
 never the prompt's last token. `kv_role` decides what happens: producers save,
 consumers load, `kv_both` does both.
 
-Extra config (`kv_connector_extra_config`):
-  shared_storage_path  folder of the store (required)
-  async_load           load in a background thread while the request waits (False)
-  load_timeout_s       an async load unfinished after this long fails (30)
-  verify_after_load    re-checksum the engine's cache blocks after a load (True)
+Extra config (`kv_connector_extra_config`): `shared_storage_path`, the folder of the
+store (required), plus `async_load`, `load_timeout_s` (30) and `verify_after_load`
+as for every store connector (`store_base`, which also holds the scheduler role,
+the async-load bookkeeping and shutdown; this module keeps only the folder's own
+load and save path).
 
 Async loads read and verify into host memory on a thread; the worker copies the
 result into the cache only when it reports the load finished, so a load that
@@ -24,74 +24,31 @@ entries are read into pinned memory and uploaded in one copy per transfer.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.base import (
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    ReadFilter,
-)
+from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore
 from kvrecover.kv_transfer.paged_blocks import PagedBlocks
+from kvrecover.kv_transfer.store_base import (
+    BlockTransfer,
+    StorageConnectorMetadata,
+    StoreConnectorBase,
+)
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+
+__all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "StorageConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
-
-
-def _extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
-    value = config.get_extra(key, default)
-    if not isinstance(value, bool):  # bool("false") is True: never guess
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be True or False, got {value!r}")
-    return value
-
-
-def _extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
-    value = config.get_extra(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise ValueError(
-            f"kv_connector_extra_config[{key!r}] must be a number of seconds > 0, got {value!r}"
-        )
-    return float(value)
-
-
-@dataclass
-class BlockTransfer:
-    """Blocks of one request to load or save: cache block ids and their store keys."""
-
-    request_id: str
-    block_ids: list[int]
-    keys: list[bytes]
-    is_async: bool = False
-
-
-@dataclass
-class StorageConnectorMetadata(KVConnectorMetadata):
-    """One step's loads and saves."""
-
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
-
-    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
-        return {t.request_id: (t.block_ids, t.is_async) for t in self.loads}
-
-    def num_save_blocks(self) -> int:
-        return sum(len(t.block_ids) for t in self.saves)
 
 
 @dataclass(frozen=True)
@@ -104,24 +61,17 @@ class LoadedBlock:
     position: int
 
 
-@dataclass
-class _AsyncLoad:
-    transfer: BlockTransfer
-    future: concurrent.futures.Future
-    deadline: float
-    cancelled: threading.Event
-    thread: threading.Thread
-
-
-class SharedStorageConnector(KVConnectorBase):
+class SharedStorageConnector(StoreConnectorBase):
     """Saves and loads KV blocks through a shared folder (see module docstring)."""
 
-    extra_config_keys = ("shared_storage_path", "async_load", "load_timeout_s",
-                         "verify_after_load")
+    extra_config_keys = ("shared_storage_path", *StoreConnectorBase.extra_config_keys)
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
-        path = config.get_extra("shared_storage_path")
+        self._paged: PagedBlocks | None = None  # set by register_kv_caches
+
+    def _open_store(self) -> BlockStore:
+        path = self.config.get_extra("shared_storage_path")
         if not path:
             raise ValueError(
                 f"{type(self).__name__} needs kv_connector_extra_config['shared_storage_path']"
@@ -131,76 +81,16 @@ class SharedStorageConnector(KVConnectorBase):
                 "kv_connector_extra_config['shared_storage_path'] must be a folder path "
                 f"(a string), got {path!r}"
             )
-        self.store = BlockStore(path, layout)
-        self.async_load = _extra_flag(config, "async_load", False)
-        self.load_timeout_s = _extra_seconds(config, "load_timeout_s", 30.0)
-        self.verify_after_load = _extra_flag(config, "verify_after_load", True)
-        self.block_size = layout.block_size
-        self._read_filter: ReadFilter | None = None  # see `set_read_filter`
-        # Scheduler role state.
-        self._requests: dict[str, Request] = {}
-        self._pending_loads: list[BlockTransfer] = []
-        # Worker role state.
-        self._kv_caches: list[torch.Tensor] = []
-        self._paged: PagedBlocks | None = None  # both set by register_kv_caches
-        self._invalid_block_ids: set[int] = set()
-        self._failed_requests: set[str] = set()
-        self._discarded_saves: set[str] = set()
-        self._async_loads: dict[str, _AsyncLoad] = {}
-        self._save_failures = 0
-        self._suspect_keys: set[bytes] = set()
+        return BlockStore(path, self.layout)
 
     # ----- scheduler role -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.config.is_consumer:
-            return 0, False
-        keys = request.block_hashes  # the engine hashed every full prompt block
-        last_loadable = (request.num_prompt_tokens - 1) // self.block_size
-        first = num_computed_tokens // self.block_size
-        end = first
-        while end < min(last_loadable, len(keys)) and self.store.exists(keys[end]):
-            end += 1
-        num_tokens = max(0, end * self.block_size - num_computed_tokens)
-        return num_tokens, self.async_load and num_tokens > 0
-
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        self._requests[request.request_id] = request
-        if num_external_tokens <= 0:
-            return
-        first = request.num_computed_tokens // self.block_size
-        count = num_external_tokens // self.block_size
-        keys = request.block_hashes
-        self._pending_loads.append(BlockTransfer(
-            request.request_id, block_ids[first : first + count], keys[first : first + count],
-            is_async=self.async_load,
-        ))
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StorageConnectorMetadata:
-        metadata = StorageConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = []
-        if not self.config.is_producer:
-            return metadata
-        for item in scheduler_output.scheduled:
-            request = self._requests.get(item.request_id)
-            if request is None:
-                continue
-            end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
-            first, last = item.num_computed_tokens // self.block_size, end // self.block_size
-            if last <= first:
-                continue
-            keys = request.block_hashes
-            metadata.saves.append(BlockTransfer(
-                item.request_id, item.block_ids[first:last], keys[first:last],
-            ))
-        return metadata
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        self._requests.pop(request.request_id, None)
-        return False
+    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+        # One stat per block, stopping at the first miss: a folder has no batched lookup.
+        return next((i for i, key in enumerate(keys) if not self.store.exists(key)), len(keys))
 
     # ----- worker role ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self._kv_caches = kv_caches
+        super().register_kv_caches(kv_caches)
         self._paged = PagedBlocks(kv_caches)
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
@@ -249,6 +139,9 @@ class SharedStorageConnector(KVConnectorBase):
                 break
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
+    def _read_async(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
+        return self._read_blocks(transfer, cancelled)
+
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
         """Copy the leading verified blocks into the cache unless they were read there;
         report every block from the first bad one on as invalid."""
@@ -273,24 +166,6 @@ class SharedStorageConnector(KVConnectorBase):
                 return position
         return len(blocks)
 
-    def _start_async(self, transfer: BlockTransfer) -> None:
-        cancelled = threading.Event()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def load() -> None:
-            try:
-                future.set_result(self._read_blocks(transfer, cancelled))
-            except BaseException as error:  # _read_blocks catches read errors; be safe
-                future.set_exception(error)
-
-        # A daemon thread: a read stuck in the kernel past its deadline must not
-        # keep the process alive at exit (`shutdown` cancels and joins the others).
-        thread = threading.Thread(target=load, name=f"kv-load-{transfer.request_id}", daemon=True)
-        thread.start()
-        self._async_loads[transfer.request_id] = _AsyncLoad(
-            transfer, future, time.monotonic() + self.load_timeout_s, cancelled, thread
-        )
-
     def wait_for_save(self) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
         for transfer in metadata.saves:
@@ -314,69 +189,6 @@ class SharedStorageConnector(KVConnectorBase):
                     self._save_failures += 1
                     logger.debug("KV block %s not saved: %r", key.hex(), error)
 
-    def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
-        """Every raw entry read goes through `read_filter` before it is parsed."""
-        self._read_filter = read_filter
-        return True
-
-    def discard_saves_for(self, request_ids: set[str]) -> None:
-        """Skip this step's saves of these requests (a wrapper found their loads bad)."""
-        self._discarded_saves |= request_ids
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done: set[str] = set()
-        now = time.monotonic()
-        for request_id, load in list(self._async_loads.items()):
-            if request_id in finished_req_ids:  # aborted: nothing will read these blocks
-                load.cancelled.set()
-                done.add(request_id)
-            elif load.future.done():
-                if load.future.exception() is None:
-                    self._install(load.transfer, load.future.result())
-                else:
-                    logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
-                                   request_id, load.future.exception())
-                    self._invalid_block_ids.update(load.transfer.block_ids)
-                done.add(request_id)
-            elif now >= load.deadline:
-                logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
-                               request_id, self.load_timeout_s)
-                load.cancelled.set()  # a late result is dropped with the future
-                self._invalid_block_ids.update(load.transfer.block_ids)
-                done.add(request_id)
-            else:
-                continue
-            del self._async_loads[request_id]
-        return None, done or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
-        return invalid
-
-    def get_save_failures(self) -> int:
-        failures, self._save_failures = self._save_failures, 0
-        return failures
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
-        self._failed_requests = set()
-        self._discarded_saves = set()
-
-    def shutdown(self) -> None:
-        """Cancel every in-flight async load and join its thread (a read stuck in the
-        kernel is given up after SHUTDOWN_JOIN_S, its daemon thread left behind)."""
-        loads, self._async_loads = list(self._async_loads.values()), {}
-        for load in loads:
-            load.cancelled.set()
-        give_up = time.monotonic() + SHUTDOWN_JOIN_S
-        for load in loads:
-            load.thread.join(max(0.0, give_up - time.monotonic()))
-
     def extra(self) -> dict[str, Any]:
         """The extra config this connector understood (for logs and tests)."""
-        return {
-            "shared_storage_path": str(self.store.root),
-            "async_load": self.async_load,
-            "load_timeout_s": self.load_timeout_s,
-            "verify_after_load": self.verify_after_load,
-        }
+        return {"shared_storage_path": str(self.store.root), **super().extra()}

@@ -9,11 +9,9 @@ consumers load, `kv_both` does both. A subclass says where the blocks live
 tried in order. (The folder connector, SharedStorageConnector, has its own
 zero-copy path: entries move by readv/writev straight between file and cache.)
 
-Extra config shared by all of them (`kv_connector_extra_config`):
-  async_load           load in a background thread while the request waits (False)
-  load_timeout_s       an async load unfinished after this long fails (30, or the
-                       subclass's `_default_load_timeout_s`)
-  verify_after_load    re-checksum the engine's cache blocks after a load (True)
+Extra config and everything but the load and save path come from `store_base`
+(shared with SharedStorageConnector); `shutdown` also calls `_close_store`, where a
+subclass releases its store's connections.
 
 The store is reached only through batched calls: `exists_many` per lookup,
 `read_many` per step's synchronous loads (or per async load), `write_many` per
@@ -25,25 +23,13 @@ to someone else.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrecover.config import KVTransferConfig
-from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.base import (
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    ReadFilter,
-)
 from kvrecover.kv_transfer.block_store import (
     BlockLoadError,
     BlockStore,
@@ -51,28 +37,15 @@ from kvrecover.kv_transfer.block_store import (
     payload_checksum,
 )
 from kvrecover.kv_transfer.cache_copy import encode_blocks, gather_blocks, scatter_blocks
+from kvrecover.kv_transfer.store_base import (
+    BlockTransfer,
+    StorageConnectorMetadata,
+    StoreConnectorBase,
+)
 
-if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+__all__ = ["BlockStoreConnector", "BlockTransfer", "StorageConnectorMetadata", "deadline_event"]
 
 logger = logging.getLogger(__name__)
-
-
-def _extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
-    value = config.get_extra(key, default)
-    if not isinstance(value, bool):  # bool("false") is True: never guess
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be True or False, got {value!r}")
-    return value
-
-
-def _extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
-    value = config.get_extra(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise ValueError(
-            f"kv_connector_extra_config[{key!r}] must be a number of seconds > 0, got {value!r}"
-        )
-    return float(value)
 
 
 @contextlib.contextmanager
@@ -90,64 +63,9 @@ def deadline_event(cancelled: threading.Event | None, timeout_s: float) -> Itera
         timer.cancel()
 
 
-@dataclass
-class BlockTransfer:
-    """Blocks of one request to load or save: cache block ids and their store keys."""
-
-    request_id: str
-    block_ids: list[int]
-    keys: list[bytes]
-    is_async: bool = False
-
-
-@dataclass
-class StorageConnectorMetadata(KVConnectorMetadata):
-    """One step's loads and saves."""
-
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
-
-    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
-        return {t.request_id: (t.block_ids, t.is_async) for t in self.loads}
-
-    def num_save_blocks(self) -> int:
-        return sum(len(t.block_ids) for t in self.saves)
-
-
-@dataclass
-class _AsyncLoad:
-    transfer: BlockTransfer
-    future: concurrent.futures.Future
-    deadline: float
-    cancelled: threading.Event
-
-
-class BlockStoreConnector(KVConnectorBase):
+class BlockStoreConnector(StoreConnectorBase):
     """Saves and loads KV blocks through the block store `_open_store` returns (see
     module docstring); subclasses supply the store."""
-
-    extra_config_keys = ("async_load", "load_timeout_s", "verify_after_load")
-
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
-        super().__init__(config, role, layout)
-        self.store = self._open_store()
-        self.async_load = _extra_flag(config, "async_load", False)
-        self.load_timeout_s = _extra_seconds(config, "load_timeout_s",
-                                            self._default_load_timeout_s())
-        self.verify_after_load = _extra_flag(config, "verify_after_load", True)
-        self.block_size = layout.block_size
-        self._read_filter: ReadFilter | None = None  # see `set_read_filter`
-        # Scheduler role state.
-        self._requests: dict[str, Request] = {}
-        self._pending_loads: list[BlockTransfer] = []
-        # Worker role state.
-        self._kv_caches: list[torch.Tensor] = []
-        self._invalid_block_ids: set[int] = set()
-        self._failed_requests: set[str] = set()
-        self._discarded_saves: set[str] = set()
-        self._async_loads: dict[str, _AsyncLoad] = {}
-        self._save_failures = 0
-        self._suspect_keys: set[bytes] = set()
 
     def _open_store(self) -> BlockStore:
         """The block store this connector reads and writes (both roles call it once, at
@@ -155,69 +73,7 @@ class BlockStoreConnector(KVConnectorBase):
         `parse`, `encode`, `new_entry`, `seal` and `recycle` (see `block_store`)."""
         raise NotImplementedError(f"{type(self).__name__} must say where its blocks live")
 
-    def _default_load_timeout_s(self) -> float:
-        """`load_timeout_s` when the config does not set it."""
-        return 30.0
-
-    # ----- scheduler role -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.config.is_consumer:
-            return 0, False
-        keys = request.block_hashes  # the engine hashed every full prompt block
-        last_loadable = (request.num_prompt_tokens - 1) // self.block_size
-        first = num_computed_tokens // self.block_size
-        end = first + self._count_stored_prefix(request, keys[first : min(last_loadable, len(keys))])
-        num_tokens = max(0, end * self.block_size - num_computed_tokens)
-        return num_tokens, self.async_load and num_tokens > 0
-
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
-        """How many leading `keys` the store holds (one batched call)."""
-        if not keys:
-            return 0
-        present = self.store.exists_many(keys)
-        return next((i for i, found in enumerate(present) if not found), len(keys))
-
-    def _new_load(self, request: Request, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
-        """The transfer that loads `keys` into `block_ids` for `request`."""
-        return BlockTransfer(request.request_id, block_ids, keys, is_async=self.async_load)
-
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        self._requests[request.request_id] = request
-        if num_external_tokens <= 0:
-            return
-        first = request.num_computed_tokens // self.block_size
-        count = num_external_tokens // self.block_size
-        keys = request.block_hashes
-        self._pending_loads.append(self._new_load(
-            request, block_ids[first : first + count], keys[first : first + count]))
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StorageConnectorMetadata:
-        metadata = StorageConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = []
-        if not self.config.is_producer:
-            return metadata
-        for item in scheduler_output.scheduled:
-            request = self._requests.get(item.request_id)
-            if request is None:
-                continue
-            end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
-            first, last = item.num_computed_tokens // self.block_size, end // self.block_size
-            if last <= first:
-                continue
-            keys = request.block_hashes
-            metadata.saves.append(BlockTransfer(
-                item.request_id, item.block_ids[first:last], keys[first:last],
-            ))
-        return metadata
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        self._requests.pop(request.request_id, None)
-        return False
-
     # ----- worker role ----------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self._kv_caches = kv_caches
-
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
         synchronous = []
@@ -299,22 +155,9 @@ class BlockStoreConnector(KVConnectorBase):
                 return position
         return len(blocks)
 
-    def _start_async(self, transfer: BlockTransfer) -> None:
-        cancelled = threading.Event()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def load() -> None:
-            try:
-                future.set_result(self._read_blocks([transfer], cancelled)[0])
-            except BaseException as error:  # _read_blocks catches read errors; be safe
-                future.set_exception(error)
-
-        # A daemon thread: a read stuck in the kernel past its deadline must not
-        # keep the process alive at exit.
-        threading.Thread(target=load, name=f"kv-load-{transfer.request_id}", daemon=True).start()
-        self._async_loads[transfer.request_id] = _AsyncLoad(
-            transfer, future, time.monotonic() + self.load_timeout_s, cancelled
-        )
+    def _read_async(self, transfer: BlockTransfer,
+                    cancelled: threading.Event) -> list[StoredBlock | None]:
+        return self._read_blocks([transfer], cancelled)[0]
 
     def wait_for_save(self) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
@@ -347,57 +190,3 @@ class BlockStoreConnector(KVConnectorBase):
     def _encoded(self, keys: list[bytes], blocks: dict[bytes, int]) -> list[tuple[bytes, memoryview]]:
         """The stored form of the cache blocks `blocks[key]` (one codec serves every store)."""
         return encode_blocks(self._kv_caches, self.store, blocks, keys)
-
-    def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
-        """Every raw entry read goes through `read_filter` before it is parsed."""
-        self._read_filter = read_filter
-        return True
-
-    def discard_saves_for(self, request_ids: set[str]) -> None:
-        """Skip this step's saves of these requests (a wrapper found their loads bad)."""
-        self._discarded_saves |= request_ids
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done: set[str] = set()
-        now = time.monotonic()
-        for request_id, load in list(self._async_loads.items()):
-            if request_id in finished_req_ids:  # aborted: nothing will read these blocks
-                load.cancelled.set()
-                done.add(request_id)
-            elif load.future.done():
-                if load.future.exception() is None:
-                    self._install(load.transfer, load.future.result())
-                else:
-                    self._invalid_block_ids.update(load.transfer.block_ids)
-                done.add(request_id)
-            elif now >= load.deadline:
-                logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
-                               request_id, self.load_timeout_s)
-                load.cancelled.set()  # a late result is dropped with the future
-                self._invalid_block_ids.update(load.transfer.block_ids)
-                done.add(request_id)
-            else:
-                continue
-            del self._async_loads[request_id]
-        return None, done or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
-        return invalid
-
-    def get_save_failures(self) -> int:
-        failures, self._save_failures = self._save_failures, 0
-        return failures
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
-        self._failed_requests = set()
-        self._discarded_saves = set()
-
-    def extra(self) -> dict[str, Any]:
-        """The extra config this connector understood (for logs and tests)."""
-        return {
-            "async_load": self.async_load,
-            "load_timeout_s": self.load_timeout_s,
-            "verify_after_load": self.verify_after_load,
-        }

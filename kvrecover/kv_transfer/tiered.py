@@ -207,12 +207,10 @@ class TieredConnector(BlockStoreConnector):
         self._counts = dict.fromkeys(counts, 0)
         return counts
 
-    def close(self) -> None:
-        """Close every tier's connections."""
+    def _close_store(self) -> None:
+        # `shutdown` has cancelled this connector's own loads; each tier releases its store.
         for tier in self.tiers:
-            close = getattr(tier.store, "close", None)
-            if close is not None:
-                close()
+            tier.connector.shutdown()
 
     def extra(self) -> dict[str, Any]:
         """The tiers' understood configs, in order."""
