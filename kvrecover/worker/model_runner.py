@@ -57,7 +57,9 @@ class ModelRunner:
         batch_invariant: bool = False,
         attention_backend: str = "auto",
     ) -> None:
-        self.backend = select_backend(attention_backend, device, batch_invariant=batch_invariant)
+        self.backend = select_backend(
+            attention_backend, device, batch_invariant=batch_invariant, dtype=dtype
+        )
         if device.type == "cpu":
             set_cpu_threads()
         self.device = device
