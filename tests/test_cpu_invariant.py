@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import greedy_token_ids, random_prompts
+from conftest import random_prompts
 from torch import nn
 
 from kvrecover import LLM, SamplingParams
@@ -180,22 +180,53 @@ def _llm(model, max_num_batched_tokens, **kwargs):
                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, **kwargs)
 
 
-def test_engine_bf16_tokens_do_not_depend_on_chunking_batch_or_prefix_cache(tiny_llama):
+def _greedy_with_logits(llm, prompts, max_tokens):
+    """Greedy tokens per prompt, and the float32 logits row behind every sampled token
+    (tokens alone hide small differences on a tiny random model)."""
+    runner = llm.engine.model_runner
+    seen: dict[str, list[torch.Tensor]] = {}
+    sample = runner._sample
+
+    def recording_sample(logits, sampling, greedy=None):
+        for row, scheduled in enumerate(sampling):
+            seen.setdefault(scheduled.request_id, []).append(logits[row].clone())
+        return sample(logits, sampling, greedy)
+
+    runner._sample = recording_sample
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        runner._sample = sample
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return tokens, [torch.stack(seen[o.request_id]) for o in outputs]
+
+
+def _assert_same(run, expected):
+    assert run[0] == expected[0]
+    for got, want in zip(run[1], expected[1]):
+        assert torch.equal(got, want)
+
+
+def test_engine_bf16_bits_do_not_depend_on_chunking_batch_or_prefix_cache(tiny_llama):
     prompts = random_prompts(5, [70, 13, 150, 33, 1], 384, seed=5)
     shared = prompts[2][:96]  # full-block prefix shared with prompt 2: cache hits later
     prompts.append(shared + prompts[0][:20])
     runs = {}
     for budget in (16, 64, 512):
         llm = _llm(tiny_llama, budget, enable_prefix_caching=False)
-        runs[budget] = greedy_token_ids(llm, prompts, 12)
-    assert runs[16] == runs[64] == runs[512]
-    # One at a time (no batch mates) and again with the prefix cache warm.
+        assert llm.engine.model_runner.backend.name == "cpu_invariant"
+        runs[budget] = _greedy_with_logits(llm, prompts, 10)
+    _assert_same(runs[16], runs[512])
+    _assert_same(runs[64], runs[512])
+    # One at a time (no batch mates), then all again with the prefix cache warm.
     llm = _llm(tiny_llama, 64)
-    alone = [greedy_token_ids(llm, [p], 12)[0] for p in prompts]
-    assert alone == runs[64]
+    alone = [_greedy_with_logits(llm, [p], 10) for p in prompts]
+    _assert_same(([a[0][0] for a in alone], [a[1][0] for a in alone]), runs[64])
     hits_before = llm.stats["prefix_cache_hit_tokens"]
-    assert greedy_token_ids(llm, list(reversed(prompts)), 12) == list(reversed(runs[64]))
+    again = _greedy_with_logits(llm, list(reversed(prompts)), 10)
     assert llm.stats["prefix_cache_hit_tokens"] > hits_before
+    _assert_same((again[0][::-1], again[1][::-1]), runs[64])
 
 
 @pytest.mark.slow
