@@ -3,8 +3,9 @@
 Per op, bitwise: linears (a row alone, in batches of 1..64 rows, in chunks of
 16..512), attention (every position of a long prompt against the same query as
 a decode step, and inside chunks and mixed batches), and the row-local small
-ops. Then the engine in bf16: greedy tokens across `max_num_batched_tokens`,
-batch compositions and prefix-cache hits; and the reference scenario (slow).
+ops. Then the engine in bf16 with `batch_invariant=True`: greedy tokens (and
+the logits behind them) across `max_num_batched_tokens`, batch compositions and
+prefix-cache hits; and the reference scenario in bf16 (slow).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_linear_row_bits_do_not_depend_on_batch_or_chunk(dtype, threads):
         x = torch.randn(512, in_features, generator=generator).to(dtype)
         alone = torch.cat([ops.linear(x[i : i + 1], layer) for i in range(0, 512, 7)])
         rows = list(range(0, 512, 7))
-        for size in (*range(1, 65), 100, 255):  # batches of 1..64 rows at varying offsets
+        for size in (*range(1, 65), 100, 255, 300):  # batches of 1..64 rows at varying offsets
             start = (size * 13) % (512 - size)
             batched = ops.linear(x[start : start + size], layer)
             for i in range(start, start + size):
@@ -167,17 +168,42 @@ def test_norm_rotary_swiglu_and_sampling_are_row_local(dtype):
 
 
 def test_backend_selection_on_the_cpu():
-    for dtype in HALF:
-        assert select_backend("auto", CPU, dtype=dtype).name == "cpu_invariant"
-    assert select_backend("auto", CPU, dtype=torch.float32).name == "torch"
-    invariant = select_backend("auto", CPU, dtype=torch.float32, batch_invariant=True)
-    assert invariant.name == "cpu_invariant" and invariant.batch_invariant
-    assert isinstance(invariant.ops, InvariantCpuOps)
+    for dtype in (*HALF, torch.float32):
+        plain = select_backend("auto", CPU, dtype=dtype)
+        assert plain.name == "torch" and not plain.batch_invariant
+        invariant = select_backend("auto", CPU, dtype=dtype, batch_invariant=True)
+        assert invariant.name == "cpu_invariant" and invariant.batch_invariant
+        assert isinstance(invariant.ops, InvariantCpuOps)
+        assert isinstance(invariant.attention, CpuInvariantAttention)
+
+
+def test_large_tiles_are_used_only_where_they_match_small_ones(monkeypatch):
+    from kvrecover.ops import cpu_invariant_linear
+
+    model = nn.Sequential(_linear(64, 96, torch.bfloat16, False))
+    ops = InvariantCpuOps(tile_rows=16, large_tile_rows=64)
+    ops.prepare_weights(model)
+    assert ops.large_tile_rows == 64  # proven equal on this machine
+    real = cpu_invariant_linear._matmul
+
+    def large_rows_differ(x, layer):  # a library whose large-M kernel sums differently
+        out = real(x, layer)
+        return out * 1.01 if x.shape[0] == 64 else out
+
+    monkeypatch.setattr(cpu_invariant_linear, "_matmul", large_rows_differ)
+    ops = InvariantCpuOps(tile_rows=16, large_tile_rows=64)
+    ops.prepare_weights(nn.Sequential(_linear(64, 96, torch.bfloat16, False)))
+    assert ops.large_tile_rows is None
+    x = torch.randn(200, 64).bfloat16()
+    assert torch.equal(ops.linear(x, model[0])[:16], ops.linear(x[:16], model[0]))
+    with pytest.raises(ValueError, match="large_tile_rows must be a multiple of tile_rows"):
+        InvariantCpuOps(tile_rows=16, large_tile_rows=40)
 
 
 def _llm(model, max_num_batched_tokens, **kwargs):
     return LLM(str(model), device="cpu", dtype="bfloat16", num_kv_blocks=96,
-               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, **kwargs)
+               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+               batch_invariant=True, **kwargs)
 
 
 def _greedy_with_logits(llm, prompts, max_tokens):
@@ -237,7 +263,7 @@ def test_scenario_in_bf16_on_the_default_model(tmp_path):
 
     result = subprocess.run(
         [sys.executable, "-m", "kvrecover", "scenario", "--device", "cpu", "--dtype", "bfloat16",
-         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+         "--batch-invariant", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
     baseline = (tmp_path / scenario.DECODE_OUTPUT).read_text()

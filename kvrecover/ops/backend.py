@@ -10,9 +10,9 @@ CUDA only under `TRITON_INTERPRET=1`).
 
 On the torch path, `batch_invariant` means what it means on Triton: a token's
 bits do not depend on its batch or chunking. It selects the fixed-shape CPU
-kernels (`cpu_invariant_linear`, `cpu_invariant_attention`), which are also the
-default for bf16/fp16 on the CPU (`HALF_INVARIANT_BY_DEFAULT`); float32 keeps the
-faster reference (oneDNN linears, SDPA) unless `batch_invariant` asks.
+kernels (`cpu_invariant_linear`, `cpu_invariant_attention`) for every dtype;
+without it the CPU runs the faster reference (oneDNN linears, SDPA), unless
+`HALF_INVARIANT_BY_DEFAULT` makes bf16/fp16 invariant by default.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ class KernelBackend:
         self.ops.prepare_weights(model)
 
 
-# The measured cost of the invariant bf16 path against the fastest non-invariant
-# bf16 path is within 15% (bench/NOTES.md, "bf16 on the CPU"), so it is the default.
-HALF_INVARIANT_BY_DEFAULT = True
+# Whether bf16/fp16 on the CPU run the invariant kernels without `batch_invariant`.
+# Off: they cost 2-3x the torch reference in bf16 here, far above the 15% the
+# default may cost (bench/NOTES.md, "bf16 on the CPU").
+HALF_INVARIANT_BY_DEFAULT = False
 
 
 def select_backend(
@@ -63,7 +64,7 @@ def select_backend(
 
     `batch_invariant` on Triton routes every linear through the fixed-order
     Triton matmul and keeps decode attention on the prefill tiles; on the torch
-    path it selects the fixed-shape CPU kernels, as bf16/fp16 `dtype` does by default.
+    path it selects the fixed-shape CPU kernels (see `HALF_INVARIANT_BY_DEFAULT`).
     """
     if attention_backend not in ATTENTION_BACKENDS:  # EngineArgs checks too; direct callers
         raise ValueError(
