@@ -67,7 +67,7 @@ class CpuInvariantAttention:
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         key_cache.index_copy_(0, meta.slot_mapping, key)
         value_cache.index_copy_(0, meta.slot_mapping, value)
-        plan = self._plan_for(meta, group)
+        plan = self._plan_for(meta, group, kv_cache.shape[2])
         tile, chunk = self.query_tile, self.key_chunk
         rows = tile * group
         num_tiles = plan.row_index.shape[0] // tile
@@ -107,10 +107,11 @@ class CpuInvariantAttention:
         out = out.reshape(num_tiles * tile, num_heads, head_dim)
         return out.index_select(0, plan.output_rows).to(query.dtype)
 
-    def _plan_for(self, meta: AttentionMetadata, group: int) -> TilePlan:
+    def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> TilePlan:
         """The step's plan; every layer of a step shares `meta`, so it is built once."""
         if self._plan_meta is not meta:
-            self._plan = build_tile_plan(meta, group, self.query_tile, self.key_chunk)
+            self._plan = build_tile_plan(meta, group, block_size, self.query_tile,
+                                         self.key_chunk)
             self._plan_meta = meta
         return self._plan
 
@@ -123,10 +124,10 @@ def _as_float_heads(gathered: torch.Tensor, tiles: int, chunk: int) -> torch.Ten
 
 
 def build_tile_plan(
-    meta: AttentionMetadata, group: int, query_tile: int, key_chunk: int
+    meta: AttentionMetadata, group: int, block_size: int, query_tile: int, key_chunk: int
 ) -> TilePlan:
     """Cut each request's new tokens into query tiles and list the key chunks they read."""
-    device = meta.key_slots.device
+    device = meta.slot_mapping.device
     query_lens = torch.tensor(meta.query_lens)
     seq_lens = torch.tensor(meta.seq_lens)
     num_tokens = int(query_lens.sum())
@@ -147,11 +148,14 @@ def build_tile_plan(
     chunks_needed = chunks_needed[order]
 
     max_chunks = int(chunks_needed[0])
-    key_slots = meta.key_slots.cpu()
     width = max_chunks * key_chunk
-    padded_slots = key_slots.new_zeros(key_slots.shape[0], max(width, key_slots.shape[1]))
-    padded_slots[:, : key_slots.shape[1]] = key_slots
-    tile_slots = padded_slots[tile_request]
+    tables = meta.block_tables.to(device="cpu", dtype=torch.int64)
+    key_positions = torch.arange(width)
+    block_of_key = (key_positions // block_size).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, block_of_key] * block_size + key_positions % block_size
+    # Keys past a request's context read the null block: masked, and never stale memory.
+    slots = torch.where(key_positions[None, :] < seq_lens[:, None], slots, 0)
+    tile_slots = slots[tile_request]
     head_positions = positions.repeat_interleave(group, dim=1)  # [N, tile * group]
     active_tiles, chunk_slots, chunk_masks = [], [], []
     for c in range(max_chunks):
