@@ -23,8 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrecover.entrypoints.http_errors import install_error_handlers
 from kvrecover.entrypoints.protocol import ApiError
 from kvrecover.entrypoints.proxy_instances import InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy_request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
@@ -76,15 +76,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     app = FastAPI(title="kvrecover proxy", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException):
-        error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        body = ApiError(error.status_code, str(error.detail), error_type).body()
-        return JSONResponse(body, status_code=error.status_code)
+    install_error_handlers(app)
 
     @app.exception_handler(Rejected)
     async def rejected(_request: Request, error: Rejected):

@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrecover.entrypoints.chat_template import ChatTemplate
 from kvrecover.entrypoints.engine_loop import EngineLoop
 from kvrecover.entrypoints.generation import ClientGone
+from kvrecover.entrypoints.http_errors import install_error_handlers
 from kvrecover.entrypoints.metrics import ServerMetrics
 from kvrecover.entrypoints.openai_serving import (
     ServingState,
@@ -65,15 +65,7 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
                 return JSONResponse(error.body(), status_code=401)
         return await call_next(request)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException):
-        error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        body = ApiError(error.status_code, str(error.detail), error_type).body()
-        return JSONResponse(body, status_code=error.status_code)
+    install_error_handlers(app)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_request: Request, _error: ClientGone):
