@@ -114,21 +114,11 @@ def require_redis_server() -> None:
                 "scripts/bootstrap.sh as root)")
 
 
-class FaultyProxy:
-    """Forwards TCP between clients and a redis-server on 127.0.0.1. The first time a
-    client sends GETRANGE (a block load), `on_load` runs before the bytes go on:
-    "kill" kills the server (the load's connection drops mid-load), "blackhole"
-    swallows that and all later traffic while keeping the sockets open (the load
-    times out)."""
+class _LoopbackListener:
+    """A TCP listener on a free 127.0.0.1 port that hands each accepted connection to
+    `_serve` on a background thread; `stop` closes it and every socket it tracks."""
 
-    def __init__(self, upstream_port: int, on_load: str, kill: Callable[[], None] | None = None):
-        if on_load not in ("kill", "blackhole"):
-            raise ValueError(f"on_load must be 'kill' or 'blackhole', got {on_load!r}")
-        self.upstream_port = upstream_port
-        self.on_load = on_load
-        self.kill = kill
-        self.triggered = threading.Event()
-        self.blackholed = False
+    def __init__(self) -> None:
         self.port = free_port()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._listener.settimeout(0.1)
@@ -149,16 +139,49 @@ class FaultyProxy:
                 continue
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False),
-                             daemon=True).start()
+            self._serve(client)
+
+    def _track(self, *sockets: socket.socket) -> None:
+        with self._lock:
+            self._sockets += sockets
+
+    def _serve(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stopping.set()
+        _close(self._listener)
+        with self._lock:
+            for sock in self._sockets:
+                _close(sock)
+
+
+class FaultyProxy(_LoopbackListener):
+    """Forwards TCP between clients and a redis-server on 127.0.0.1. The first time a
+    client sends GETRANGE (a block load), `on_load` runs before the bytes go on:
+    "kill" kills the server (the load's connection drops mid-load), "blackhole"
+    swallows that and all later traffic while keeping the sockets open (the load
+    times out)."""
+
+    def __init__(self, upstream_port: int, on_load: str, kill: Callable[[], None] | None = None):
+        if on_load not in ("kill", "blackhole"):
+            raise ValueError(f"on_load must be 'kill' or 'blackhole', got {on_load!r}")
+        self.upstream_port = upstream_port
+        self.on_load = on_load
+        self.kill = kill
+        self.triggered = threading.Event()
+        self.blackholed = False
+        super().__init__()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+        except OSError:
+            client.close()
+            return
+        self._track(client, upstream)
+        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, target: socket.socket, from_client: bool) -> None:
         try:
@@ -181,46 +204,17 @@ class FaultyProxy:
             for sock in (source, target):
                 _close(sock)
 
-    def stop(self) -> None:
-        self._stopping.set()
-        _close(self._listener)
-        with self._lock:
-            for sock in self._sockets:
-                _close(sock)
 
-
-class SilentServer:
+class SilentServer(_LoopbackListener):
     """Accepts TCP connections on 127.0.0.1 and never sends a byte."""
 
     def __init__(self) -> None:
-        self.port = free_port()
         self.connections = 0
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._listener.settimeout(0.1)
-        self._stopping = threading.Event()
-        self._accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                connection, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.connections += 1
-            self._accepted.append(connection)  # held open, never answered
-
-    def stop(self) -> None:
-        self._stopping.set()
-        _close(self._listener)
-        for connection in self._accepted:
-            _close(connection)
+    def _serve(self, client: socket.socket) -> None:
+        self.connections += 1
+        self._track(client)  # held open, never answered
 
 
 def _close(sock: socket.socket) -> None:
