@@ -1,8 +1,12 @@
 """The zero-copy KV store paths: entries read into and written from a paged cache's own
-slices (`PagedBlocks`, `BlockStore.read_into` / `write_parts`) and the staged path,
+slices (`PagedBlocks`, `BlockStore.read_into` / `write_parts`) and the staged path
+(several reader threads, pinned rows and a side-stream upload on a GPU),
 byte-identical to the plain ones and just as strict about bad entries."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import xxhash
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer import staged_io
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import (
     PREFIX_SIZE,
@@ -186,7 +191,7 @@ def test_staging_buffers_are_reused_smallest_fit_first(layout):
         paged.release(paged.staging(count) if count > MAX_FREE_STAGING else torch.empty(
             (count, layout.block_nbytes), dtype=torch.uint8))
     assert len(paged._free_staging) == MAX_FREE_STAGING
-    assert min(buffer.shape[0] for buffer in paged._free_staging) == 3  # the smallest went
+    assert min(buffer.shape[0] for buffer, _ in paged._free_staging) == 3  # the smallest went
 
 
 def test_async_loads_into_a_reused_buffer_stay_byte_identical(layout, tmp_path):
@@ -203,3 +208,161 @@ def test_async_loads_into_a_reused_buffer_stay_byte_identical(layout, tmp_path):
     assert len(worker._paged._free_staging) == 1
     for saved, loaded in [(1, 5), (2, 6), (3, 3), (4, 1)]:
         assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch, layout):
+    """Chunks of two rows, so that a load of a few blocks spreads over several threads."""
+    monkeypatch.setattr(staged_io, "CHUNK_BYTES", 2 * layout.block_nbytes)
+
+
+STAGED = ["cpu-strided", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned staging path needs a GPU")])]
+
+
+def stored(tmp_path, layout, count: int, seed: int) -> tuple[list[torch.Tensor], list[bytes]]:
+    """`count` blocks (ids 1..count of seeded caches) saved under tmp_path, and their keys."""
+    source = random_caches(layout, seed)
+    store = BlockStore(tmp_path, layout)
+    for block_id, key in zip(range(1, count + 1), keys(count)):
+        store.write(key, block_of(source, block_id))
+    return source, keys(count)
+
+
+@pytest.mark.parametrize("device", STAGED)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
+def test_threaded_staged_loads_are_byte_identical(layout, tmp_path, small_chunks, is_async,
+                                                  device, verify):
+    source, block_keys = stored(tmp_path, layout, 7, seed=20)
+    target = random_caches(layout, 21, device)
+    worker = connector(tmp_path, layout, target, io_threads=3, verify_after_load=verify)
+    assert not worker._paged.direct and worker.io_threads == 3
+    readers, read_into = set(), worker.store.read_into
+
+    def spied(key, parts):
+        readers.add(threading.current_thread().name)
+        time.sleep(0.002)  # long enough that every thread gets a chunk
+        return read_into(key, parts)
+
+    worker.store.read_into = spied
+    loaded_ids = [8, 2, 3, 4, 6, 5, 1]
+    assert not load(worker, target, loaded_ids, block_keys, is_async)
+    assert len(readers) >= 2  # 4 chunks of 2 rows shared by 3 threads
+    for saved, loaded in zip(range(1, 8), loaded_ids):
+        assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
+    assert raw_bytes(block_of(target, 7)) == raw_bytes(block_of(random_caches(layout, 21), 7))
+
+
+@pytest.mark.parametrize("device", STAGED)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_threaded_staged_load_stops_at_the_first_corrupt_entry(layout, tmp_path, small_chunks,
+                                                               is_async, device):
+    source, block_keys = stored(tmp_path, layout, 7, seed=22)
+    path = BlockStore(tmp_path, layout).path(block_keys[3])  # the second row of chunk 1
+    raw = bytearray(path.read_bytes())
+    raw[PREFIX_SIZE + 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    target = random_caches(layout, 23, device)
+    worker = connector(tmp_path, layout, target, io_threads=4)
+    loaded_ids = [1, 2, 3, 4, 5, 6, 7]
+    assert load(worker, target, loaded_ids, block_keys, is_async) == {4, 5, 6, 7}
+    assert block_keys[3] in worker._suspect_keys
+    for block_id in (1, 2, 3):
+        assert raw_bytes(block_of(target, block_id)) == raw_bytes(block_of(source, block_id))
+
+
+@pytest.mark.parametrize("device", STAGED)
+def test_verify_after_load_catches_a_garbled_scatter(layout, tmp_path, device, monkeypatch):
+    _, block_keys = stored(tmp_path, layout, 4, seed=24)
+    target = random_caches(layout, 25, device)
+    worker = connector(tmp_path, layout, target)
+    scatter = worker._paged._scatter
+
+    def swapped(block_ids, staged):  # rows 2 and 3 land in each other's blocks
+        scatter([*block_ids[:2], block_ids[3], block_ids[2]], staged)
+
+    monkeypatch.setattr(worker._paged, "_scatter", swapped)
+    assert load(worker, target, [5, 6, 7, 8], block_keys, is_async=False) == {7, 8}
+    worker.verify_after_load = False  # the same garbling goes unseen without the check
+    assert not load(worker, target, [5, 6, 7, 8], block_keys, is_async=False)
+
+
+@pytest.mark.parametrize("device", STAGED)
+def test_staged_saves_with_threads_write_the_same_files(layout, tmp_path, device):
+    source = random_caches(layout, 26, device)
+    block_keys, saved_ids = keys(6), [3, 1, 2, 8, 7, 5]
+    worker = connector(tmp_path / "threads", layout, source, io_threads=4)
+    worker.bind_connector_metadata(StorageConnectorMetadata(
+        saves=[BlockTransfer("a", saved_ids[:4], block_keys[:4]),
+               BlockTransfer("b", saved_ids[2:], block_keys[2:])]))  # shares two blocks
+    worker.wait_for_save()
+    assert worker.get_save_failures() == 0
+    plain = BlockStore(tmp_path / "plain", layout)
+    for block_id, key in zip(saved_ids, block_keys):
+        plain.write(key, block_of(source, block_id))
+        assert worker.store.path(key).read_bytes() == plain.path(key).read_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_loads_reuse_one_pinned_staging_buffer(layout, tmp_path):
+    _, block_keys = stored(tmp_path, layout, 4, seed=27)
+    target = random_caches(layout, 28, "cuda")
+    worker = connector(tmp_path, layout, target)
+    assert not load(worker, target, [1, 2, 3, 4], block_keys, is_async=False)
+    (buffer, _), = worker._paged._free_staging
+    assert buffer.is_pinned()
+    assert not load(worker, target, [5, 6], block_keys[:2], is_async=True)
+    (again, _), = worker._paged._free_staging
+    assert again.data_ptr() == buffer.data_ptr()
+
+
+def test_read_rows_stops_after_a_failure_and_uploads_what_was_read():
+    read, uploaded = [], []
+
+    def read_row(position: int) -> int:
+        read.append(position)
+        if position == 5:
+            raise BlockLoadError("bad")
+        return 100 + position
+
+    results = staged_io.read_rows(9, read_row, threading.Event(), threads=1, rows_per_chunk=3,
+                                  after_chunk=lambda start, end: uploaded.append((start, end)))
+    assert results[:5] == [100, 101, 102, 103, 104]
+    assert isinstance(results[5], BlockLoadError) and results[6:] == [None] * 3
+    assert read == [0, 1, 2, 3, 4, 5] and uploaded == [(0, 3), (3, 5)]
+
+
+def test_read_rows_reports_a_failed_upload_and_honours_cancellation():
+    cancelled = threading.Event()
+
+    def failing_upload(start: int, end: int) -> None:
+        if start == 2:
+            raise RuntimeError("upload failed")
+
+    results = staged_io.read_rows(6, lambda position: position, cancelled, threads=3,
+                                  rows_per_chunk=2, after_chunk=failing_upload)
+    assert results[:2] == [0, 1] and isinstance(results[2], RuntimeError)
+    cancelled.set()
+    assert staged_io.read_rows(4, lambda position: position, cancelled, 2, 1) == [None] * 4
+
+
+def test_write_rows_attempts_every_row_and_counts_failures():
+    written = []
+    lock = threading.Lock()
+
+    def write_row(position: int) -> None:
+        with lock:
+            written.append(position)
+        if position % 3 == 0:
+            raise OSError("disk full")
+
+    assert staged_io.write_rows(10, write_row, threads=4) == 4
+    assert sorted(written) == list(range(10))
+
+
+def test_io_threads_must_be_a_small_whole_number(layout, tmp_path):
+    for bad in (0, 65, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="io_threads"):
+            connector(tmp_path, layout, random_caches(layout, 0), io_threads=bad)

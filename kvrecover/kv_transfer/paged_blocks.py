@@ -4,20 +4,45 @@ Each layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim]; a 
 block is [layers, 2, block_size, kv_heads, head_dim]. On the CPU one block's bytes are
 2 x layers contiguous slices of the caches, its "parts" in file order (`block_store`),
 so an entry is read into or written from the cache itself with no copy in between
-("direct"). Otherwise loads stage whole entries in host memory, pinned for a GPU, and
-reach the cache in one host-to-device copy per transfer and one indexed copy per layer;
-saves come back the same way.
+("direct"). Otherwise loads stage whole entries in rows of a pooled host buffer
+(`stage`, read by several threads: `staged_io`) and `install` copies them into the
+cache with one indexed copy per layer; saves `gather` the other way.
+
+On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
+the read), each chunk of rows goes up on a side stream as soon as it is read, and
+the compute stream waits for an event, not the host. The check after a GPU load
+(`install(verify=True)`) reads the blocks back from the cache on the device and
+compares them bit for bit with the uploaded rows, whose host copy is what passed
+the xxh3 check: it proves that every loaded block, in every layer, holds exactly
+the verified bytes at the right block id (a wrong index, layer or garbled scatter
+is caught), without copying the blocks back to the host. It trusts the
+host-to-device DMA itself to deliver the bytes it was given.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvrecover.kv_transfer.block_store import parts_checksum, payload_checksum
+from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
 
 MAX_FREE_STAGING = 4  # staging buffers kept for reuse (async loads in flight at once)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size integer views
+
+
+@dataclass
+class StagedRows:
+    """A staged load's rows: on the host, and on a GPU also uploaded (`device`, ready
+    for the compute stream once `uploaded` has fired)."""
+
+    host: torch.Tensor
+    device: torch.Tensor | None = None
+    uploaded: Any = None  # a torch.cuda.Event
 
 
 class PagedBlocks:
@@ -32,14 +57,16 @@ class PagedBlocks:
         self.block_nbytes = one_block.numel() * one_block.element_size() * len(kv_caches)
         self.direct = self.device.type == "cpu" and all(
             isinstance(cache, torch.Tensor) and cache.is_contiguous() for cache in kv_caches)
+        self.on_gpu = self.device.type == "cuda"
         # Flat byte views of the caches (no copy): one block's parts are slices of them.
         self._layer_bytes = [memoryview(cache.view(torch.uint8).numpy()).cast("B")
                              for cache in kv_caches] if self.direct else []
         self._part_nbytes = one_block[0].numel() * one_block.element_size()
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
-        self._free_staging: list[torch.Tensor] = []
+        self._free_staging: list[tuple[torch.Tensor, Any]] = []  # (buffer, event or None)
         self._staging_lock = threading.Lock()
+        self._upload_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
 
     def parts(self, block_id: int) -> list[memoryview]:
         """The block's bytes in file order: layer 0 K, layer 0 V, layer 1 K, ... (direct only)."""
@@ -47,41 +74,106 @@ class PagedBlocks:
         v = k + self._v_offset
         return [piece for layer in self._layer_bytes for piece in (layer[k : k + size], layer[v : v + size])]
 
+    # ----- staging buffers ---------------------------------------------------------
     def staging(self, count: int) -> torch.Tensor:
         """An uninitialised host buffer of at least `count` block rows (uint8), pinned for
-        a GPU cache. Any thread may call this."""
-        if self.device.type == "cuda":  # PyTorch's caching host allocator reuses pinned
-            return torch.empty((count, self.block_nbytes), dtype=torch.uint8, pin_memory=True)
+        a GPU cache: the smallest free one that fits, else a fresh one. Any thread may
+        call this."""
         with self._staging_lock:  # (indices, not list.remove: tensors compare elementwise)
-            fits = [i for i, buffer in enumerate(self._free_staging) if buffer.shape[0] >= count]
+            fits = [i for i, (buffer, _) in enumerate(self._free_staging) if buffer.shape[0] >= count]
             if fits:
-                return self._free_staging.pop(min(fits, key=lambda i: self._free_staging[i].shape[0]))
-        # Fresh memory costs a page fault per 4 KiB on first touch: about as much as
-        # the read itself, hence the pool.
-        return torch.empty((count, self.block_nbytes), dtype=torch.uint8)
+                buffer, ready = self._free_staging.pop(
+                    min(fits, key=lambda i: self._free_staging[i][0].shape[0]))
+                if ready is not None:
+                    ready.synchronize()  # the copies that last read it are done (long since)
+                return buffer
+        # Fresh memory costs a page fault per 4 KiB on first touch (about as much as the
+        # read itself), and pinning it costs more still: hence the pool.
+        return torch.empty((count, self.block_nbytes), dtype=torch.uint8, pin_memory=self.on_gpu)
 
-    def release(self, staging: torch.Tensor) -> None:
-        """Give a staging buffer back for reuse once nothing will read or write it again."""
-        if self.device.type == "cuda":
-            return
+    def release(self, staging: torch.Tensor, ready: Any = None) -> None:
+        """Give a staging buffer back for reuse once nothing will write it again; device
+        copies still reading it must be done when the event `ready` fires."""
         with self._staging_lock:
-            self._free_staging.append(staging)
+            self._free_staging.append((staging, ready))
             if len(self._free_staging) > MAX_FREE_STAGING:
-                self._free_staging.sort(key=lambda buffer: buffer.shape[0])
+                self._free_staging.sort(key=lambda entry: entry[0].shape[0])
                 del self._free_staging[0]
 
-    def scatter(self, block_ids: list[int], staging: torch.Tensor) -> None:
+    # ----- loads -------------------------------------------------------------------
+    def stage(self, count: int, read_row: Callable[[int, memoryview], int],
+              cancelled: threading.Event, threads: int) -> tuple[StagedRows, list[RowResult]]:
+        """Read `count` entries into staging rows, `read_row(position, row)` each (it
+        returns the entry's checksum or raises), on up to `threads` threads; on a GPU
+        each chunk goes up as soon as it is read. Results as `staged_io.read_rows`."""
+        host = self.staging(count)
+        rows = memoryview(host.numpy()).cast("B")
+        nbytes = self.block_nbytes
+        staged = StagedRows(host)
+        after_chunk = None
+        if self.on_gpu:
+            with torch.cuda.stream(self._upload_stream):  # allocated for that stream
+                staged.device = torch.empty((count, nbytes), dtype=torch.uint8, device=self.device)
+
+            def after_chunk(start: int, end: int) -> None:
+                with torch.cuda.stream(self._upload_stream):
+                    staged.device[start:end].copy_(host[start:end], non_blocking=True)
+
+        results = read_rows(
+            count, lambda position: read_row(position, rows[position * nbytes : (position + 1) * nbytes]),
+            cancelled, threads, chunk_rows(nbytes), after_chunk)
+        if self.on_gpu:  # every chunk's copy was queued before read_rows returned
+            staged.uploaded = torch.cuda.Event()
+            staged.uploaded.record(self._upload_stream)
+        return staged, results
+
+    def install(self, block_ids: list[int], staged: StagedRows,
+                checksums: list[int] | None) -> int:
+        """Copy staged rows 0..len(block_ids)-1 into the given cache blocks and give the
+        staging buffer back. With `checksums` (the stored ones), check the blocks in the
+        cache afterwards (see the module docstring); returns how many leading blocks
+        passed (all of them without a check)."""
+        count = len(block_ids)
+        self._scatter(block_ids, staged)
+        self.release(staged.host, staged.uploaded)
+        if checksums is None:
+            return count
+        if not self.on_gpu:
+            matches = [a == b for a, b in zip(self.checksums(block_ids), checksums)]
+            return next((i for i, match in enumerate(matches) if not match), count)
+        rows = self._device_blocks(staged, count)
+        index = torch.tensor(block_ids, device=self.device)
+        mismatched = torch.zeros(count, dtype=torch.bool, device=self.device)
+        bits = _BITS[rows.element_size()]  # bit patterns: a NaN must equal itself
+        for layer, cache in enumerate(self.caches):
+            back = cache.index_select(1, index).transpose(0, 1).view(bits)
+            mismatched |= (back != rows[:, layer].view(bits)).reshape(count, -1).any(dim=1)
+        bad = mismatched.nonzero().flatten().tolist()  # the one host sync of a checked load
+        return bad[0] if bad else count
+
+    def _device_blocks(self, staged: StagedRows, count: int) -> torch.Tensor:
+        """The uploaded rows as blocks [count, *block_shape] in the cache's dtype."""
+        return staged.device[:count].view(self.dtype).view(count, *self.block_shape)
+
+    def _scatter(self, block_ids: list[int], staged: StagedRows) -> None:
         """Copy staged rows 0..len(block_ids)-1 into the given cache blocks."""
+        if not self.on_gpu:
+            self._scatter_host(block_ids, staged.host)
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(staged.uploaded)  # the compute stream waits, not the host
+        staged.device.record_stream(stream)
+        rows = self._device_blocks(staged, len(block_ids))
+        index = torch.tensor(block_ids, device=self.device)
+        for layer, cache in enumerate(self.caches):
+            cache.index_copy_(1, index, rows[:, layer].transpose(0, 1))
+
+    def _scatter_host(self, block_ids: list[int], staging: torch.Tensor) -> None:
+        """Copy host rows into the cache blocks of a CPU cache."""
         count = len(block_ids)
         blocks = staging[:count].view(self.dtype).view(count, *self.block_shape)
-        if self.device.type != "cpu":
-            blocks = blocks.to(self.device, non_blocking=True)  # one upload for every layer
-            index = torch.tensor(block_ids, device=self.device)
-            for layer, cache in enumerate(self.caches):
-                cache.index_copy_(1, index, blocks[:, layer].transpose(0, 1))
-            return
-        # On the CPU, strided slice copies over runs of consecutive block ids beat an
-        # indexed copy; freshly allocated blocks mostly come in such runs.
+        # Strided slice copies over runs of consecutive block ids beat an indexed copy;
+        # freshly allocated blocks mostly come in such runs.
         start = 0
         while start < count:
             end = start + 1
@@ -92,18 +184,31 @@ class PagedBlocks:
                 cache[:, first : first + end - start].copy_(blocks[start:end, layer].transpose(0, 1))
             start = end
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The given blocks on the CPU, [len(block_ids), *block_shape] (one indexed copy
-        per layer, then one device-to-host transfer)."""
+    # ----- saves -------------------------------------------------------------------
+    def gather(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The given blocks as host rows [len(block_ids), block_nbytes] (uint8): one indexed
+        copy per layer, then one device-to-host copy, into a pinned staging buffer for a
+        GPU cache. Returns the rows and that buffer (None on the CPU): `release` it once
+        the rows are written."""
+        count = len(block_ids)
         index = torch.tensor(block_ids, device=self.device)
-        gathered = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype,
-                               device=self.device)
+        gathered = torch.empty((count, *self.block_shape), dtype=self.dtype, device=self.device)
         for layer, cache in enumerate(self.caches):
             gathered[:, layer].copy_(cache.index_select(1, index).transpose(0, 1))
-        return gathered.to("cpu")
+        flat = gathered.view(torch.uint8).view(count, self.block_nbytes)
+        if not self.on_gpu:
+            return flat, None
+        buffer = self.staging(count)
+        buffer[:count].copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return buffer[:count], buffer
 
     def checksums(self, block_ids: list[int]) -> list[int]:
         """xxh3-64 of each block's bytes as the cache holds them (the stored checksum)."""
         if self.direct:
             return [parts_checksum(self.parts(block_id)) for block_id in block_ids]
-        return [payload_checksum(block) for block in self.gather(block_ids)]
+        rows, buffer = self.gather(block_ids)
+        sums = [payload_checksum(row) for row in rows]
+        if buffer is not None:
+            self.release(buffer)
+        return sums

@@ -7,8 +7,9 @@ never the prompt's last token. `kv_role` decides what happens: producers save,
 consumers load, `kv_both` does both.
 
 Extra config (`kv_connector_extra_config`): `shared_storage_path`, the folder of the
-store (required), plus `async_load`, `load_timeout_s` (30) and `verify_after_load`
-as for every store connector (`store_base`, which also holds the scheduler role,
+store (required); `io_threads`, how many threads read a staged load's entries or
+write a gathered save's (min(8, CPU count)); plus `async_load`, `load_timeout_s`
+(30) and `verify_after_load` as for every store connector (`store_base`, which also holds the scheduler role,
 the async-load bookkeeping and shutdown; this module keeps only the folder's own
 load and save path).
 
@@ -19,7 +20,11 @@ Sync loads on the CPU read each entry straight into its cache blocks (which the
 request owns, and which nothing reads before this step's forward pass) and hash it
 there, so the load's checksum is already the end-to-end check `verify_after_load`
 asks for; saves on the CPU write from the cache itself (`paged_blocks`). On a GPU,
-entries are read into pinned memory and uploaded in one copy per transfer.
+`io_threads` threads read entries into reused pinned rows, each chunk going up on a
+side stream while the next ones are read; one indexed copy per layer puts them in
+the cache, and `verify_after_load` compares the cache's blocks on the device with
+the verified rows (`paged_blocks` says what that proves). GPU saves gather on the
+device, come down in one copy, and are written by `io_threads` threads.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks
+from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
+from kvrecover.kv_transfer.staged_io import write_rows
 from kvrecover.kv_transfer.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,
+    extra_count,
 )
 
 if TYPE_CHECKING:
@@ -50,25 +57,28 @@ __all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "StorageCon
 
 logger = logging.getLogger(__name__)
 
+MAX_IO_THREADS = 8  # default `io_threads`: beyond this the per-entry Python work (GIL) bounds it
+
 
 @dataclass(frozen=True)
 class LoadedBlock:
     """A block that `_read_blocks` read and verified: its payload checksum and where
-    its bytes are (row `position` of `staging`, or already in the cache if None)."""
+    its bytes are (row `position` of the staged rows, or already in the cache if None)."""
 
     checksum: int
-    staging: torch.Tensor | None
+    staging: StagedRows | None
     position: int
 
 
 class SharedStorageConnector(StoreConnectorBase):
     """Saves and loads KV blocks through a shared folder (see module docstring)."""
 
-    extra_config_keys = ("shared_storage_path", *StoreConnectorBase.extra_config_keys)
+    extra_config_keys = ("shared_storage_path", "io_threads", *StoreConnectorBase.extra_config_keys)
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
         self._paged: PagedBlocks | None = None  # set by register_kv_caches
+        self.io_threads = extra_count(config, "io_threads", min(MAX_IO_THREADS, os.cpu_count() or 1))
 
     def _open_store(self) -> BlockStore:
         path = self.config.get_extra("shared_storage_path")
@@ -110,34 +120,57 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
         """Read and verify a request's blocks; None from the first failure on. Sync loads
-        on the CPU land in the cache blocks themselves, the others in a staging buffer."""
+        on the CPU land in the cache blocks themselves, the others in staging rows."""
         paged = self._paged
-        staging = None if paged.direct and not transfer.is_async else paged.staging(
-            len(transfer.block_ids))
-        rows = None if staging is None else memoryview(staging.numpy()).cast("B")
-        row_nbytes = paged.block_nbytes
+        if paged.direct and not transfer.is_async:
+            return self._read_in_place(transfer, cancelled)
+
+        def read_row(position: int, row: memoryview) -> int:
+            return self._read_entry(transfer, position, [row], cancelled)
+
+        staged, results = paged.stage(len(transfer.block_ids), read_row, cancelled, self.io_threads)
         blocks: list[LoadedBlock | None] = []
-        for position, (block_id, key) in enumerate(zip(transfer.block_ids, transfer.keys)):
+        for position, result in enumerate(results):
+            if not isinstance(result, int):
+                self._log_failure(transfer.keys[position], result)
+                break
+            blocks.append(LoadedBlock(result, staged, position))
+        if not blocks:
+            paged.release(staged.host, staged.uploaded)
+        return blocks + [None] * (len(transfer.block_ids) - len(blocks))
+
+    def _read_in_place(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
+        """`_read_blocks` straight into the cache's own slices (a sync load on the CPU)."""
+        blocks: list[LoadedBlock | None] = []
+        for position, block_id in enumerate(transfer.block_ids):
             if cancelled.is_set():
                 break
-            parts = paged.parts(block_id) if rows is None else [
-                rows[position * row_nbytes : (position + 1) * row_nbytes]]
             try:
-                if self._read_filter is None:
-                    checksum = self.store.read_into(key, parts)
-                else:
-                    raw = self._read_filter(transfer.request_id, block_id, key,
-                                            self.store.read_raw(key), cancelled)
-                    checksum = self.store.parse_into(key, raw, parts)
-                blocks.append(LoadedBlock(checksum, staging, position))
-            except BlockLoadError as error:
-                logger.warning("KV block %s failed to load: %s", key.hex(), error)
-                self._suspect_keys.add(key)  # a later save of this block may replace it
-                break
+                checksum = self._read_entry(transfer, position, self._paged.parts(block_id), cancelled)
             except Exception as error:  # a failing read is an invalid block, never a crash
-                logger.warning("KV block %s failed to load: %r", key.hex(), error)
+                self._log_failure(transfer.keys[position], error)
                 break
+            blocks.append(LoadedBlock(checksum, None, position))
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
+
+    def _read_entry(self, transfer: BlockTransfer, position: int, parts: list[memoryview],
+                    cancelled: threading.Event) -> int:
+        """Read and verify entry `position` of the transfer into `parts`; its checksum."""
+        key = transfer.keys[position]
+        if self._read_filter is None:
+            return self.store.read_into(key, parts)
+        raw = self._read_filter(transfer.request_id, transfer.block_ids[position], key,
+                                self.store.read_raw(key), cancelled)
+        return self.store.parse_into(key, raw, parts)
+
+    def _log_failure(self, key: bytes, error: BaseException | None) -> None:
+        if error is None:  # not read: the load was cancelled (its deadline passed)
+            return
+        if isinstance(error, BlockLoadError):
+            logger.warning("KV block %s failed to load: %s", key.hex(), error)
+            self._suspect_keys.add(key)  # a later save of this block may replace it
+        else:
+            logger.warning("KV block %s failed to load: %r", key.hex(), error)
 
     def _read_async(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
         return self._read_blocks(transfer, cancelled)
@@ -147,47 +180,57 @@ class SharedStorageConnector(StoreConnectorBase):
         report every block from the first bad one on as invalid."""
         count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
         if count and blocks[0].staging is not None:
-            block_ids = transfer.block_ids[:count]
-            self._paged.scatter(block_ids, blocks[0].staging)
-            self._paged.release(blocks[0].staging)
-            if self.verify_after_load:
-                count = self._verified_prefix(block_ids, blocks[:count])
+            checksums = [block.checksum for block in blocks[:count]]
+            count = self._paged.install(transfer.block_ids[:count], blocks[0].staging,
+                                        checksums if self.verify_after_load else None)
+            if count < len(checksums):
+                logger.warning("KV block %d does not match its stored checksum after the load",
+                               transfer.block_ids[count])
         # Blocks read in place were hashed in the cache: that check was end to end already.
         if count < len(blocks):
             self._invalid_block_ids.update(transfer.block_ids[count:])
             self._failed_requests.add(transfer.request_id)
 
-    def _verified_prefix(self, block_ids: list[int], blocks: list[LoadedBlock]) -> int:
-        """How many leading blocks hold, in the engine's own cache, the stored bytes."""
-        for position, checksum in enumerate(self._paged.checksums(block_ids)):
-            if checksum != blocks[position].checksum:
-                logger.warning("KV block %d does not match its stored checksum after the load",
-                               block_ids[position])
-                return position
-        return len(blocks)
-
     def wait_for_save(self) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        todo: dict[bytes, int] = {}  # key -> cache block id, for the whole step
         for transfer in metadata.saves:
             # KV computed on top of a failed load is garbage: never store it.
             if transfer.request_id in self._failed_requests | self._discarded_saves:
                 continue
-            todo = [(block_id, key) for block_id, key in zip(transfer.block_ids, transfer.keys)
-                    if key in self._suspect_keys or not self.store.exists(key)]
-            if not todo:
-                continue  # already stored (by us or another producer)
-            paged = self._paged
-            gathered = None if paged.direct else paged.gather([block_id for block_id, _ in todo])
-            for position, (block_id, key) in enumerate(todo):
-                self._suspect_keys.discard(key)
-                try:
-                    if gathered is None:
-                        self.store.write_parts(key, paged.parts(block_id))
-                    else:
-                        self.store.write(key, gathered[position])
-                except Exception as error:
-                    self._save_failures += 1
-                    logger.debug("KV block %s not saved: %r", key.hex(), error)
+            for block_id, key in zip(transfer.block_ids, transfer.keys):
+                # (Unless already stored, by us or another producer.)
+                if key not in todo and (key in self._suspect_keys or not self.store.exists(key)):
+                    todo[key] = block_id
+        if not todo:
+            return
+        self._suspect_keys.difference_update(todo)
+        paged = self._paged
+        if paged.direct:
+            for key, block_id in todo.items():
+                self._save_failures += self._write(key, paged.parts(block_id))
+            return
+        keys = list(todo)
+        rows, buffer = paged.gather([todo[key] for key in keys])
+        views = memoryview(rows.numpy()).cast("B")
+        nbytes = paged.block_nbytes
+
+        def write_row(position: int) -> None:
+            if self._write(keys[position], [views[position * nbytes : (position + 1) * nbytes]]):
+                raise OSError("not saved")  # counted by write_rows
+
+        self._save_failures += write_rows(len(keys), write_row, self.io_threads)
+        if buffer is not None:
+            paged.release(buffer)
+
+    def _write(self, key: bytes, parts: list[memoryview]) -> int:
+        """Store one entry from its parts; 1 if that failed (logged), else 0."""
+        try:
+            self.store.write_parts(key, parts)
+        except Exception as error:
+            logger.debug("KV block %s not saved: %r", key.hex(), error)
+            return 1
+        return 0
 
     def extra(self) -> dict[str, Any]:
         """The extra config this connector understood (for logs and tests)."""

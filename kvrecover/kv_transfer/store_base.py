@@ -60,6 +60,15 @@ def extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
     return float(value)
 
 
+def extra_count(config: KVTransferConfig, key: str, default: int) -> int:
+    """A whole-number extra-config value from 1 to 64 (a ValueError naming the key otherwise)."""
+    value = config.get_extra(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a whole number from 1 to 64, "
+                         f"got {value!r}")
+    return value
+
+
 @dataclass
 class BlockTransfer:
     """Blocks of one request to load or save: cache block ids and their store keys."""
