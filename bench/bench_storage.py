@@ -29,8 +29,10 @@ disk, is measured) and are deleted afterwards. Times are the best of --repeats.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +44,7 @@ from layer_prefill import SHAPES, prefill_seconds
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import BlockStore
+from kvrecover.kv_transfer.block_store import PREFIX_SIZE, BlockStore
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
@@ -143,10 +145,21 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
             with open(path, "wb") as handle:
                 handle.write(block.view(torch.uint8).numpy())
 
-    def plain_read() -> None:  # the very files the connector loads
-        for key in bench.keys:
+    def plain_read(keys: list[bytes] = bench.keys) -> None:  # the very files the connector loads
+        for key in keys:
             with open(bench.connector.store.path(key), "rb") as handle:
                 handle.read()
+
+    threads = bench.connector.io_threads
+
+    def plain_read_threads() -> None:  # the same, split over the connector's io_threads
+        share = -(-len(bench.keys) // threads)
+        readers = [threading.Thread(target=plain_read, args=(bench.keys[i * share : (i + 1) * share],))
+                   for i in range(threads)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
 
     def store_write() -> None:
         for key, block in zip(bench.keys, blocks):
@@ -168,11 +181,11 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
     t_plain_write, t_store_write, t_conn_save = best_times([
         (plain_write, fresh(plain)), (store_write, fresh(store.root)),
         (bench.save, fresh(root / "connector"))], repeats)
-    t_plain_read, t_store_read, t_conn_load_noverify, t_conn_load, t_conn_async, t_checksum = (
-        best_times([(plain_read, verify(True)), (store_read, verify(True)),
-                    (bench.load, verify(False)), (bench.load, verify(True)),
-                    (lambda: bench.load(is_async=True), verify(True)),
-                    (checksum_only, verify(True))], repeats))
+    (t_plain_read, t_plain_threads, t_store_read, t_conn_load_noverify, t_conn_load, t_conn_async,
+     t_checksum) = best_times([
+        (plain_read, verify(True)), (plain_read_threads, verify(True)), (store_read, verify(True)),
+        (bench.load, verify(False)), (bench.load, verify(True)),
+        (lambda: bench.load(is_async=True), verify(True)), (checksum_only, verify(True))], repeats)
     label = f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)"
 
     def row(operation: str, seconds: float, reference: float) -> tuple[str, str, float, float]:
@@ -183,6 +196,7 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
         row("save: BlockStore.write", t_store_write, t_plain_write),
         row("save: connector wait_for_save", t_conn_save, t_plain_write),
         row("load: plain file read", t_plain_read, t_plain_read),
+        row(f"load: plain file read, {threads} threads", t_plain_threads, t_plain_read),
         row("load: BlockStore.read (verified)", t_store_read, t_plain_read),
         row("load: connector, verify_after_load=False", t_conn_load_noverify, t_plain_read),
         row("load: connector, verify_after_load=True", t_conn_load, t_plain_read),
@@ -196,8 +210,64 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
                                    synchronize(device)), repeats)
         ceiling = max(t_plain_read, t_h2d)
         rows += [row("load: pinned host-to-device copy", t_h2d, t_plain_read),
+                 row("load: connector x min(read, H2D)", t_conn_load_noverify, ceiling),
                  row("load: connector (verify) x min(read, H2D)", t_conn_load, ceiling)]
     return rows, bench
+
+
+def profile_load(bench: ConnectorBench, repeats: int) -> list[tuple[str, float]]:
+    """Seconds per phase of one staged load of every block (best of `repeats`): the
+    reads alone, reads with their checks, `PagedBlocks.stage` on 1 and on io_threads
+    threads (uploads included on a GPU), then the install with and without the check."""
+    connector, paged, store = bench.connector, bench.connector._paged, bench.connector.store
+    count, nbytes = len(bench.keys), paged.block_nbytes
+    transfer = BlockTransfer("profile", bench.block_ids, bench.keys)
+    never = threading.Event()
+    host = paged.staging(count)
+    rows = memoryview(host.numpy()).cast("B")
+    prefix = bytearray(PREFIX_SIZE)
+
+    def read_only() -> None:
+        for position, key in enumerate(bench.keys):
+            fd = os.open(store._path(key), os.O_RDONLY)
+            os.readv(fd, [prefix, rows[position * nbytes : (position + 1) * nbytes]])
+            os.close(fd)
+
+    def read_checked() -> None:
+        for position, key in enumerate(bench.keys):
+            store.read_into(key, [rows[position * nbytes : (position + 1) * nbytes]])
+
+    def stage(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            staged, results = paged.stage(count, lambda position, row: connector._read_entry(
+                transfer, position, [row], never), never, threads)
+            if staged.uploaded is not None:
+                staged.uploaded.synchronize()
+            paged.release(staged.host, staged.uploaded)
+            assert all(isinstance(result, int) for result in results)
+        return run
+
+    staged, _ = paged.stage(count, lambda position, row: connector._read_entry(
+        transfer, position, [row], never), never, connector.io_threads)
+
+    def install(checked: bool) -> Callable[[], None]:
+        def run() -> None:
+            staged.host = paged.staging(count)  # install hands it back each time
+            passed = paged.install(bench.block_ids, staged, [0] * count if checked else None)
+            # (The CPU check re-hashes against the fake checksums; the GPU one compares bits.)
+            assert passed == (0 if checked and not paged.on_gpu else count)
+            synchronize(bench.device)
+        return run
+
+    phases = [("readv into rows, 1 thread", read_only),
+              ("readv + checks, 1 thread", read_checked),
+              ("stage (+ uploads), 1 thread", stage(1)),
+              (f"stage, {connector.io_threads} threads", stage(connector.io_threads)),
+              ("install: scatter", install(False)),
+              ("install: scatter + check", install(True))]
+    times = best_times([(run, lambda: None) for _, run in phases], repeats)
+    paged.release(host)
+    return [(name, seconds) for (name, _), seconds in zip(phases, times)]
 
 
 def break_even(name: str, layout: KVCacheLayout, bench: ConnectorBench, repeats: int,
@@ -292,6 +362,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--skip-llm", action="store_true", help="storage figures only")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time the phases of one staged load per layout")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -307,11 +379,16 @@ def main() -> None:
                                        args.device)
             for layout_name, operation, rate, ratio in rows:
                 kind = ("load, verify_after_load" if "verify_after_load=True" in operation
+                        or "(verify)" in operation
                         else operation.split(":")[0])
                 sync = "connector" in operation and "async" not in operation
                 goal = GOALS.get(kind) if sync else None
                 verdict = "" if goal is None else f">= {goal} {'met' if ratio >= goal else 'MISSED'}"
                 print(f"{layout_name:<34}{operation:<46}{rate:>8.2f}{ratio:>9.2f}  {verdict}")
+            if args.profile:
+                for phase, seconds in profile_load(bench, args.repeats):
+                    rate = len(bench.block_ids) * bench.connector._paged.block_nbytes / seconds / 1e9
+                    print(f"{'':<34}{'profile: ' + phase:<46}{rate:>8.2f}{seconds * 1000:>7.1f} ms")
             breaks[name] = break_even(name, LAYOUTS[name], bench, args.repeats, args.device)
             del bench
             shutil.rmtree(folder, ignore_errors=True)
