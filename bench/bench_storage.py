@@ -1,23 +1,27 @@
 """Storage benchmark: what the verified KV block store costs, and what loading KV saves.
 
     PYTHONPATH=. python bench/bench_storage.py --threads 1 [--dir /dev/shm] [--megabytes 256]
-        [--repeats 3] [--prompt-tokens 1500] [--model DIR] [--device cpu] [--skip-llm]
+        [--repeats 3] [--prompt-tokens 1500] [--model DIR] [--device cpu] [--skip-llm] [--profile]
 
 1. For three KV layouts (the default model's: 30 layers, 3 KV heads, head dim 64,
    float32; Llama-3.2-1B's: 16 layers, 8 KV heads, head dim 64, bfloat16; and
    Llama-3-8B's: 32 layers, 8 KV heads, head dim 128, bfloat16; block 16), save and
    load throughput in GB/s of payload bytes: plain file I/O (write: the same bytes,
    one file per block, same folder fan-out; read: `open().read()` of the very files
-   the connector loads), `BlockStore.write` / `BlockStore.read`, and the
+   the connector loads, on one thread, the reference, and split over the
+   connector's `io_threads`), `BlockStore.write` / `BlockStore.read`, and the
    `SharedStorageConnector` worker path (scatter into / save from a paged KV cache
    on --device), sync with `verify_after_load` on and off and async. The ratio to
    plain I/O is the figure; the goals (issue 14) are printed beside it. With
    --device cuda a pinned host-to-device copy of the same bytes is measured too,
-   and loads are also compared with min(plain read, that copy).
-2. Per layout, the prompt length above which loading its KV beats recomputing it:
+   and loads are also compared with min(plain read, that copy). --profile adds the
+   phases of one staged load (reads, checks, staging on 1 to 16 threads, install).
+2. Per layout, the prompt lengths at which loading its KV beats recomputing it:
    the connector's load time for n tokens against the prefill time of n tokens,
    the latter measured as num_layers x one transformer layer of the model's shape
-   (random weights, `layer_prefill.py`; embedding and LM head left out).
+   (random weights, `layer_prefill.py`; embedding and LM head left out). On the CPU
+   the scan stops once loading has won twice; on a GPU every length that the
+   loaded blocks cover is tried (there recompute can win at length).
 3. On the default model, one long prompt: time to first token and per decode
    step with its KV recomputed (no connector) and loaded from the store
    (`kv_consumer`), and with the prefill saving it (`kv_producer`).
@@ -57,7 +61,7 @@ LAYOUTS = {
     "llama3-8b bf16": KVCacheLayout("bench-llama3-8b", torch.bfloat16, 16, 32, 8, 128),
 }
 GOALS = {"save": 0.6, "load": 0.6, "load, verify_after_load": 0.5}  # x plain I/O, issue 14
-BREAK_EVEN_TOKENS = (16, 64, 256, 1024, 4096)
+BREAK_EVEN_TOKENS = (16, 64, 256, 1024, 4096, 16384)
 
 
 def best_time(run: Callable[[], None], repeats: int, setup: Callable[[], None] = lambda: None) -> float:
@@ -262,7 +266,8 @@ def profile_load(bench: ConnectorBench, repeats: int) -> list[tuple[str, float]]
     phases = [("readv into rows, 1 thread", read_only),
               ("readv + checks, 1 thread", read_checked),
               ("stage (+ uploads), 1 thread", stage(1)),
-              (f"stage, {connector.io_threads} threads", stage(connector.io_threads)),
+              *[(f"stage, {threads} threads", stage(threads))
+                for threads in sorted({2, 4, connector.io_threads, 16}) if threads > 1],
               ("install: scatter", install(False)),
               ("install: scatter + check", install(True))]
     times = best_times([(run, lambda: None) for _, run in phases], repeats)
@@ -271,20 +276,35 @@ def profile_load(bench: ConnectorBench, repeats: int) -> list[tuple[str, float]]
 
 
 def break_even(name: str, layout: KVCacheLayout, bench: ConnectorBench, repeats: int,
-               device: str) -> tuple[list[tuple[int, float, float]], int | None]:
-    """(tokens, load s, prefill s) per prompt length, and the shortest length where loading wins."""
+               device: str) -> list[tuple[int, float, float]]:
+    """(tokens, load s, prefill s) per prompt length that the loaded blocks cover."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    rows, first_win = [], None
+    rows: list[tuple[int, float, float]] = []
     for tokens in BREAK_EVEN_TOKENS:
         count = tokens // layout.block_size
-        if count > len(bench.block_ids) or sum(load < prefill for _, load, prefill in rows[-2:]) == 2:
-            break  # loading won at two lengths in a row: longer prompts only widen the gap
+        if count > len(bench.block_ids):
+            break
+        # On the CPU a prefill costs at least linear time per token, so once loading has
+        # won twice in a row it keeps winning. Not on a GPU: short prefills are bound by
+        # launches, long ones run at the matmul rate, so recompute can win at length.
+        if device == "cpu" and sum(load < prefill for _, load, prefill in rows[-2:]) == 2:
+            break
         load_s = best_time(lambda count=count: bench.load(count), repeats)
         prefill_s = prefill_seconds(SHAPES[name], tokens, device, dtype, repeats)
         rows.append((tokens, load_s, prefill_s))
-        if first_win is None and load_s < prefill_s:
-            first_win = tokens
-    return rows, first_win
+    return rows
+
+
+def summarise(rows: list[tuple[int, float, float]]) -> str:
+    """Which prompt lengths loading wins at, in words."""
+    won = [tokens for tokens, load, prefill in rows if load < prefill]
+    lost = [tokens for tokens, load, prefill in rows if load >= prefill]
+    if not lost:
+        return f"loading wins from {won[0]} tokens" if won else ""
+    if not won:
+        return "recompute wins at every length tried"
+    return (f"loading wins at {', '.join(map(str, won))}; "
+            f"recompute at {', '.join(map(str, lost))} tokens")
 
 
 def bench_decode(model: str | None, prompt_tokens: int, device: str, root: Path, repeats: int,
@@ -394,12 +414,12 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
         print(f"\nload (connector, verified) vs recompute ({args.device}; recompute = layers "
               "x one layer's measured prefill)")
-        print(f"{'layout':<20}{'tokens':>8}{'load s':>10}{'recompute s':>13}  loading wins from")
-        for name, (rows, first_win) in breaks.items():
-            wins = "not within the lengths tried" if first_win is None else f"{first_win} tokens"
+        print(f"{'layout':<20}{'tokens':>8}{'load s':>10}{'recompute s':>13}{'faster':>11}")
+        for name, rows in breaks.items():
             for index, (tokens, load_s, prefill_s) in enumerate(rows):
+                faster = "load" if load_s < prefill_s else "recompute"
                 print(f"{name if index == 0 else '':<20}{tokens:>8}{load_s:>10.4f}{prefill_s:>13.4f}"
-                      f"  {wins if index == 0 else ''}")
+                      f"{faster:>11}  {summarise(rows) if index == 0 else ''}")
         if not args.skip_llm:
             print(f"\n{args.model or 'default model'}, {args.prompt_tokens}-token prompt, "
                   f"device {args.device}, best of {args.repeats}")

@@ -10,7 +10,8 @@ Extra config shared by all of them (`kv_connector_extra_config`):
   async_load           load in a background thread while the request waits (False)
   load_timeout_s       an async load unfinished after this long fails (30, or the
                        subclass's `_default_load_timeout_s`)
-  verify_after_load    re-checksum the engine's cache blocks after a load (True)
+  verify_after_load    re-check the engine's cache blocks after a load (True; each
+                       connector says how)
 """
 
 from __future__ import annotations
