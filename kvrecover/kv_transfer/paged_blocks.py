@@ -114,9 +114,12 @@ class PagedBlocks:
         if self.on_gpu:
             with torch.cuda.stream(self._upload_stream):  # allocated for that stream
                 staged.device = torch.empty((count, nbytes), dtype=torch.uint8, device=self.device)
+            # Inference mode is per thread: the reader threads must share the caller's, or
+            # their copies into an inference tensor (the engine's step) would be refused.
+            inference = torch.is_inference_mode_enabled()
 
             def after_chunk(start: int, end: int) -> None:
-                with torch.cuda.stream(self._upload_stream):
+                with torch.inference_mode(inference), torch.cuda.stream(self._upload_stream):
                     staged.device[start:end].copy_(host[start:end], non_blocking=True)
 
         results = read_rows(
