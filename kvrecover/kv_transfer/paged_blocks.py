@@ -10,7 +10,9 @@ cache with one indexed copy per layer; saves `gather` the other way.
 
 On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
 the read), each chunk of rows goes up on a side stream as soon as it is read, and
-the compute stream waits for an event, not the host. The check after a GPU load
+the compute stream waits for an event, not the host. Until it is installed, a load
+holds a device copy of its rows (as large as the blocks it loads), so that an async
+load never writes into the cache before the worker confirms it. The check after a GPU load
 (`install(verify=True)`) reads the blocks back from the cache on the device and
 compares them bit for bit with the uploaded rows, whose host copy is what passed
 the xxh3 check: it proves that every loaded block, in every layer, holds exactly
