@@ -6,7 +6,6 @@ byte-identical to the plain ones and just as strict about bad entries."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -248,17 +247,19 @@ def test_threaded_staged_loads_are_byte_identical(layout, tmp_path, small_chunks
     target = random_caches(layout, 21, device)
     worker = connector(tmp_path, layout, target, io_threads=3, verify_after_load=verify)
     assert not worker._paged.direct and worker.io_threads == 3
-    readers, read_into = set(), worker.store.read_into
+    readers, read_into, second_reader = set(), worker.store.read_into, threading.Event()
 
     def spied(key, parts):
         readers.add(threading.current_thread().name)
-        time.sleep(0.002)  # long enough that every thread gets a chunk
+        if len(readers) >= 2:
+            second_reader.set()
+        second_reader.wait(timeout=5)  # hold the reads until another thread reads too
         return read_into(key, parts)
 
     worker.store.read_into = spied
     loaded_ids = [8, 2, 3, 4, 6, 5, 1]
     assert not load(worker, target, loaded_ids, block_keys, is_async)
-    assert len(readers) >= 2  # 4 chunks of 2 rows shared by 3 threads
+    assert len(readers) >= 2 and second_reader.is_set()  # 4 chunks of 2 rows, 3 threads
     for saved, loaded in zip(range(1, 8), loaded_ids):
         assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
     assert raw_bytes(block_of(target, 7)) == raw_bytes(block_of(random_caches(layout, 21), 7))
