@@ -51,9 +51,14 @@ class DecodeKernelConfig:
     """
 
     block_m: int  # query rows per program (one token x the padded head group, padded)
-    block_n: int  # keys per inner step; divides SEGMENT
+    block_n: int  # keys per inner step; divides `segment`
     num_warps: int
     num_stages: int
+    # Keys per softmax segment. Only SEGMENT keeps decode bit-identical to prefill.
+    segment: int = SEGMENT
+    # The last program of a (token, KV head) to finish merges the segments itself
+    # (an arrival counter) instead of a second kernel: the same merges, in order.
+    fused_combine: bool = False
 
 
 INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
@@ -133,12 +138,12 @@ def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_query_start_ptr,
-    block_tables_ptr, block_table_stride_ptr,
+    block_tables_ptr, block_table_stride_ptr, counter_ptr,
     scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, slot_stride, block_size,
     max_segments, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,6 +185,31 @@ def _paged_attention_kernel(
             tl.store(part_l_ptr + base + rows, l_s, mask=first)
             tl.store(part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :], acc_s,
                      mask=first[:, None])
+        if FUSED_COMBINE:
+            # Publish this program's states (barrier, then a release at GPU scope); the
+            # num_splits-th arrival merges every segment in order and re-arms the counter.
+            tl.debug_barrier()
+            counter = counter_ptr + tile * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                m_i = tl.full([ROWS], float("-inf"), tl.float32)
+                l_i = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+                for segment in range(0, num_segments):
+                    base = (state_rows + segment) * GROUP_PAD
+                    m_s = tl.load(part_m_ptr + base + rows, mask=first, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + base + rows, mask=first, other=0.0,
+                                  cache_modifier=".cg")
+                    acc_s = tl.load(
+                        part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=first[:, None], other=0.0, cache_modifier=".cg",
+                    )
+                    m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+                out = acc / l_i[:, None]
+                out_rows = (row_begin + query_index).to(tl.int64) * out_stride_t + head * out_stride_h
+                tl.store(out_ptr + out_rows[:, None] + dims[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=(row_valid & first)[:, None])
+                tl.atomic_xchg(counter, 0)
     else:
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -230,6 +260,18 @@ def _combine_segments_kernel(
              mask=(rows < GROUP)[:, None])
 
 
+# Arrival counters of the fused combine, per device: zero between launches (the last
+# arrival re-arms its counter). Replaced buffers stay alive: captured graphs hold them.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(size: int, device: torch.device) -> torch.Tensor:
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < size:
+        kept.append(torch.zeros(max(size, 8192), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -262,7 +304,10 @@ def paged_attention(
         return out
     split = meta.decode_only
     block_m = decode.block_m if split else prefill_block_m
-    max_segments = triton.cdiv(max(meta.max_seq_len, 1), SEGMENT) if split else 1
+    segment = decode.segment if split else SEGMENT
+    max_segments = triton.cdiv(max(meta.max_seq_len, 1), segment) if split else 1
+    fused = split and decode.fused_combine
+    counters = _arrival_counters(meta.num_tiles * num_kv_heads, query.device) if fused else out
     num_splits = 1
     if split:
         num_splits = min(max_segments, triton.cdiv(TARGET_PROGRAMS, meta.num_tiles * num_kv_heads))
@@ -277,21 +322,21 @@ def paged_attention(
     _paged_attention_kernel[(meta.num_tiles, num_kv_heads, num_splits)](
         query, kv_cache[0], kv_cache[1], out, part_m, part_l, part_acc,
         meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
-        meta.block_tables, meta.block_table_stride,
+        meta.block_tables, meta.block_table_stride, counters,
         scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(2), kv_cache.shape[2], max_segments, num_splits,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
-        BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=SEGMENT, SPLIT=split,
-        IEEE=query.dtype == torch.float32,
+        BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
+        FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32,
         num_warps=decode.num_warps if split else prefill_warps,
         num_stages=decode.num_stages if split else num_stages,
         enable_fp_fusion=False,
     )
-    if split:
+    if split and not fused:
         _combine_segments_kernel[(meta.num_tiles, num_kv_heads)](
             out, part_m, part_l, part_acc, meta.seq_lens, meta.query_start_loc, meta.tile_request,
             out.stride(0), out.stride(1), max_segments,
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SEGMENT=SEGMENT,
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SEGMENT=segment,
             num_warps=1, enable_fp_fusion=False,
         )
     return out

@@ -1,0 +1,320 @@
+"""Where a graph-replayed decode step's time goes, and what each kernel achieves.
+
+At bench_gpu.py's shape (Llama-3.2-1B, random bf16 weights, prompts of 1024):
+- the per-kernel table of about 20 decode steps (torch profiler over the engine's
+  graph replays): name, launches and microseconds per step, share of the step;
+- each linear and the attention kernel alone, graph-timed over the 16 layers'
+  real weights and caches: microseconds and bytes/s against the copy ceiling,
+  for cuBLAS and the `skinny_linear` tiles, and for decode attention variants;
+- the small ops alone.
+
+    PYTHONPATH=. python3 bench/profile_gpu_decode.py [--batches 16 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_gpu import _time_cuda, build_checkpoint, device_ceilings, random_prompts  # noqa: E402
+
+SKINNY = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 4, 4), (16, 256, 2, 6), (32, 256, 4, 4),
+          (32, 512, 4, 3), (32, 128, 4, 6), (64, 256, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3)]
+# (block_m, block_n, warps, stages, segment, fused combine)
+ATTENTION = [(16, 64, 4, 2, 256, False), (16, 64, 4, 2, 256, True), (16, 64, 4, 3, 256, True),
+             (16, 64, 2, 2, 256, True), (16, 64, 4, 4, 256, True), (16, 128, 4, 2, 256, True),
+             (16, 128, 4, 3, 256, True), (16, 128, 8, 2, 256, True), (16, 64, 4, 2, 128, True),
+             (16, 32, 2, 2, 128, True), (16, 64, 4, 3, 512, True), (16, 128, 4, 3, 512, True),
+             (16, 128, 4, 4, 512, True), (16, 256, 8, 2, 512, True)]
+
+
+def graph_time(calls: list, reps: int = 20) -> float:
+    """Seconds per call of the callables, captured back to back in one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    seconds = _time_cuda(graph.replay, reps) / len(calls)
+    del graph
+    return seconds
+
+
+def _device_us(event) -> float:
+    for name in ("device_time_total", "cuda_time_total", "self_device_time_total"):
+        value = getattr(event, name, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def kernel_table(engine, steps: int) -> list[dict]:
+    """Per-kernel launches and microseconds per step over `steps` engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = [
+        {"name": e.key, "count": e.count / steps, "us": _device_us(e) / steps}
+        for e in prof.key_averages() if _device_us(e) > 0
+    ]
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    for r in rows:
+        r["pct"] = 100 * r["us"] / total
+    return rows
+
+
+@torch.inference_mode()
+def eager_table(engine, batch: int, steps: int) -> list[dict]:
+    """`kernel_table` of the graphed forward run eagerly on the running requests' inputs
+    (the same kernels; a check on the graph table, where the profiler misses graph kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.model_runner
+    graphs = runner.graphs
+    layout = graphs.builder.pack(decode_step(engine), pad_to=graphs.bucket(batch))
+    graphs.builder.upload(layout, graphs.buffer)
+    inputs = graphs.builder.views(layout, graphs.buffer)
+    runner._decode_step(inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner._decode_step(inputs)
+        torch.cuda.synchronize()
+    rows = [
+        {"name": e.key, "count": e.count / steps, "us": _device_us(e) / steps}
+        for e in prof.key_averages() if _device_us(e) > 0
+    ]
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    for r in rows:
+        r["pct"] = 100 * r["us"] / total
+    return rows
+
+
+def decode_step(engine) -> list:
+    """A one-token step of every running request (what the next decode step reads)."""
+    from kvrecover.engine.scheduler_output import ScheduledRequest
+
+    return [ScheduledRequest(r.request_id, [0], r.num_tokens - 1, list(r.block_ids), True, None, 0)
+            for r in engine.scheduler.running]
+
+
+def start_decoding(llm, batch: int, prompt_len: int):
+    """Add `batch` prompts and step until every request is past prefill and graphs are warm."""
+    from kvrecover import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, 30)):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(400):
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) == batch and min(len(r.output_token_ids) for r in running) >= 6:
+            break
+    torch.cuda.synchronize()
+    return engine
+
+
+@torch.inference_mode()
+def linears(runner, batch: int, copy_bw: float) -> list[dict]:
+    from kvrecover.ops.skinny_linear import SkinnyConfig, skinny_linear
+
+    layers = runner.model.layers
+    shapes = {
+        "qkv": [layer.self_attn.qkv_proj.weight for layer in layers],
+        "o": [layer.self_attn.o_proj.weight for layer in layers],
+        "gate_up": [layer.mlp.gate_up_proj.weight for layer in layers],
+        "down": [layer.mlp.down_proj.weight for layer in layers],
+        "lm_head": [runner.model.lm_head.weight] * 4,
+    }
+    rows = []
+    for name, weights in shapes.items():
+        n, k = weights[0].shape
+        x = torch.randn(batch, k, device="cuda", dtype=weights[0].dtype)
+        nbytes = 2 * n * k
+        variants = {"cublas": lambda w, x=x: F.linear(x, w)}
+        for cfg in SKINNY:
+            if k % cfg[1] == 0:
+                config = SkinnyConfig(*cfg)
+                variants[f"skinny{cfg}"] = lambda w, c=config, x=x: skinny_linear(x, w, None, c)
+        ref = F.linear(x, weights[0]).float()
+        for label, fn in variants.items():
+            try:
+                out = fn(weights[0]).float()
+                error = ((out - ref).norm() / ref.norm()).item()
+                seconds = graph_time([lambda w=w, fn=fn: fn(w) for w in weights])
+            except Exception as exc:  # a tile that does not fit (shared memory)
+                rows.append({"op": name, "variant": label, "error": type(exc).__name__})
+                continue
+            rows.append({"op": name, "variant": label, "us": seconds * 1e6,
+                         "tb_s": nbytes / seconds / 1e12, "of_copy": nbytes / seconds / copy_bw,
+                         "rel_err": error})
+    return rows
+
+
+@torch.inference_mode()
+def attention(engine, batch: int, copy_bw: float) -> list[dict]:
+    from kvrecover.ops.triton_attention import (
+        FAST_DECODE,
+        INVARIANT_DECODE,
+        DecodeKernelConfig,
+        paged_attention,
+        tile_tokens,
+    )
+    from kvrecover.worker.step_inputs import StepInputBuilder
+
+    runner = engine.model_runner
+    caches = runner.kv_caches
+    config = runner.model.config
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    running = engine.scheduler.running
+    step = decode_step(engine)
+    builder = StepInputBuilder(runner.layout.block_size, tile_tokens(heads // kv_heads),
+                               torch.device("cuda"), runner.max_model_len)
+    layout = builder.pack(step)
+    meta = builder.views(layout, builder.upload(layout)).attn
+    kv_bytes = sum(r.num_tokens for r in running) * 2 * kv_heads * dim * caches[0].element_size()
+    q = torch.randn(len(running), heads, dim, device="cuda", dtype=caches[0].dtype)
+    variants = {"fast(current)": FAST_DECODE, "invariant(current)": INVARIANT_DECODE,
+                "invariant+fused": dataclasses.replace(INVARIANT_DECODE, fused_combine=True)}
+    for v in ATTENTION:
+        variants[f"{v}"] = DecodeKernelConfig(*v)
+    ref = paged_attention(q, caches[0], meta, dim**-0.5, decode=INVARIANT_DECODE).float()
+    rows = []
+    for label, decode in variants.items():
+        try:
+            out = paged_attention(q, caches[0], meta, dim**-0.5, decode=decode).float()
+            error = ((out - ref).norm() / ref.norm()).item()
+            seconds = graph_time([
+                lambda c=c, d=decode: paged_attention(q, c, meta, dim**-0.5, decode=d)
+                for c in caches
+            ])
+        except Exception as exc:
+            rows.append({"op": "attention", "variant": label, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        rows.append({"op": "attention", "variant": label, "us": seconds * 1e6,
+                     "tb_s": kv_bytes / seconds / 1e12, "of_copy": kv_bytes / seconds / copy_bw,
+                     "rel_err": error})
+    return rows
+
+
+@torch.inference_mode()
+def small_ops(runner, batch: int) -> list[dict]:
+    from kvrecover.ops import triton_ops
+
+    model = runner.model
+    hidden = model.config.hidden_size
+    layer = model.layers[0]
+    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    gate_up = torch.randn(batch, 2 * model.config.intermediate_size, device="cuda",
+                          dtype=torch.bfloat16)
+    w = layer.input_layernorm.weight
+    ops = {
+        "rms_norm": lambda: triton_ops.rms_norm(x, w, 1e-5),
+        "add_rms_norm": lambda: triton_ops.rms_norm(x.clone(), w, 1e-5, residual=residual),
+        "silu_mul": lambda: triton_ops.silu_mul(gate_up),
+        "clone(ref for add_rms_norm)": lambda: x.clone(),
+    }
+    return [{"op": name, "us": graph_time([fn] * 16) * 1e6} for name, fn in ops.items()]
+
+
+def profile_batch(model_dir: Path, batch: int, prompt_len: int, steps: int, copy_bw: float,
+                  batch_invariant: bool) -> dict:
+    from kvrecover import LLM
+
+    llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + 144,
+              enable_prefix_caching=False, kv_cache_memory_gb=12, max_num_seqs=max(batch, 16),
+              batch_invariant=batch_invariant)
+    engine = start_decoding(llm, batch, prompt_len)
+    runner = engine.model_runner
+    graph = runner.graphs.graphs[runner.graphs.bucket(batch)].graph
+    replay_ms = _time_cuda(graph.replay, 30) * 1e3
+    table = kernel_table(engine, steps)
+    result = {"batch": batch, "batch_invariant": batch_invariant, "graph_replay_ms": replay_ms,
+              "kernels": table}
+    sections = {"eager_kernels": (eager_table, engine, batch, steps)}
+    if not batch_invariant:
+        sections["linears"] = (linears, runner, batch, copy_bw)
+        sections["attention"] = (attention, engine, batch, copy_bw)
+        sections["small_ops"] = (small_ops, runner, batch)
+    for key, (fn, *fn_args) in sections.items():
+        try:  # one failing section must not lose the others' figures
+            result[key] = fn(*fn_args)
+        except Exception:
+            traceback.print_exc()
+            result[key] = []
+    llm.close()
+    del llm, engine, runner, graph, sections
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_result(r: dict) -> None:
+    print(f"\n=== batch {r['batch']} batch_invariant={r['batch_invariant']}: graph replay "
+          f"{r['graph_replay_ms']:.3f} ms/step; kernel sum "
+          f"{sum(k['us'] for k in r['kernels']) / 1e3:.3f} ms/step")
+    print(f"{'kernel':70} {'n/step':>7} {'us/step':>9} {'%':>6}")
+    for k in r["kernels"][:24]:
+        print(f"{k['name'][:70]:70} {k['count']:7.1f} {k['us']:9.1f} {k['pct']:6.1f}")
+    eager = r["eager_kernels"]
+    print(f"--- eager forward, kernel sum {sum(k['us'] for k in eager) / 1e3:.3f} ms/step")
+    for k in eager[:24]:
+        print(f"{k['name'][:70]:70} {k['count']:7.1f} {k['us']:9.1f} {k['pct']:6.1f}")
+    for section in ("linears", "attention"):
+        for row in r.get(section, []):
+            if "error" in row:
+                print(f"  {row['op']:10} {row['variant']:34} {row['error']}")
+            else:
+                print(f"  {row['op']:10} {row['variant']:34} {row['us']:8.2f} us "
+                      f"{row['tb_s']:5.2f} TB/s ({100 * row['of_copy']:5.1f}% copy) "
+                      f"err {row['rel_err']:.1e}")
+    for row in r.get("small_ops", []):
+        print(f"  {row['op']:30} {row['us']:6.2f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--invariant", action="store_true", help="also the batch_invariant mode")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    ceilings = device_ceilings()
+    copy_bw = ceilings["copy_bytes_per_s"]
+    print(f"device: {torch.cuda.get_device_name()}  copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    model_dir = build_checkpoint(args.model_dir)
+    results = {"ceilings": ceilings, "runs": []}
+    for batch in args.batches:
+        for invariant in (False, True) if args.invariant else (False,):
+            r = profile_batch(model_dir, batch, args.prompt_len, args.steps, copy_bw, invariant)
+            results["runs"].append(r)
+            print_result(r)
+            sys.stdout.flush()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_decode.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
