@@ -27,14 +27,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import _time_cuda, build_checkpoint, device_ceilings, random_prompts  # noqa: E402
 
-SKINNY = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 4, 4), (16, 256, 2, 6), (32, 256, 4, 4),
-          (32, 512, 4, 3), (32, 128, 4, 6), (64, 256, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3)]
-# (block_m, block_n, warps, stages, segment, fused combine)
-ATTENTION = [(16, 64, 4, 2, 256, False), (16, 64, 4, 2, 256, True), (16, 64, 4, 3, 256, True),
-             (16, 64, 2, 2, 256, True), (16, 64, 4, 4, 256, True), (16, 128, 4, 2, 256, True),
-             (16, 128, 4, 3, 256, True), (16, 128, 8, 2, 256, True), (16, 64, 4, 2, 128, True),
-             (16, 32, 2, 2, 128, True), (16, 64, 4, 3, 512, True), (16, 128, 4, 3, 512, True),
-             (16, 128, 4, 4, 512, True), (16, 256, 8, 2, 512, True)]
+ALL = 1 << 20  # target programs: one program per segment
+# (block_m, block_n, warps, stages, segment, fused combine, target programs)
+ATTENTION = [
+    (16, 64, 4, 2, 256, False, 1056), (16, 64, 4, 2, 256, True, 1056), (16, 64, 4, 2, 256, True, ALL),
+    (16, 64, 4, 3, 256, True, 1056), (16, 64, 2, 2, 256, True, 1056), (16, 128, 4, 2, 256, True, 1056),
+    (16, 128, 4, 3, 256, True, 1056), (16, 128, 8, 3, 256, True, 1056), (16, 64, 4, 2, 128, True, 1056),
+    (16, 64, 4, 2, 128, True, ALL), (16, 32, 2, 2, 128, True, ALL), (16, 64, 4, 3, 512, True, 1056),
+    (16, 128, 4, 3, 512, True, 1056), (16, 128, 4, 3, 512, True, ALL), (16, 128, 8, 4, 512, True, ALL),
+    (16, 64, 4, 4, 256, True, ALL), (16, 64, 2, 3, 256, True, ALL), (16, 128, 4, 2, 256, True, ALL),
+]
 
 
 def graph_time(calls: list, reps: int = 20) -> float:
@@ -134,8 +136,6 @@ def start_decoding(llm, batch: int, prompt_len: int):
 
 @torch.inference_mode()
 def linears(runner, batch: int, copy_bw: float) -> list[dict]:
-    from kvrecover.ops.skinny_linear import SkinnyConfig, skinny_linear
-
     layers = runner.model.layers
     shapes = {
         "qkv": [layer.self_attn.qkv_proj.weight for layer in layers],
@@ -150,10 +150,6 @@ def linears(runner, batch: int, copy_bw: float) -> list[dict]:
         x = torch.randn(batch, k, device="cuda", dtype=weights[0].dtype)
         nbytes = 2 * n * k
         variants = {"cublas": lambda w, x=x: F.linear(x, w)}
-        for cfg in SKINNY:
-            if k % cfg[1] == 0:
-                config = SkinnyConfig(*cfg)
-                variants[f"skinny{cfg}"] = lambda w, c=config, x=x: skinny_linear(x, w, None, c)
         ref = F.linear(x, weights[0]).float()
         for label, fn in variants.items():
             try:
@@ -193,7 +189,9 @@ def attention(engine, batch: int, copy_bw: float) -> list[dict]:
     kv_bytes = sum(r.num_tokens for r in running) * 2 * kv_heads * dim * caches[0].element_size()
     q = torch.randn(len(running), heads, dim, device="cuda", dtype=caches[0].dtype)
     variants = {"fast(current)": FAST_DECODE, "invariant(current)": INVARIANT_DECODE,
-                "invariant+fused": dataclasses.replace(INVARIANT_DECODE, fused_combine=True)}
+                "invariant,separate": dataclasses.replace(INVARIANT_DECODE, fused_combine=False),
+                "invariant,fused,all": dataclasses.replace(INVARIANT_DECODE, fused_combine=True,
+                                                           target_programs=ALL)}
     for v in ATTENTION:
         variants[f"{v}"] = DecodeKernelConfig(*v)
     ref = paged_attention(q, caches[0], meta, dim**-0.5, decode=INVARIANT_DECODE).float()
@@ -217,23 +215,43 @@ def attention(engine, batch: int, copy_bw: float) -> list[dict]:
 
 @torch.inference_mode()
 def small_ops(runner, batch: int) -> list[dict]:
-    from kvrecover.ops import triton_ops
+    """The small ops alone (16 calls per graph), with other warp counts for the row kernels."""
+    import triton
+
+    from kvrecover.ops import triton_ops as t
 
     model = runner.model
     hidden = model.config.hidden_size
-    layer = model.layers[0]
+    inter = model.config.intermediate_size
     x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
-    gate_up = torch.randn(batch, 2 * model.config.intermediate_size, device="cuda",
-                          dtype=torch.bfloat16)
-    w = layer.input_layernorm.weight
+    gate_up = torch.randn(batch, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(batch, inter, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
+    w = model.layers[0].input_layernorm.weight
+    emb = model.embed_tokens.weight
+    logits = torch.randn(batch, model.config.vocab_size, device="cuda", dtype=torch.bfloat16)
     ops = {
-        "rms_norm": lambda: triton_ops.rms_norm(x, w, 1e-5),
-        "add_rms_norm": lambda: triton_ops.rms_norm(x.clone(), w, 1e-5, residual=residual),
-        "silu_mul": lambda: triton_ops.silu_mul(gate_up),
-        "clone(ref for add_rms_norm)": lambda: x.clone(),
+        "embedding (F.embedding)": lambda: F.embedding(ids, emb),
+        "embedding (triton)": lambda: t.embedding(ids, emb),
+        "logits.float() + greedy": lambda: t.greedy_tokens(logits.float()),
+        "upcast_greedy_tokens": lambda: t.upcast_greedy_tokens(logits),
     }
-    return [{"op": name, "us": graph_time([fn] * 16) * 1e6} for name, fn in ops.items()]
+    for warps in (2, 4, 8, 16):
+        ops[f"add_rms_norm warps={warps}"] = lambda wp=warps: t._rms_norm_kernel[(batch,)](
+            x, residual, w, x, x.stride(0), residual.stride(0), x.stride(0), hidden, 1e-5,
+            HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden), num_warps=wp)
+    for block, warps in ((2048, 8), (1024, 4), (512, 2), (4096, 16), (1024, 8)):
+        ops[f"silu_mul block={block} warps={warps}"] = lambda b=block, wp=warps: (
+            t._silu_mul_kernel[(batch, triton.cdiv(inter, b))](
+                gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=b, num_warps=wp))
+    rows = []
+    for name, fn in ops.items():
+        try:
+            rows.append({"op": name, "us": graph_time([fn] * 16) * 1e6})
+        except Exception as exc:
+            rows.append({"op": name, "us": float("nan"), "error": type(exc).__name__})
+    return rows
 
 
 def profile_batch(model_dir: Path, batch: int, prompt_len: int, steps: int, copy_bw: float,

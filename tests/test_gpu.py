@@ -229,6 +229,9 @@ def test_batch_invariant_linear(n, k):
     for rows in (1, 5, 64, 333, 700):
         assert torch.equal(linear(x[:rows], w, bias), full[:rows]), rows
     assert torch.equal(linear(x[-3:], w, bias), full[-3:])
+    from kvrecover.ops.arrival import all_counters_zero
+
+    assert all_counters_zero(x.device)  # split-K launches re-arm their arrival counters
 
 
 # ----- engine -------------------------------------------------------------------------
@@ -311,6 +314,78 @@ def test_greedy_tokens_match_argmax():
     logits = torch.randn(37, 128256, device=DEVICE)
     logits[3, 5000] = logits[3, 70000] = 1e4  # a tie: the first index wins, as in torch
     assert torch.equal(greedy_tokens(logits).long(), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_cuda)])
+def test_upcast_greedy_tokens_match_cast_then_argmax(dtype):
+    from kvrecover.ops.triton_ops import upcast_greedy_tokens
+
+    logits = _randn(5, 9000, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    logits[2, 100] = logits[2, 8000] = 50.0  # a tie: the first index wins
+    upcast, tokens = upcast_greedy_tokens(logits)
+    assert upcast.dtype == torch.float32 and torch.equal(upcast, logits.float())
+    assert torch.equal(tokens.long(), logits.float().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_matches_reference(dtype):
+    from kvrecover.ops.triton_ops import TritonOps
+
+    weight = _randn(300, 1100, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([5, 0, 299, 5, 17], device=DEVICE)
+    assert torch.equal(TritonOps().embedding(ids, weight), weight[ids])
+    assert TritonOps().embedding(ids[:0], weight).shape == (0, 1100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "invariant"])
+def test_decode_combine_in_kernel_is_bit_identical(dtype, batch_invariant):
+    """The last program's in-kernel merge gives the combine kernel's bits, and leaves
+    every arrival counter at zero for the next launch (two launches, same bits)."""
+    import dataclasses
+
+    from kvrecover.ops import triton_attention as ta
+    from kvrecover.ops.arrival import all_counters_zero
+    from kvrecover.worker.step_inputs import StepInputBuilder
+
+    q, k, v, cache, scheduled = _random_step(DECODE_STEP, 16, 12, 4, 64, dtype, 5)
+    builder = StepInputBuilder(16, ta.tile_tokens(3), torch.device(DEVICE))
+    layout = builder.pack(scheduled)
+    meta = builder.views(layout, builder.upload(layout)).attn
+    ta.store_kv(k, v, cache, meta.slot_mapping)
+    base = ta.INVARIANT_DECODE if batch_invariant else ta.FAST_DECODE
+    separate = ta.paged_attention(q, cache, meta, 0.125,
+                                  decode=dataclasses.replace(base, fused_combine=False))
+    for _ in range(2):
+        fused = ta.paged_attention(q, cache, meta, 0.125,
+                                   decode=dataclasses.replace(base, fused_combine=True))
+        assert torch.equal(fused, separate)
+        assert all_counters_zero(q.device)
+
+
+@pytest.mark.parametrize("segment,block_n", [(128, 32), (512, 128)])
+def test_decode_segment_sizes_match_reference(segment, block_n):
+    """Other decode segment sizes (default mode only) compute the same attention."""
+    import dataclasses
+
+    from kvrecover.ops import triton_attention as ta
+    from kvrecover.ops.attention_metadata import AttentionMetadata
+    from kvrecover.ops.torch_attention import TorchPagedAttention
+    from kvrecover.worker.step_inputs import StepInputBuilder
+
+    q, k, v, cache, scheduled = _random_step(DECODE_STEP, 16, 8, 2, 32, torch.float32, 6)
+    ref_meta = AttentionMetadata.build(
+        [s.num_computed_tokens for s in scheduled], [1] * len(scheduled),
+        [s.block_ids for s in scheduled], 16, torch.device(DEVICE),
+    )
+    ref = TorchPagedAttention().forward(q, k, v, cache.clone(), ref_meta, 32**-0.5)
+    builder = StepInputBuilder(16, ta.tile_tokens(4), torch.device(DEVICE))
+    layout = builder.pack(scheduled)
+    meta = builder.views(layout, builder.upload(layout)).attn
+    ta.store_kv(k, v, cache, meta.slot_mapping)
+    config = dataclasses.replace(ta.FAST_DECODE, segment=segment, block_n=block_n)
+    out = ta.paged_attention(q, cache, meta, 32**-0.5, decode=config)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_decode_pack_matches_generic_pack():

@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         before_layer: Any = None,
         after_layer: Any = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.ops.embedding(input_ids, self.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
@@ -187,9 +187,11 @@ class LlamaForCausalLM(nn.Module):
                 after_layer(index)
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given final hidden states."""
-        return self.ops.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Float32 logits for the given final hidden states (the model's dtype unless
+        `upcast`: a caller that casts them itself)."""
+        logits = self.ops.linear(hidden, self.lm_head)
+        return logits.float() if upcast else logits
 
     # Hugging Face parameter name fragments -> (our fragment, shard id).
     packed_modules = {

@@ -33,6 +33,10 @@ class TorchOps:
             return packed_linear(x, layer)
         return F.linear(x, layer.weight, layer.bias)
 
+    def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of `weight` for `input_ids` (token embeddings)."""
+        return F.embedding(input_ids, weight)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim in float32, rounded to `x`'s dtype before the weight."""
         input_dtype = x.dtype

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrecover.ops.arrival import arrival_counters
 from kvrecover.ops.attention_metadata import PagedAttentionMetadata
 from kvrecover.ops.triton_ops import rotary_store_
 
@@ -56,14 +57,19 @@ class DecodeKernelConfig:
     num_stages: int
     # Keys per softmax segment. Only SEGMENT keeps decode bit-identical to prefill.
     segment: int = SEGMENT
+    # Programs to aim for when spreading segments (split-context decode); at least
+    # one per (token, KV head), at most one per segment.
+    target_programs: int = TARGET_PROGRAMS
     # The last program of a (token, KV head) to finish merges the segments itself
     # (an arrival counter) instead of a second kernel: the same merges, in order.
     fused_combine: bool = False
 
 
-INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
+INVARIANT_DECODE = DecodeKernelConfig(
+    DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES, fused_combine=True
+)
 # The smallest tile tl.dot takes: a decode tile holds one token, the rest is padding.
-FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2)
+FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2, fused_combine=True)
 
 
 def tile_tokens(group_size: int, block_m: int = PREFILL_BLOCK_M) -> int:
@@ -88,8 +94,8 @@ def _store_kv_kernel(
 
 @triton.jit
 def _segment(
-    q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride, block_size,
-    seg_start, seg_end, scale_log2,
+    q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
+    seg_start, seg_end, scale_log2, PAGE: tl.constexpr,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Online-softmax state (max, sum, unnormalised output) of keys [seg_start, seg_end)."""
@@ -100,8 +106,8 @@ def _segment(
     for start in range(seg_start, seg_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_valid = keys < seg_end
-        block = tl.load(table + keys // block_size, mask=key_valid, other=0)
-        slots = block.to(tl.int64) * block_size + keys % block_size
+        block = tl.load(table + keys // PAGE, mask=key_valid, other=0)
+        slots = block.to(tl.int64) * PAGE + keys % PAGE
         kv_offsets = slots[:, None] * slot_stride + kv_base + dims[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
         if IEEE:
@@ -139,8 +145,8 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_query_start_ptr,
     block_tables_ptr, block_table_stride_ptr, counter_ptr,
-    scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, slot_stride, block_size,
-    max_segments, num_splits,
+    scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, slot_stride,
+    max_segments, num_splits, PAGE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
@@ -176,8 +182,8 @@ def _paged_attention_kernel(
         for segment in range(tl.program_id(2), num_segments, num_splits):
             seg_start = segment * SEGMENT
             m_s, l_s, acc_s = _segment(
-                q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride, block_size,
-                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2,
+                q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
+                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2, PAGE,
                 ROWS, HEAD_DIM, BLOCK_N, IEEE,
             )
             base = (state_rows + segment) * GROUP_PAD
@@ -216,8 +222,8 @@ def _paged_attention_kernel(
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         for seg_start in range(0, kv_end, SEGMENT):
             m_s, l_s, acc_s = _segment(
-                q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride, block_size,
-                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2,
+                q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
+                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2, PAGE,
                 ROWS, HEAD_DIM, BLOCK_N, IEEE,
             )
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
@@ -260,18 +266,6 @@ def _combine_segments_kernel(
              mask=(rows < GROUP)[:, None])
 
 
-# Arrival counters of the fused combine, per device: zero between launches (the last
-# arrival re-arms its counter). Replaced buffers stay alive: captured graphs hold them.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(size: int, device: torch.device) -> torch.Tensor:
-    kept = _COUNTERS.setdefault(device, [])
-    if not kept or kept[-1].numel() < size:
-        kept.append(torch.zeros(max(size, 8192), dtype=torch.int32, device=device))
-    return kept[-1]
-
-
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -307,10 +301,14 @@ def paged_attention(
     segment = decode.segment if split else SEGMENT
     max_segments = triton.cdiv(max(meta.max_seq_len, 1), segment) if split else 1
     fused = split and decode.fused_combine
-    counters = _arrival_counters(meta.num_tiles * num_kv_heads, query.device) if fused else out
+    counters = out
+    if fused:
+        counters = arrival_counters("attention", meta.num_tiles * num_kv_heads, query.device)
     num_splits = 1
     if split:
-        num_splits = min(max_segments, triton.cdiv(TARGET_PROGRAMS, meta.num_tiles * num_kv_heads))
+        num_splits = min(
+            max_segments, triton.cdiv(decode.target_programs, meta.num_tiles * num_kv_heads)
+        )
         states = meta.num_tiles * num_kv_heads * max_segments * group_pad
         part_m = torch.empty(states, dtype=torch.float32, device=query.device)
         part_l = torch.empty(states, dtype=torch.float32, device=query.device)
@@ -324,7 +322,7 @@ def paged_attention(
         meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
         meta.block_tables, meta.block_table_stride, counters,
         scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(2), kv_cache.shape[2], max_segments, num_splits,
+        kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
         FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32,

@@ -17,7 +17,6 @@ import triton.language as tl
 from torch import nn
 
 from kvrecover.ops.batch_invariant import linear as batch_invariant_linear
-from kvrecover.ops.skinny_linear import skinny_config, skinny_linear
 from kvrecover.ops.torch_ops import TorchOps
 
 if TYPE_CHECKING:
@@ -141,11 +140,28 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.con
 
 
 @triton.jit
-def _argmax_chunks_kernel(logits_ptr, value_ptr, index_ptr, n_cols, stride, BLOCK: tl.constexpr):
+def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, n_cols, weight_stride, out_stride,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    values = tl.load(weight_ptr + token * weight_stride + cols, mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, values, mask=mask)
+
+
+@triton.jit
+def _argmax_chunks_kernel(
+    logits_ptr, upcast_ptr, value_ptr, index_ptr, n_cols, stride,
+    UPCAST: tl.constexpr, BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(logits_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf"))
+    x = x.to(tl.float32)  # exact: the argmax of the float32 copy is the argmax of the input
+    if UPCAST:
+        tl.store(upcast_ptr + row * n_cols + cols, x, mask=cols < n_cols)
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(value_ptr + row * tl.num_programs(1) + chunk, value)
     tl.store(index_ptr + row * tl.num_programs(1) + chunk, chunk * BLOCK + index)
@@ -164,6 +180,16 @@ def _argmax_rows_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK: tl.con
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` (first maximum on ties) in two passes that fill the GPU."""
+    return _greedy(logits, None)
+
+
+def upcast_greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logits.float(), greedy_tokens(logits))` with one read of `logits` (no separate cast)."""
+    upcast = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    return upcast, _greedy(logits, upcast)
+
+
+def _greedy(logits: torch.Tensor, upcast: torch.Tensor | None) -> torch.Tensor:
     n_rows, n_cols = logits.shape
     block = 4096
     num_chunks = triton.cdiv(n_cols, block)
@@ -172,11 +198,25 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n_rows, dtype=torch.int32, device=logits.device)
     if n_rows:
         _argmax_chunks_kernel[(n_rows, num_chunks)](
-            logits, values, indices, n_cols, logits.stride(0), BLOCK=block, num_warps=8
+            logits, upcast if upcast is not None else logits, values, indices, n_cols,
+            logits.stride(0), UPCAST=upcast is not None, BLOCK=block, num_warps=8,
         )
         _argmax_rows_kernel[(n_rows,)](
             values, indices, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks),
             num_warps=1,
+        )
+    return out
+
+
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`weight[input_ids]` for 1-D `input_ids` (ids are checked before they reach here)."""
+    n_cols = weight.shape[1]
+    out = torch.empty((input_ids.shape[0], n_cols), dtype=weight.dtype, device=weight.device)
+    block = min(1024, triton.next_power_of_2(n_cols))
+    if input_ids.shape[0]:
+        _embedding_kernel[(input_ids.shape[0], triton.cdiv(n_cols, block))](
+            input_ids, weight, out, n_cols, weight.stride(0), out.stride(0), BLOCK=block,
+            num_warps=4,
         )
     return out
 
@@ -261,14 +301,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class TritonOps(TorchOps):
-    """The model's small ops as fused Triton kernels; linears on cuBLAS, except the
-    decode shapes `skinny_linear` measured faster."""
+    """The model's small ops as fused Triton kernels; linears stay on cuBLAS."""
 
-    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        config = skinny_config(x, layer.weight)
-        if config is None:
-            return super().linear(x, layer)
-        return skinny_linear(x, layer.weight, layer.bias, config)
+    def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return embedding(input_ids, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -233,11 +233,13 @@ class ModelRunner:
 
     def _decode_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and argmax for every row."""
-        from kvrecover.ops.triton_ops import greedy_tokens
+        from kvrecover.ops.triton_ops import greedy_tokens, upcast_greedy_tokens
 
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        logits = self.model.logits(hidden)
-        return logits, greedy_tokens(logits)
+        logits = self.model.logits(hidden, upcast=False)
+        if logits.dtype == torch.float32:
+            return logits, greedy_tokens(logits)
+        return upcast_greedy_tokens(logits)  # the float32 cast and the argmax in one pass
 
     def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
         """Graphs run only pure decode steps whose connector has nothing to load or save."""
