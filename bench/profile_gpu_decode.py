@@ -28,14 +28,39 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import _time_cuda, build_checkpoint, device_ceilings, random_prompts  # noqa: E402
 
 ALL = 1 << 20  # target programs: one program per segment
-# (block_m, block_n, warps, stages, segment, fused combine, target programs)
+# Decode attention variants against FAST_DECODE: (label, DecodeKernelConfig fields).
+_PAR = dict(fused_combine=True, parallel_merge=True)
 ATTENTION = [
-    (16, 64, 4, 2, 256, False, 1056), (16, 64, 4, 2, 256, True, 1056), (16, 64, 4, 2, 256, True, ALL),
-    (16, 64, 4, 3, 256, True, 1056), (16, 64, 2, 2, 256, True, 1056), (16, 128, 4, 2, 256, True, 1056),
-    (16, 128, 4, 3, 256, True, 1056), (16, 128, 8, 3, 256, True, 1056), (16, 64, 4, 2, 128, True, 1056),
-    (16, 64, 4, 2, 128, True, ALL), (16, 32, 2, 2, 128, True, ALL), (16, 64, 4, 3, 512, True, 1056),
-    (16, 128, 4, 3, 512, True, 1056), (16, 128, 4, 3, 512, True, ALL), (16, 128, 8, 4, 512, True, ALL),
-    (16, 64, 4, 4, 256, True, ALL), (16, 64, 2, 3, 256, True, ALL), (16, 128, 4, 2, 256, True, ALL),
+    ("separate combine", dict(fused_combine=False, parallel_merge=False)),
+    ("fused, in order", dict(fused_combine=True, parallel_merge=False)),
+    ("par", _PAR),
+    ("par all", dict(_PAR, target_programs=ALL)),
+    ("par bn128", dict(_PAR, block_n=128)),
+    ("par bn128 st3", dict(_PAR, block_n=128, num_stages=3)),
+    ("par bn128 st3 all", dict(_PAR, block_n=128, num_stages=3, target_programs=ALL)),
+    ("par bn128 w2 st3 all", dict(_PAR, block_n=128, num_warps=2, num_stages=3, target_programs=ALL)),
+    ("par bn64 w2 st3 all", dict(_PAR, num_warps=2, num_stages=3, target_programs=ALL)),
+    ("par bn64 st4 all", dict(_PAR, num_stages=4, target_programs=ALL)),
+    ("par seg128 all", dict(_PAR, segment=128, target_programs=ALL)),
+    ("par seg512 bn128 st3", dict(_PAR, segment=512, block_n=128, num_stages=3)),
+    ("par seg512 bn128 st3 all", dict(_PAR, segment=512, block_n=128, num_stages=3, target_programs=ALL)),
+    ("par seg512 bn128 st2 all", dict(_PAR, segment=512, block_n=128, target_programs=ALL)),
+    ("par seg512 bn64 st3 all", dict(_PAR, segment=512, num_stages=3, target_programs=ALL)),
+    ("par seg512 bn128 w8 st3 all", dict(_PAR, segment=512, block_n=128, num_warps=8, num_stages=3,
+                                         target_programs=ALL)),
+    ("par seg512 bn256 w8 st2 all", dict(_PAR, segment=512, block_n=256, num_warps=8,
+                                         target_programs=ALL)),
+    ("par seg1024 bn128 st3 all", dict(_PAR, segment=1024, block_n=128, num_stages=3,
+                                       target_programs=ALL)),
+    ("sep seg512 bn128 st3 all", dict(segment=512, block_n=128, num_stages=3, fused_combine=False,
+                                      target_programs=ALL)),
+    ("sep bn128 st3 all", dict(block_n=128, num_stages=3, fused_combine=False, target_programs=ALL)),
+]
+INVARIANT = [
+    ("invariant separate", dict(fused_combine=False)),
+    ("invariant fused all", dict(fused_combine=True, target_programs=ALL)),
+    ("invariant separate all", dict(fused_combine=False, target_programs=ALL)),
+    ("invariant fused st3", dict(fused_combine=True, num_stages=3)),
 ]
 
 
@@ -170,7 +195,6 @@ def attention(engine, batch: int, copy_bw: float) -> list[dict]:
     from kvrecover.ops.triton_attention import (
         FAST_DECODE,
         INVARIANT_DECODE,
-        DecodeKernelConfig,
         paged_attention,
         tile_tokens,
     )
@@ -188,12 +212,11 @@ def attention(engine, batch: int, copy_bw: float) -> list[dict]:
     meta = builder.views(layout, builder.upload(layout)).attn
     kv_bytes = sum(r.num_tokens for r in running) * 2 * kv_heads * dim * caches[0].element_size()
     q = torch.randn(len(running), heads, dim, device="cuda", dtype=caches[0].dtype)
-    variants = {"fast(current)": FAST_DECODE, "invariant(current)": INVARIANT_DECODE,
-                "invariant,separate": dataclasses.replace(INVARIANT_DECODE, fused_combine=False),
-                "invariant,fused,all": dataclasses.replace(INVARIANT_DECODE, fused_combine=True,
-                                                           target_programs=ALL)}
-    for v in ATTENTION:
-        variants[f"{v}"] = DecodeKernelConfig(*v)
+    variants = {"fast(current)": FAST_DECODE, "invariant(current)": INVARIANT_DECODE}
+    for label, fields in ATTENTION:
+        variants[label] = dataclasses.replace(FAST_DECODE, **fields)
+    for label, fields in INVARIANT:
+        variants[label] = dataclasses.replace(INVARIANT_DECODE, **fields)
     ref = paged_attention(q, caches[0], meta, dim**-0.5, decode=INVARIANT_DECODE).float()
     rows = []
     for label, decode in variants.items():
@@ -255,7 +278,7 @@ def small_ops(runner, batch: int) -> list[dict]:
 
 
 def profile_batch(model_dir: Path, batch: int, prompt_len: int, steps: int, copy_bw: float,
-                  batch_invariant: bool) -> dict:
+                  batch_invariant: bool, wanted: list[str]) -> dict:
     from kvrecover import LLM
 
     llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + 144,
@@ -274,6 +297,8 @@ def profile_batch(model_dir: Path, batch: int, prompt_len: int, steps: int, copy
         sections["attention"] = (attention, engine, batch, copy_bw)
         sections["small_ops"] = (small_ops, runner, batch)
     for key, (fn, *fn_args) in sections.items():
+        if key not in wanted:
+            continue
         try:  # one failing section must not lose the others' figures
             result[key] = fn(*fn_args)
         except Exception:
@@ -293,7 +318,7 @@ def print_result(r: dict) -> None:
     print(f"{'kernel':70} {'n/step':>7} {'us/step':>9} {'%':>6}")
     for k in r["kernels"][:24]:
         print(f"{k['name'][:70]:70} {k['count']:7.1f} {k['us']:9.1f} {k['pct']:6.1f}")
-    eager = r["eager_kernels"]
+    eager = r.get("eager_kernels", [])
     print(f"--- eager forward, kernel sum {sum(k['us'] for k in eager) / 1e3:.3f} ms/step")
     for k in eager[:24]:
         print(f"{k['name'][:70]:70} {k['count']:7.1f} {k['us']:9.1f} {k['pct']:6.1f}")
@@ -315,6 +340,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--invariant", action="store_true", help="also the batch_invariant mode")
+    parser.add_argument("--sections", nargs="+", default=["eager_kernels", "linears", "attention",
+                                                         "small_ops"])
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -325,7 +352,8 @@ def main() -> None:
     results = {"ceilings": ceilings, "runs": []}
     for batch in args.batches:
         for invariant in (False, True) if args.invariant else (False,):
-            r = profile_batch(model_dir, batch, args.prompt_len, args.steps, copy_bw, invariant)
+            r = profile_batch(model_dir, batch, args.prompt_len, args.steps, copy_bw, invariant,
+                              args.sections)
             results["runs"].append(r)
             print_result(r)
             sys.stdout.flush()

@@ -5,9 +5,9 @@ result can change with the batch it is in. Here every output element is summed
 in one fixed order that depends only on the weight's shape (N, K): K is cut into
 `num_chunks` equal chunks, each chunk is accumulated from zero in BLOCK_K steps,
 and the chunk sums are added in order in float32. Small batches compute the
-chunks in parallel programs, and the last of a tile's programs to finish adds
-them (`ops.arrival`); large batches loop over them inside one program; both
-perform the same additions, so the row count only changes the speed.
+chunks in parallel programs and add them in a second kernel; large batches loop
+over them inside one program; both perform the same additions, so the row
+count only changes the speed.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
-from kvrecover.ops.arrival import arrival_counters
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -51,7 +49,7 @@ def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.c
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, chunk_k, num_chunks,
+    a_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, chunk_k, num_chunks,
     stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -84,23 +82,8 @@ def _matmul_kernel(
                 acc = tl.dot(a, w, acc)
         total += acc
     if SPLIT:
-        tile_offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        tl.store(partial_ptr + first_chunk.to(tl.int64) * M * N + tile_offsets, total, mask=mask)
-        # The tile's last program to arrive adds the chunks in order (as the loop above
-        # does) and re-arms the counter; a barrier first, so all its stores are out.
-        tl.debug_barrier()
-        counter = counter_ptr + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for chunk in range(0, num_chunks):
-                total += tl.load(partial_ptr + (chunk * M).to(tl.int64) * N + tile_offsets,
-                                 mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counter, 0)
+        offsets = first_chunk.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(partial_ptr + offsets, total, mask=m_mask[:, None] & n_mask[None, :])
     else:
         if HAS_BIAS:
             total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -132,6 +115,23 @@ def _matmul_tma_kernel(
         total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_chunks_kernel(
+    partial_ptr, bias_ptr, out_ptr, M, N, num_chunks, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < M * N
+    total = tl.zeros([BLOCK], tl.float32)
+    for chunk in range(0, num_chunks):  # the same additions, in the same order, as the loop above
+        total += tl.load(partial_ptr + chunk * M * N + offsets, mask=mask, other=0.0)
+    row = offsets // N
+    col = offsets % N
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -208,12 +208,17 @@ def linear(
         )
         return out.view(*shape[:-1], n)
     partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
-    counters = arrival_counters("matmul", num_tiles, x.device) if split else out
     _matmul_kernel[(num_tiles, chunks if split else 1)](
-        x2d, weight, bias if has_bias else weight, out, partial, counters, m, n, k, chunk_k, chunks,
+        x2d, weight, bias if has_bias else weight, out, partial, m, n, k, chunk_k, chunks,
         x2d.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=has_bias, SPLIT=split, IEEE=ieee,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=8,
         num_warps=warps, num_stages=stages,
     )
+    if split:
+        block = 1024
+        _sum_chunks_kernel[(triton.cdiv(m * n, block),)](
+            partial, bias if has_bias else weight, out, m, n, chunks, out.stride(0),
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        )
     return out.view(*shape[:-1], n)
