@@ -7,7 +7,9 @@ through its block table in `SEGMENT`-key segments aligned to position 0; each
 segment's online-softmax state is computed from scratch in `BLOCK_N`-key steps,
 and the states are merged in segment order. Prefill programs do the merging
 themselves; decode steps spread the segments over many programs (split context,
-for bandwidth) and merge them in a second kernel, with the same arithmetic.
+for bandwidth) and merge them with the same arithmetic, either in a second kernel
+or, outside the batch-invariant mode, in the last of a token's programs to finish
+(`ops.arrival`: one launch fewer per layer).
 
 Batch invariance: a query row's arithmetic depends only on its own query, its
 context and the fixed constants (BLOCK_N, SEGMENT). Key steps or segments past
@@ -40,7 +42,6 @@ SEGMENT = 256  # keys per softmax segment: the fixed unit of the reduction order
 PREFILL_WARPS, DECODE_WARPS = 4, 4
 NUM_STAGES = 2
 TARGET_PROGRAMS = 1056  # decode programs to keep 132 SMs busy (about 8 each)
-MERGE = 8  # segments per step of the parallel merge
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,9 @@ class DecodeKernelConfig:
     # The last program of a (token, KV head) to finish merges the segments itself
     # (an arrival counter) instead of a second kernel: the same merges, in order.
     fused_combine: bool = False
-    # With fused_combine: merge MERGE segments at a time with max/sum reductions, not
-    # one by one. Fewer dependent steps; a different rounding than prefill, so the
-    # batch-invariant mode never sets it.
-    parallel_merge: bool = False
 
 
-INVARIANT_DECODE = DecodeKernelConfig(
-    DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES, fused_combine=True
-)
+INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
 # The smallest tile tl.dot takes: a decode tile holds one token, the rest is padding.
 FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2, fused_combine=True)
 
@@ -146,40 +141,6 @@ def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
 
 
 @triton.jit
-def _merge_parallel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, state_rows, num_segments, out_row,
-    first_head, out_stride_h,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
-):
-    """Merge a decode token's segment states MERGE at a time (reductions over segments)
-    and write its output rows."""
-    heads = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for first in range(0, num_segments, MERGE):
-        segments = first + tl.arange(0, MERGE)
-        states = (state_rows + segments)[:, None] * GROUP_PAD + heads[None, :]  # [MERGE, G]
-        valid = (segments < num_segments)[:, None]
-        m_s = tl.load(part_m_ptr + states, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + states, mask=valid, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_acc_ptr + states[:, :, None] * HEAD_DIM + dims[None, None, :],
-                        mask=valid[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, tl.max(m_s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        scale = tl.math.exp2(m_s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(l_s * scale, 0)
-        acc = acc * alpha[:, None] + tl.sum(acc_s * scale[:, :, None], 0)
-        m_i = m_new
-    out = acc / l_i[:, None]
-    rows = out_row + (first_head + heads) * out_stride_h
-    tl.store(out_ptr + rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(heads < GROUP)[:, None])
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_query_start_ptr,
@@ -188,8 +149,7 @@ def _paged_attention_kernel(
     max_segments, num_splits, PAGE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
-    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, PARALLEL_MERGE: tl.constexpr,
-    MERGE: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -215,7 +175,8 @@ def _paged_attention_kernel(
     kv_base = kv_head * HEAD_DIM
     if SPLIT:
         # Decode: this program computes segments split, split + num_splits, ... and stores
-        # each one's state; the combine kernel merges them in segment order.
+        # each one's state; the combine kernel (or, with FUSED_COMBINE, the last of the
+        # token's programs to finish) merges them in segment order.
         num_segments = tl.cdiv(kv_end, SEGMENT)
         state_rows = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_segments
         first = rows < GROUP_PAD  # a decode tile has one token: rows [0, GROUP_PAD)
@@ -236,36 +197,26 @@ def _paged_attention_kernel(
             # num_splits-th arrival merges every segment in order and re-arms the counter.
             tl.debug_barrier()
             counter = counter_ptr + tile * tl.num_programs(1) + kv_head
-            last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
-            if PARALLEL_MERGE:
-                if last:
-                    _merge_parallel(
-                        out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, state_rows, num_segments,
-                        row_begin.to(tl.int64) * out_stride_t, kv_head * GROUP, out_stride_h,
-                        GROUP, GROUP_PAD, HEAD_DIM, MERGE,
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                m_i = tl.full([ROWS], float("-inf"), tl.float32)
+                l_i = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+                for segment in range(0, num_segments):
+                    base = (state_rows + segment) * GROUP_PAD
+                    m_s = tl.load(part_m_ptr + base + rows, mask=first, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + base + rows, mask=first, other=0.0,
+                                  cache_modifier=".cg")
+                    acc_s = tl.load(
+                        part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=first[:, None], other=0.0, cache_modifier=".cg",
                     )
-                    tl.atomic_xchg(counter, 0)
-            else:
-                if last:
-                    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-                    l_i = tl.zeros([ROWS], tl.float32)
-                    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-                    for segment in range(0, num_segments):
-                        base = (state_rows + segment) * GROUP_PAD
-                        m_s = tl.load(part_m_ptr + base + rows, mask=first, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        l_s = tl.load(part_l_ptr + base + rows, mask=first, other=0.0,
-                                      cache_modifier=".cg")
-                        acc_s = tl.load(
-                            part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :],
-                            mask=first[:, None], other=0.0, cache_modifier=".cg",
-                        )
-                        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
-                    out = acc / l_i[:, None]
-                    out_rows = (row_begin + query_index).to(tl.int64) * out_stride_t + head * out_stride_h
-                    tl.store(out_ptr + out_rows[:, None] + dims[None, :],
-                             out.to(out_ptr.dtype.element_ty), mask=(row_valid & first)[:, None])
-                    tl.atomic_xchg(counter, 0)
+                    m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+                out = acc / l_i[:, None]
+                out_rows = (row_begin + query_index).to(tl.int64) * out_stride_t + head * out_stride_h
+                tl.store(out_ptr + out_rows[:, None] + dims[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=(row_valid & first)[:, None])
+                tl.atomic_xchg(counter, 0)
     else:
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -375,8 +326,7 @@ def paged_attention(
         kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
-        FUSED_COMBINE=fused, PARALLEL_MERGE=fused and decode.parallel_merge, MERGE=MERGE,
-        IEEE=query.dtype == torch.float32,
+        FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32,
         num_warps=decode.num_warps if split else prefill_warps,
         num_stages=decode.num_stages if split else num_stages,
         enable_fp_fusion=False,
