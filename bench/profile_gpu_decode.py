@@ -3,10 +3,11 @@
 At bench_gpu.py's shape (Llama-3.2-1B, random bf16 weights, prompts of 1024):
 - the per-kernel table of about 20 decode steps (torch profiler over the engine's
   graph replays): name, launches and microseconds per step, share of the step;
-- each linear and the attention kernel alone, graph-timed over the 16 layers'
-  real weights and caches: microseconds and bytes/s against the copy ceiling,
-  for cuBLAS and the `skinny_linear` tiles, and for decode attention variants;
-- the small ops alone.
+- the same forward run eagerly (a check on the graph table);
+- each linear (cuBLAS) and the attention kernel alone, graph-timed over the 16
+  layers' real weights and caches: microseconds and bytes/s against the copy
+  ceiling, for the current and other decode attention configs;
+- the small ops alone, with other warp counts.
 
     PYTHONPATH=. python3 bench/profile_gpu_decode.py [--batches 16 64] [--out DIR]
 """
