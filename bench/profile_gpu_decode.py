@@ -30,22 +30,24 @@ from bench_gpu import _time_cuda, build_checkpoint, device_ceilings, random_prom
 
 ALL = 1 << 20  # target programs: one program per segment
 # Decode attention variants against FAST_DECODE: (label, DecodeKernelConfig fields).
-# The third call's sweep of the per-head kernel's tiles is in bench/NOTES.md.
-_AH = dict(all_heads=True, target_programs=ALL)
 ATTENTION = [
     ("separate combine", dict(fused_combine=False)),
+    ("all", dict(target_programs=ALL)),
+    ("bn128 st3", dict(block_n=128, num_stages=3)),
     ("w2 st3 all", dict(num_warps=2, num_stages=3, target_programs=ALL)),
-    ("all-heads seg64 bn16", dict(_AH, segment=64, block_n=16)),
-    ("all-heads seg128 bn16", dict(_AH, segment=128, block_n=16)),
-    ("all-heads seg256 bn16", dict(_AH, segment=256, block_n=16)),
-    ("all-heads seg128 bn32", dict(_AH, segment=128, block_n=32)),
-    ("all-heads seg128 bn16 st3", dict(_AH, segment=128, block_n=16, num_stages=3)),
-    ("all-heads seg256 bn32 w8", dict(_AH, segment=256, block_n=32, num_warps=8)),
-    ("all-heads seg128 bn8 st3", dict(_AH, segment=128, block_n=8, num_stages=3)),
-    ("all-heads seg64 bn8 w2 st3", dict(_AH, segment=64, block_n=8, num_warps=2, num_stages=3)),
-    ("all-heads seg64 bn16 264", dict(_AH, segment=64, block_n=16, target_programs=264)),
+    ("st4 all", dict(num_stages=4, target_programs=ALL)),
+    ("seg128 all", dict(segment=128, target_programs=ALL)),
+    ("seg512 bn128 st3 all", dict(segment=512, block_n=128, num_stages=3, target_programs=ALL)),
+    ("seg512 bn128 w8 st3 all", dict(segment=512, block_n=128, num_warps=8, num_stages=3,
+                                     target_programs=ALL)),
+    ("seg1024 bn128 st3 all", dict(segment=1024, block_n=128, num_stages=3, target_programs=ALL)),
 ]
-INVARIANT = [("invariant fused", dict(fused_combine=True))]
+INVARIANT = [
+    ("invariant fused", dict(fused_combine=True)),
+    ("invariant fused all", dict(fused_combine=True, target_programs=ALL)),
+    ("invariant separate all", dict(fused_combine=False, target_programs=ALL)),
+    ("invariant fused st3", dict(fused_combine=True, num_stages=3)),
+]
 
 
 def graph_time(calls: list, reps: int = 20) -> float:

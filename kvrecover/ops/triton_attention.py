@@ -30,7 +30,6 @@ import triton.language as tl
 
 from kvrecover.ops.arrival import arrival_counters
 from kvrecover.ops.attention_metadata import PagedAttentionMetadata
-from kvrecover.ops.triton_decode import all_heads_states
 from kvrecover.ops.triton_ops import rotary_store_
 
 if TYPE_CHECKING:
@@ -66,10 +65,6 @@ class DecodeKernelConfig:
     # The last program of a (token, KV head) to finish merges the segments itself
     # (an arrival counter) instead of a second kernel: the same merges, in order.
     fused_combine: bool = False
-    # One program per (token, segment) reads whole cache slots (every KV head):
-    # `triton_decode`. Its states go through the combine kernel (fused_combine is
-    # ignored); `target_programs` then counts programs per token, not per KV head.
-    all_heads: bool = False
 
 
 INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
@@ -306,42 +301,36 @@ def paged_attention(
     block_m = decode.block_m if split else prefill_block_m
     segment = decode.segment if split else SEGMENT
     max_segments = triton.cdiv(max(meta.max_seq_len, 1), segment) if split else 1
-    all_heads = split and decode.all_heads
-    fused = split and decode.fused_combine and not all_heads
+    fused = split and decode.fused_combine
     counters = out
     if fused:
         counters = arrival_counters("attention", meta.num_tiles * num_kv_heads, query.device)
     num_splits = 1
     if split:
-        per_split = meta.num_tiles * (1 if all_heads else num_kv_heads)
-        num_splits = min(max_segments, triton.cdiv(decode.target_programs, per_split))
+        num_splits = min(
+            max_segments, triton.cdiv(decode.target_programs, meta.num_tiles * num_kv_heads)
+        )
         states = meta.num_tiles * num_kv_heads * max_segments * group_pad
         part_m = torch.empty(states, dtype=torch.float32, device=query.device)
         part_l = torch.empty(states, dtype=torch.float32, device=query.device)
         part_acc = torch.empty((states, head_dim), dtype=torch.float32, device=query.device)
     else:
         part_m = part_l = part_acc = out
-    if all_heads:
-        all_heads_states(
-            query, kv_cache, meta, scale, (part_m, part_l, part_acc), max_segments, num_splits,
-            decode.block_n, segment, decode.num_warps, decode.num_stages,
-        )
-    else:
-        # Fused multiply-adds are off so that the decode combine kernel and the prefill
-        # kernel round every merge step identically (batch invariance).
-        _paged_attention_kernel[(meta.num_tiles, num_kv_heads, num_splits)](
-            query, kv_cache[0], kv_cache[1], out, part_m, part_l, part_acc,
-            meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
-            meta.block_tables, meta.block_table_stride, counters,
-            scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
-            BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
-            FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32,
-            num_warps=decode.num_warps if split else prefill_warps,
-            num_stages=decode.num_stages if split else num_stages,
-            enable_fp_fusion=False,
-        )
+    # Fused multiply-adds are off so that the decode combine kernel and the prefill
+    # kernel round every merge step identically (batch invariance).
+    _paged_attention_kernel[(meta.num_tiles, num_kv_heads, num_splits)](
+        query, kv_cache[0], kv_cache[1], out, part_m, part_l, part_acc,
+        meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
+        meta.block_tables, meta.block_table_stride, counters,
+        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
+        BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
+        FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32,
+        num_warps=decode.num_warps if split else prefill_warps,
+        num_stages=decode.num_stages if split else num_stages,
+        enable_fp_fusion=False,
+    )
     if split and not fused:
         _combine_segments_kernel[(meta.num_tiles, num_kv_heads)](
             out, part_m, part_l, part_acc, meta.seq_lens, meta.query_start_loc, meta.tile_request,
