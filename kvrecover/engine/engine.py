@@ -198,20 +198,28 @@ class Engine:
             return self._land_in_flight()
         scheduler_output = self.scheduler.schedule()
         if self.model_runner.can_overlap(scheduler_output):
-            pending = self.model_runner.launch_decode(scheduler_output)
-            self._in_flight = (scheduler_output, pending)
+            self._in_flight = (scheduler_output, self._launch(scheduler_output))
             return self._land_in_flight()
         runner_output = self.model_runner.execute(scheduler_output)
         return self._apply(scheduler_output, runner_output)
 
+    def _launch(self, scheduler_output: SchedulerOutput,
+                previous: PendingDecode | None = None) -> PendingDecode:
+        self.stats.overlapped_steps += 1
+        return self.model_runner.launch_decode(scheduler_output, previous)
+
     def _land_in_flight(self) -> list[RequestOutput]:
         """Finish the launched decode step, launching the one after it first (when the
-        scheduler can tell it already) so the device never waits for the host."""
+        scheduler can tell it already) so the device never waits for the host.
+
+        Applying the landed step may roll back (recovery) or end a request that the
+        step just launched continues: the scheduler then discards that request's part
+        of it when it lands (`Scheduler.update_from_output`)."""
         scheduler_output, pending = self._in_flight
         self._in_flight = None
         following = self.scheduler.schedule_next_decode(scheduler_output)
         if following is not None:
-            self._in_flight = (following, self.model_runner.launch_decode(following, pending))
+            self._in_flight = (following, self._launch(following, pending))
         outputs = self._apply(scheduler_output, pending.result())
         requests = self.scheduler.requests
         if self._in_flight is not None and all(

@@ -138,16 +138,26 @@ class Scheduler:
         does not end by length in `previous` decodes again, its input being the
         token `previous` samples (`PENDING_TOKEN` until it lands). A request
         that turns out to stop on that token simply has the extra step's result
-        dropped. Returns None (schedule normally once `previous` lands) when
-        requests are waiting or the cache would need preemption.
+        dropped. Returns None (schedule normally once `previous` lands) when a
+        waiting request could be admitted, an async load has passed its deadline,
+        a running request is not in `previous` (one that recovery rolled back
+        after `previous` was scheduled, or one the token budget left out), or the
+        cache would need preemption. Requests parked for their async loads wait:
+        the connector's report of a finished load arrives with any step.
         """
-        if self.waiting or self.loads.orphans:
+        if self.loads.orphans or self.loads.expired() or any(
+            request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS for request in self.waiting
+        ):
             return None
         scheduled: list[ScheduledRequest] = []
+        num_continued = 0
         for item in previous.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue
+            if request.num_computed_tokens != item.num_computed_tokens:
+                return None  # rolled back since `previous` was scheduled: recompute it first
+            num_continued += 1
             num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
             if (
                 num_outputs >= request.sampling_params.max_tokens
@@ -166,10 +176,11 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 sample_seed=request.next_sample_seed(num_outputs),
             ))
-        if not scheduled:
+        if not scheduled or num_continued != len(self.running):
             return None
         output = SchedulerOutput(scheduled, self._finished_since_last_step)
         self._finished_since_last_step = set()
+        output.kv_connector_metadata = self.kv_loads.build_connector_meta(output)
         return output
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
@@ -280,6 +291,10 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted during the step
+            if request.num_computed_tokens != item.num_computed_tokens:
+                # An overlapped step scheduled before recovery rolled the request back
+                # (a rollback always cuts below that step's start): its token is void.
+                continue
             request.num_computed_tokens += len(item.token_ids)
             prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens)
             self.stats.prompt_tokens_computed += max(0, prompt_end - item.num_computed_tokens)

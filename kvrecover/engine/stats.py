@@ -20,6 +20,7 @@ class EngineStats:
     kv_load_failed_requests: int = 0
     kv_save_failed_blocks: int = 0
     kv_connector_errors: int = 0  # connector calls that raised or broke the contract (contained)
+    overlapped_steps: int = 0  # decode steps run on the overlapped path (launch_decode)
     # The connector's own counters (e.g. a tiered connector's `kv_tier0_loaded_blocks`).
     connector: dict[str, int] = field(default_factory=dict)
 

@@ -23,7 +23,7 @@ from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.ops.backend import select_backend
 from kvrecover.worker.cpu_threads import set_cpu_threads
 from kvrecover.worker.kv_cache import allocate_kv_caches
-from kvrecover.worker.sampler import Sampler
+from kvrecover.worker.sampler import SampledRows, Sampler
 from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs, reference_step_inputs
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class ModelRunner:
         self.inputs = None  # the Triton path's packed step inputs
         self.graphs = None
         self._token_buffers = None  # host buffers for overlapped decode tokens
-        # Overlap greedy decode steps without CUDA graphs too (an eager forward). It hides
+        # Overlap decode steps without CUDA graphs too (an eager forward). It hides
         # nothing on the CPU, so it is off unless asked for: tests run the real overlapped
         # path on the CPU with it.
         self.eager_overlap = False
@@ -115,38 +115,28 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and report sampled tokens and KV-transfer events."""
         output = ModelRunnerOutput()
-        connector = self.connector
-        self._load_error = self._save_error = False
-        self._failed_requests = output.failed_requests
-        if connector is not None:
-            self._guard(connector.bind_connector_metadata, scheduler_output.kv_connector_metadata,
-                        on_error="load")
-            if not self._load_error:
-                self._guard(connector.start_load_kv, self.kv_caches, on_error="load")
+        self._start_step(scheduler_output, output)
         if scheduler_output.scheduled:
             try:
                 output.sampled_token_ids = self._forward(scheduler_output)
             except Exception as error:  # ends this step's requests, never the engine
-                logger.exception("a step of %d requests failed", len(scheduler_output.scheduled))
-                message = f"the step failed: {type(error).__name__}: {error}"
-                for item in scheduler_output.scheduled:
-                    output.failed_requests[item.request_id] = message
-        if connector is not None:
+                self._fail_step(scheduler_output, error, output)
+        if self.connector is not None:
             self._finish_connector_step(scheduler_output, output)
         return output
 
     def can_overlap(self, scheduler_output: SchedulerOutput) -> bool:
-        """Whether `launch_decode` may run this step: greedy decode on CUDA graphs (or
-        eagerly, with `eager_overlap`), no connector (its loads, saves and failures
-        stay on the synchronous path)."""
+        """Whether `launch_decode` may run this step: one sampled token per request, on
+        a runner that overlaps decode (CUDA graphs for this batch size, or eagerly with
+        `eager_overlap`). Greedy and random sampling both run on the device (`Sampler`),
+        and a connector's hooks run at launch in their usual order, so loads, saves and
+        async arrivals qualify too; a step that needs per-layer hooks runs eagerly."""
         scheduled = scheduler_output.scheduled
-        if self.connector is not None or not scheduled:
+        if not scheduled or any(len(s.token_ids) != 1 or not s.sample for s in scheduled):
             return False
-        if not self._can_replay(scheduler_output) and not (
-            self.eager_overlap and all(len(s.token_ids) == 1 for s in scheduled)
-        ):
-            return False
-        return all(s.sample and s.sampling_params.is_greedy for s in scheduled)
+        return self.eager_overlap or (
+            self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None
+        )
 
     @torch.inference_mode()
     def launch_decode(
@@ -155,35 +145,65 @@ class ModelRunner:
         """Start a step that `can_overlap` accepted, without waiting for its tokens.
 
         With `previous`, every request's input is the token `previous` samples for it.
+        The connector's hooks run here, in `execute`'s order, so the pending step's
+        output carries the step's KV-transfer events; only the tokens wait.
         """
         from kvrecover.worker.overlap import TokenBuffers
 
         scheduled = scheduler_output.scheduled
+        output = ModelRunnerOutput()
+        self._start_step(scheduler_output, output)
         source = None
         if previous is not None:
             rows = previous.rows()
             source = (previous.device_tokens, [rows[s.request_id] for s in scheduled])
-        if self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None:
-            _, greedy = self.graphs.run(scheduled, source)
-        else:
-            greedy = self._eager_decode(scheduled, source)
+        try:
+            sampled = self._decode_on_device(scheduler_output, source)
+        except Exception as error:  # as in `execute`: these requests end, the engine goes on
+            self._fail_step(scheduler_output, error, output)
+            sampled = SampledRows(torch.zeros(len(scheduled), dtype=torch.long, device=self.device))
+        if self.connector is not None:
+            self._finish_connector_step(scheduler_output, output)
         if self._token_buffers is None:
             self._token_buffers = TokenBuffers(self.device)
-        return self._token_buffers.launch([s.request_id for s in scheduled], greedy)
+        return self._token_buffers.launch([s.request_id for s in scheduled], sampled, output)
 
-    def _eager_decode(self, scheduled: list, source: tuple[torch.Tensor, list[int]] | None
-                      ) -> torch.Tensor:
-        """A decode step without graphs: the greedy token of every row, left on the device.
+    def _start_step(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Bind the step's connector metadata and start its loads."""
+        connector = self.connector
+        self._load_error = self._save_error = False
+        self._failed_requests = output.failed_requests
+        if connector is not None:
+            self._guard(connector.bind_connector_metadata, scheduler_output.kv_connector_metadata,
+                        on_error="load")
+            if not self._load_error:
+                self._guard(connector.start_load_kv, self.kv_caches, on_error="load")
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception,
+                   output: ModelRunnerOutput) -> None:
+        scheduled = scheduler_output.scheduled
+        logger.exception("a step of %d requests failed", len(scheduled))
+        message = f"the step failed: {type(error).__name__}: {error}"
+        for item in scheduled:
+            output.failed_requests[item.request_id] = message
+
+    def _decode_on_device(self, scheduler_output: SchedulerOutput,
+                          source: tuple[torch.Tensor, list[int]] | None) -> SampledRows:
+        """A decode step's tokens, left on the device: a graph replay, or an eager
+        forward (with the connector's per-layer hooks) when the step cannot replay.
         With `source`, the input tokens are gathered there, as a graph replay does."""
-        token_ids = None
+        scheduled = scheduler_output.scheduled
+        if self._can_replay(scheduler_output):
+            logits, greedy = self.graphs.run(scheduled, source)
+            return self._sample_on_device(logits, scheduled, greedy)
+        inputs = self._step_inputs(scheduled)
         if source is not None:
             tokens, rows = source
-            token_ids = tokens.index_select(0, torch.tensor(rows, device=self.device))
-        inputs = self._step_inputs(scheduled)
-        if token_ids is not None:
-            inputs.input_ids.copy_(token_ids)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        return self.model.logits(hidden[inputs.sample_rows]).argmax(dim=-1)
+            inputs.input_ids.copy_(tokens.index_select(0, torch.tensor(rows, device=self.device)))
+        before_layer, after_layer = self._connector_hooks(inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                            before_layer, after_layer)
+        return self._sample_on_device(self.model.logits(hidden[inputs.sample_rows]), scheduled)
 
     def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         scheduled = scheduler_output.scheduled
@@ -219,17 +239,24 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, sampling: list, greedy: torch.Tensor | None = None
     ) -> dict[str, int]:
-        """Request id -> token for the sampled rows; `greedy` (the graph's argmax) serves
-        all-greedy steps. A row that cannot be sampled is reported in the step's
-        `failed_requests` instead of failing the others."""
-        if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
-            return {s.request_id: token for s, token in zip(sampling, greedy.tolist())}
-        tokens, errors = self.sampler.sample_isolated(
-            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
-        )
+        """Request id -> token for the sampled rows, read back from the device. A row
+        that cannot be sampled is reported in the step's `failed_requests` instead of
+        failing the others."""
+        tokens, errors = self._sample_on_device(logits, sampling, greedy).to_host()
         for row, message in errors.items():
             self._failed_requests[sampling[row].request_id] = message
         return {s.request_id: t for s, t in zip(sampling, tokens) if t is not None}
+
+    def _sample_on_device(
+        self, logits: torch.Tensor, sampling: list, greedy: torch.Tensor | None = None
+    ) -> SampledRows:
+        """The sampled rows' tokens on the device (both decode paths sample here);
+        `greedy` (the graph's argmax) serves all-greedy steps."""
+        if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
+            return SampledRows(greedy)
+        return self.sampler.sample(
+            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
+        )
 
     def _decode_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and argmax for every row."""

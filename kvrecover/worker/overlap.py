@@ -2,11 +2,15 @@
 
 The engine launches step N+1 before it reads step N's tokens (N+1 takes them
 from the device), so the device never idles while the host schedules and
-applies results. Each launched step copies its greedy tokens into one of two
-host buffers: at most two steps are ever in flight. On a GPU the buffers are
-pinned and an event marks the copy done; on the CPU (where the model runner can
-run the same path eagerly, see `ModelRunner.eager_overlap`) they are plain
-tensors and the copy is done when it returns. `TokenBuffers` chooses once.
+applies results. Greedy and randomly sampled rows alike are sampled on the
+device (`Sampler.sample`); each launched step copies its tokens (and, for random
+draws, whether each was valid) into one of two host buffers: at most two steps
+are ever in flight. A connector's hooks run when the step is launched, in their
+usual order, so the step's KV-transfer events are known before its tokens.
+On a GPU the buffers are pinned and an event marks the copy done; on the CPU
+(where the model runner can run the same path eagerly, see
+`ModelRunner.eager_overlap`) they are plain tensors and the copy is done when it
+returns. `TokenBuffers` chooses once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvrecover.engine.scheduler_output import ModelRunnerOutput
+from kvrecover.worker.sampler import SampledRows, host_results
 
 
 class _DoneEvent:
@@ -27,18 +32,30 @@ class _DoneEvent:
 
 
 class PendingDecode:
-    """A launched decode step; `result()` waits for its tokens."""
+    """A launched decode step; `result()` waits for its tokens.
+
+    `output` already holds the step's KV-transfer events (the connector's hooks ran
+    at launch) and the rows that failed there; the tokens, and which random draws
+    were invalid, arrive with `result()`.
+    """
 
     def __init__(
-        self, request_ids: list[str], device_tokens: torch.Tensor, host: torch.Tensor,
-        ready: torch.cuda.Event | _DoneEvent,
+        self, request_ids: list[str], sampled: SampledRows, output: ModelRunnerOutput,
+        host: torch.Tensor, ready: torch.cuda.Event | _DoneEvent,
     ) -> None:
         self.request_ids = request_ids
-        # [B], a graph output: the next replay of that graph overwrites it, after (in stream
-        # order) every read of it that was launched before.
-        self.device_tokens = device_tokens
-        self._host = host[: len(request_ids)]
-        self._host.copy_(device_tokens, non_blocking=True)
+        # [B], a graph output on the all-greedy path: the next replay of that graph
+        # overwrites it, after (in stream order) every read of it launched before.
+        self.device_tokens = sampled.tokens
+        self._errors = sampled.errors
+        self._output = output
+        count = len(request_ids)
+        self._tokens = host[0, :count]
+        self._tokens.copy_(sampled.tokens, non_blocking=True)
+        self._valid = None
+        if sampled.valid is not None:
+            self._valid = host[1, :count]
+            self._valid.copy_(sampled.valid, non_blocking=True)
         self._ready = ready
         self._ready.record()
 
@@ -47,13 +64,24 @@ class PendingDecode:
         return {request_id: row for row, request_id in enumerate(self.request_ids)}
 
     def result(self) -> ModelRunnerOutput:
-        """Wait for the step and report its tokens."""
+        """Wait for the step and report its tokens (a row that could not be sampled is
+        one of `failed_requests`, as on the synchronous path)."""
         self._ready.synchronize()
-        return ModelRunnerOutput(sampled_token_ids=dict(zip(self.request_ids, self._host.tolist())))
+        valid = None if self._valid is None else self._valid.tolist()
+        tokens, errors = host_results(self._tokens.tolist(), valid, self._errors)
+        output = self._output
+        for row, message in errors.items():
+            output.failed_requests[self.request_ids[row]] = message
+        output.sampled_token_ids = {
+            request_id: token for request_id, token in zip(self.request_ids, tokens)
+            if token is not None
+        }
+        return output
 
 
 class TokenBuffers:
-    """Two host buffers used in turn by consecutive pending steps (pinned on a GPU).
+    """Two host buffers used in turn by consecutive pending steps (pinned on a GPU),
+    each with a row of tokens and a row of validity flags.
 
     A buffer grows when a batch outgrows it; the other one, possibly still being
     copied into, is left alone."""
@@ -65,11 +93,15 @@ class TokenBuffers:
         self._turn = 0
 
     def _allocate(self, size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int32, pin_memory=self._pin)
+        return torch.empty((2, size), dtype=torch.int32, pin_memory=self._pin)
 
-    def launch(self, request_ids: list[str], device_tokens: torch.Tensor) -> PendingDecode:
+    def launch(
+        self, request_ids: list[str], sampled: SampledRows, output: ModelRunnerOutput
+    ) -> PendingDecode:
         """Start copying a launched step's tokens into the next buffer."""
         self._turn ^= 1
-        if self._buffers[self._turn].numel() < len(request_ids):
+        if self._buffers[self._turn].shape[1] < len(request_ids):
             self._buffers[self._turn] = self._allocate(len(request_ids))
-        return PendingDecode(request_ids, device_tokens, self._buffers[self._turn], self._event())
+        return PendingDecode(
+            request_ids, sampled, output, self._buffers[self._turn], self._event()
+        )

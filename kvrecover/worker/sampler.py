@@ -1,10 +1,55 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-token seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, with per-token seeds.
+
+Every step samples on the device without waiting for it (`Sampler.sample`), so
+the overlapped decode path can feed the tokens to the next step before the host
+sees them; the synchronous path reads the same result (`SampledRows.to_host`).
+There is one implementation for both. Every `SamplingParams` option samples on
+the device; an option that needs the host (penalties over the generated text,
+logprobs) would have to keep its steps off the overlapped path
+(`ModelRunner.can_overlap`).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from kvrecover.sampling import SamplingParams
+
+INVALID_DISTRIBUTION = (
+    "sampling failed: the distribution holds inf or nan (temperature, top-k or top-p "
+    "out of range)"
+)
+
+
+@dataclass
+class SampledRows:
+    """One step's tokens, still on the device: nothing has waited for them."""
+
+    tokens: torch.Tensor  # [B] token ids; a failed row holds its argmax, a valid id
+    # [B] bool, False where the row's distribution was invalid (found on the device);
+    # None when no row was randomly sampled (argmax never fails).
+    valid: torch.Tensor | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
+
+    def to_host(self) -> tuple[list[int | None], dict[int, str]]:
+        """Wait for the tokens: (token or None per row, row -> error message)."""
+        valid = None if self.valid is None else self.valid.tolist()
+        return host_results(self.tokens.tolist(), valid, self.errors)
+
+
+def host_results(
+    tokens: list[int], valid: list | None, errors: dict[int, str]
+) -> tuple[list[int | None], dict[int, str]]:
+    """Tokens and validity read back from the device -> (token or None per row, errors).
+    A row that raised or whose distribution was invalid has no token."""
+    errors = dict(errors)
+    if valid is not None:
+        for row, ok in enumerate(valid):
+            if not ok:
+                errors.setdefault(row, INVALID_DISTRIBUTION)
+    return [None if row in errors else token for row, token in enumerate(tokens)], errors
 
 
 class Sampler:
@@ -12,7 +57,10 @@ class Sampler:
 
     Random sampling draws from a generator seeded per token (see
     `Request.next_sample_seed`), so a token resampled after a recovery or a
-    preemption comes out the same.
+    preemption comes out the same, on either decode path. The draw is the
+    exponential-race form of `torch.multinomial` (argmax of p / Exp(1) noise,
+    what multinomial computes for one sample) minus multinomial's validity check,
+    which reads the device: validity is returned on the device instead.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -22,36 +70,59 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]
     ) -> list[int]:
-        tokens = logits.argmax(dim=-1)
-        for row, (p, seed) in enumerate(zip(params, seeds)):
-            if not p.is_greedy:
-                tokens[row] = self._sample_row(logits[row], p, seed)
-        return tokens.tolist()
+        """The tokens of a batch (waits for them); raises if a row cannot be sampled."""
+        tokens, errors = self.sample_isolated(logits, params, seeds)
+        if errors:
+            raise ValueError(f"row {min(errors)}: {errors[min(errors)]}")
+        return tokens
 
     def sample_isolated(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]
     ) -> tuple[list[int | None], dict[int, str]]:
-        """Like calling the sampler, but a row that cannot be sampled costs only that
-        row: returns the tokens (None for a failed row) and row -> error message.
+        """Like `sample`, read back: tokens (None for a failed row), row -> error message."""
+        return self.sample(logits, params, seeds).to_host()
 
-        The batch is sampled at once; only when that raises is each row re-sampled
-        alone to find the culprits (a row's token does not depend on the others).
-        """
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]
+    ) -> SampledRows:
+        """Sample every row on the device, with no host sync; a row that cannot be
+        sampled costs only that row. The batch is sampled at once; only when that
+        raises is each row sampled alone to find the culprits (a row's token does not
+        depend on the others)."""
         try:
-            return self(logits, params, seeds), {}
+            return self._sample_batch(logits, params, seeds)
         except Exception:
             pass
-        tokens: list[int | None] = []
-        errors: dict[int, str] = {}
+        rows = SampledRows(logits.argmax(dim=-1))
         for row, (p, seed) in enumerate(zip(params, seeds)):
             try:
-                tokens.append(self(logits[row : row + 1], [p], [seed])[0])
+                alone = self._sample_batch(logits[row : row + 1], [p], [seed])
             except Exception as error:
-                tokens.append(None)
-                errors[row] = f"sampling failed: {type(error).__name__}: {error}"
-        return tokens, errors
+                rows.errors[row] = f"sampling failed: {type(error).__name__}: {error}"
+                continue
+            rows.tokens[row] = alone.tokens[0]
+            if alone.valid is not None:
+                if rows.valid is None:
+                    rows.valid = torch.ones(len(params), dtype=torch.bool, device=logits.device)
+                rows.valid[row] = alone.valid[0]
+        return rows
 
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, seed: int) -> torch.Tensor:
+    def _sample_batch(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]
+    ) -> SampledRows:
+        rows = SampledRows(logits.argmax(dim=-1))
+        for row, (p, seed) in enumerate(zip(params, seeds)):
+            if p.is_greedy:
+                continue
+            if rows.valid is None:
+                rows.valid = torch.ones(len(params), dtype=torch.bool, device=logits.device)
+            rows.tokens[row], rows.valid[row] = self._sample_row(logits[row], p, seed)
+        return rows
+
+    def _sample_row(
+        self, logits: torch.Tensor, p: SamplingParams, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, whether the distribution was valid), both 0-d tensors on the device."""
         logits = logits / p.temperature
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -63,5 +134,7 @@ class Sampler:
             drop = cumulative - sorted_logits.softmax(-1) >= p.top_p
             drop[0] = False  # the most likely token always stays
             logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+        probs = logits.softmax(-1)
         self.generator.manual_seed(seed)
-        return torch.multinomial(logits.softmax(-1), 1, generator=self.generator)[0]
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        return (probs / noise).argmax(), torch.isfinite(probs).all()
