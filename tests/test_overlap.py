@@ -10,9 +10,11 @@ path replays CUDA graphs.
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import (
     KV_PROMPTS,
     block_files,
+    build_tiny_model,
     copy_store,
     make_kv_llm,
     random_prompt,
@@ -335,3 +337,43 @@ def test_load_failures_reported_on_the_overlapped_path_recover_exactly(
         # already launched when the rollback landed.
         assert "r2" in launches.discarded
         assert launches.discarded == ["r2"] * len(launches.discarded)
+
+
+# ----- on a GPU: the same path with CUDA graphs ---------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a real GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_decode_overlaps_sampled_requests_and_connector_steps(tmp_path, dtype):
+    """CUDA graphs replay the overlapped steps: mixed greedy and random sampling, with a
+    connector that saves (first pass) and loads (second pass), give the tokens of the
+    synchronous path over the same graphs."""
+    gqa = build_tiny_model(tmp_path / "model", num_hidden_layers=2, head_dim=32,
+                           num_attention_heads=8, num_key_value_heads=2, hidden_size=128)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = mixed_params([3, 24, 9, 24, 17, 1])
+
+    def run(overlap: bool):
+        transfer = storage_transfer(tmp_path / f"store-{overlap}", "kv_both")
+        llm = LLM(str(gqa), device="cuda:0", dtype=dtype, block_size=16,
+                  enable_prefix_caching=False, kv_transfer_config=transfer)
+        runner = llm.engine.model_runner
+        if not overlap:
+            runner.can_overlap = lambda scheduler_output: False
+        launches = []
+        launch = runner.launch_decode
+
+        def logged_launch(scheduler_output, previous=None):
+            scheduled = scheduler_output.scheduled
+            launches.append(previous is not None
+                            and any(not s.sampling_params.is_greedy for s in scheduled))
+            return launch(scheduler_output, previous)
+
+        runner.launch_decode = logged_launch
+        saved = token_ids(llm.generate(prompts, params))
+        loaded = token_ids(llm.generate(prompts, params))
+        assert runner.graphs is not None and runner.graphs.graphs
+        return saved, loaded, llm.stats, launches
+
+    saved, loaded, stats, launches = run(overlap=True)
+    assert (saved, loaded) == run(overlap=False)[:2]
+    assert stats["prompt_tokens_external"] > 0
+    assert stats["overlapped_steps"] == len(launches) and sum(launches) > 10
