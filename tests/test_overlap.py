@@ -314,6 +314,28 @@ def test_steps_with_a_connector_overlap_loads_and_saves(model, pristine_store, t
         assert any(output.finished_recving for output in launches.landed)
 
 
+def fail_void_rows(llm: LLM) -> None:
+    """Make every landing step report a failure for each request whose part of it is void
+    (rolled back after launch): being void, it must be dropped like the token."""
+    runner, scheduler = llm.engine.model_runner, llm.engine.scheduler
+    launch = runner.launch_decode
+
+    def launch_failing_void_rows(scheduler_output, previous=None):
+        pending = launch(scheduler_output, previous)
+        result = pending.result
+
+        def result_with_failures():
+            output = result()
+            for request_id in scheduler.void_request_ids(scheduler_output):
+                output.failed_requests[request_id] = "the void step failed"
+            return output
+
+        pending.result = result_with_failures
+        return pending
+
+    runner.launch_decode = launch_failing_void_rows
+
+
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_load_failures_reported_on_the_overlapped_path_recover_exactly(
         model, pristine_store, tmp_path, no_connector_tokens, async_load):
@@ -326,6 +348,7 @@ def test_load_failures_reported_on_the_overlapped_path_recover_exactly(
                                 faults=faults, async_load=async_load, load_timeout_s=20.0)
     llm = make_kv_llm(model, transfer)
     launches = enable_overlap(llm)
+    fail_void_rows(llm)
     assert run_arrivals(llm) == no_connector_tokens
     stats = llm.stats
     assert stats["kv_load_failed_blocks"] > 0 and stats["kv_load_recovered_requests"] >= 2

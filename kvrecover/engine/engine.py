@@ -235,7 +235,8 @@ class Engine:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         # Before the update, so that it skips them like requests aborted during the step.
-        failed = runner_output.failed_requests and self._fail_requests(runner_output.failed_requests)
+        failed = runner_output.failed_requests and self._fail_requests(
+            runner_output.failed_requests, self.scheduler.void_request_ids(scheduler_output))
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         if failed:
             progressed = failed + progressed
@@ -247,11 +248,14 @@ class Engine:
                 self.scheduler.pop_finished(request.request_id)
         return outputs
 
-    def _fail_requests(self, errors: dict[str, str]) -> list[Request]:
+    def _fail_requests(self, errors: dict[str, str], void: set[str]) -> list[Request]:
         """End the requests whose part of a step failed, with an internal error; the
-        rest of the step applies as usual (a bad request never poisons the engine)."""
+        rest of the step applies as usual (a bad request never poisons the engine).
+        A failure in a `void` part (see `Scheduler.void_request_ids`) is dropped."""
         failed = []
         for request_id, message in errors.items():
+            if request_id in void:
+                continue
             request = self.scheduler.abort_request(request_id)  # frees or parks its blocks
             if request is not None:
                 request.status = RequestStatus.FINISHED_ERROR

@@ -155,7 +155,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue
-            if request.num_computed_tokens != item.num_computed_tokens:
+            if self._is_void(item, request):
                 return None  # rolled back since `previous` was scheduled: recompute it first
             num_continued += 1
             num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
@@ -291,9 +291,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted during the step
-            if request.num_computed_tokens != item.num_computed_tokens:
-                # An overlapped step scheduled before recovery rolled the request back
-                # (a rollback always cuts below that step's start): its token is void.
+            if self._is_void(item, request):
                 continue
             request.num_computed_tokens += len(item.token_ids)
             prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens)
@@ -324,6 +322,22 @@ class Scheduler:
         progressed += self._ended
         self._ended = []
         return progressed
+
+    def void_request_ids(self, scheduler_output: SchedulerOutput) -> set[str]:
+        """Requests whose part of this (overlapped) step is void: recovery rolled them
+        back after the step was scheduled, so nothing it did for them may be applied,
+        its failures included."""
+        requests = self.requests
+        return {
+            item.request_id for item in scheduler_output.scheduled
+            if (request := requests.get(item.request_id)) is not None
+            and self._is_void(item, request)
+        }
+
+    @staticmethod
+    def _is_void(item: ScheduledRequest, request: Request) -> bool:
+        # A rollback always cuts below the start of a step scheduled before it.
+        return not request.is_finished and request.num_computed_tokens != item.num_computed_tokens
 
     def _end_with_error(self, request: Request, error: str) -> None:
         """End a request whose KV could not be loaded (reported with the step's output)."""
