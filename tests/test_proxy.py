@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -198,6 +199,55 @@ def test_client_disconnect_through_the_proxy_frees_the_decode_request(cluster):
     wait_for(lambda: all(metric(d.url, "kvrecover_num_requests_running") == 0
                          for d in cluster.decode), "the running count to return to 0")
     assert generated() - generated_before < 900  # stopped early, not run to length
+
+
+def test_client_disconnect_of_a_non_streamed_request_aborts_it_upstream(cluster):
+    """A client that leaves before a non-streamed answer: the proxy closes its
+    upstream request, so the decode instance aborts it (running count back to 0)."""
+    proxy = cluster.proxy(health_interval=1.0)
+    aborted = 'endpoint="completions",outcome="aborted"'
+
+    def total_aborted() -> float:
+        return sum(metric(d.url, "kvrecover_requests_total", aborted) for d in cluster.decode)
+
+    def running() -> float:
+        return sum(metric(d.url, "kvrecover_num_requests_running") for d in cluster.decode)
+
+    before = total_aborted()
+    body = json.dumps({"prompt": PROMPT + " and", "max_tokens": 900, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT_S) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                       b"content-type: application/json\r\n"
+                       + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: running() == 1, "the decode instance to run the request")
+    wait_for(lambda: total_aborted() == before + 1, "the decode instance to abort")
+    wait_for(lambda: running() == 0, "the running count to return to 0")
+
+
+def test_streamed_usage_through_the_proxy_only_with_include_usage(cluster, model_dir):
+    proxy = cluster.proxy(health_interval=1.0)
+    client = sdk(proxy.url)
+    plain = list(client.completions.create(model=str(model_dir), prompt=PROMPT, max_tokens=5,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    assert plain and all(chunk.usage is None for chunk in plain)
+    messages = [{"role": "user", "content": PROMPT}]
+    calls = [lambda **kw: client.completions.create(prompt=PROMPT, **kw),
+             lambda **kw: client.chat.completions.create(messages=messages, **kw)]
+    for create in calls:
+        chunks = list(create(model=str(model_dir), max_tokens=5, temperature=0, stream=True,
+                             stream_options={"include_usage": True},
+                             extra_body={"ignore_eos": True}))
+        last = chunks[-1]
+        assert last.choices == [] and last.usage.completion_tokens == 5
+        assert last.usage.prompt_tokens > 0
+        assert all(chunk.usage is None for chunk in chunks[:-1])
+        assert chunks[-2].choices[0].finish_reason == "length"
+    response = httpx.post(f"{proxy.url}/v1/completions", timeout=WAIT_S, json={
+        "prompt": "hi", "stream_options": {"include_usage": True}})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "stream_options"
 
 
 def test_failover_then_prefill_decodes_then_503_then_back_up(fresh_cluster, reference):

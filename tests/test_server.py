@@ -125,6 +125,42 @@ def test_chat_matches_generate(server, reference, model_dir):
     assert roles[0] == "assistant"
 
 
+def test_streamed_usage_only_with_include_usage(server, model_dir):
+    """OpenAI's (and vLLM's) rule: no usage in any chunk unless
+    `stream_options.include_usage`, which adds a last chunk with no choices."""
+    sdk = client(server.url)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    calls = {"completions": lambda **kw: sdk.completions.create(prompt=PROMPTS[1], **kw),
+             "chat": lambda **kw: sdk.chat.completions.create(messages=messages, **kw)}
+    for endpoint, create in calls.items():
+        plain = list(create(model="tiny", max_tokens=5, temperature=0, stream=True,
+                            extra_body={"ignore_eos": True}))
+        assert plain and all(chunk.usage is None for chunk in plain), endpoint
+        assert plain[-1].choices[0].finish_reason == "length"
+
+        chunks = list(create(model="tiny", max_tokens=5, temperature=0, stream=True,
+                             stream_options={"include_usage": True},
+                             extra_body={"ignore_eos": True}))
+        last = chunks[-1]
+        assert last.choices == [] and last.usage is not None, endpoint
+        assert last.usage.completion_tokens == 5
+        assert last.usage.total_tokens == last.usage.prompt_tokens + 5
+        assert all(chunk.usage is None for chunk in chunks[:-1])
+        assert chunks[-2].choices[0].finish_reason == "length"
+
+        continuous = list(create(model="tiny", max_tokens=5, temperature=0, stream=True,
+                                 stream_options={"include_usage": True,
+                                                 "continuous_usage_stats": True},
+                                 extra_body={"ignore_eos": True}))
+        assert [c.usage.completion_tokens for c in continuous if c.choices][-1] == 5
+        assert continuous[-1].choices == [] and continuous[-1].usage.completion_tokens == 5
+
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "hi", "stream_options": {"include_usage": True}})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "stream_options"
+
+
 def test_stop_string_truncates_and_is_never_streamed(server, reference):
     want = reference.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16,
                                                            ignore_eos=True))[0].outputs[0]

@@ -2,9 +2,11 @@
 
 Both wait for the first token (or the error) before answering; a streamed answer
 is server-sent events in OpenAI's chunk format, each chunk carrying the new text
-(and, with `return_token_ids`, the new token ids), the last one the finish reason
-and `usage`, then `data: [DONE]`. An error after the first token ends the stream
-with an error event and without `[DONE]`, so no client takes it for a success.
+(and, with `return_token_ids`, the new token ids), the last one the finish reason;
+with `stream_options.include_usage` a chunk with empty `choices` and the `usage`
+follows (as in OpenAI and vLLM; without it no chunk has a usage), then
+`data: [DONE]`. An error after the first token ends the stream with an error
+event and without `[DONE]`, so no client takes it for a success.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ async def create_completion(state: ServingState, http: Request, body: Any):
     """Answer one `/v1/completions` request."""
     request = parse_request(CompletionRequest, body)
     _check_model(state, request.model)
+    final_usage, continuous_usage = request.stream_usage()
     prompt = request.engine_prompt()
     params = request.sampling_params(request.max_new_tokens())
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -76,12 +79,14 @@ async def create_completion(state: ServingState, http: Request, body: Any):
                 choice["prompt_token_ids"] = generation.prompt_token_ids
         body = {"id": request_id, "object": "text_completion", "created": created,
                 "model": state.model_name, "choices": [choice]}
-        if delta.finish_reason is not None:
+        if continuous_usage:
             body["usage"] = _usage(generation)
         return body
 
     if request.stream:
-        return _sse(generation, chunk, request.return_token_ids)
+        usage = _usage_chunk(generation, "text_completion", created, state) \
+            if final_usage else None
+        return _sse(generation, chunk, request.return_token_ids, usage)
     text, token_ids = await _collect(generation)
     choice = {"index": 0, "text": text, "logprobs": None,
               "finish_reason": generation.finish_reason}
@@ -97,6 +102,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
     """Answer one `/v1/chat/completions` request."""
     request = parse_request(ChatCompletionRequest, body)
     _check_model(state, request.model)
+    final_usage, continuous_usage = request.stream_usage()
     conversation = request.conversation()
     prompt_ids = await asyncio.to_thread(state.chat_template.prompt_token_ids, conversation)
     room = max(1, state.max_model_len - len(prompt_ids))
@@ -118,12 +124,14 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
                 "model": state.model_name, "choices": [choice]}
         if first and request.return_token_ids:
             body["prompt_token_ids"] = generation.prompt_token_ids
-        if delta.finish_reason is not None:
+        if continuous_usage:
             body["usage"] = _usage(generation)
         return body
 
     if request.stream:
-        return _sse(generation, chunk, request.return_token_ids)
+        usage = _usage_chunk(generation, "chat.completion.chunk", created, state) \
+            if final_usage else None
+        return _sse(generation, chunk, request.return_token_ids, usage)
     text, token_ids = await _collect(generation)
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
               "logprobs": None, "finish_reason": generation.finish_reason}
@@ -159,8 +167,17 @@ def _usage(generation: Generation) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(generation: Generation, chunk, with_token_ids: bool) -> StreamingResponse:
-    """Chunks without text are sent only to clients that asked for token ids."""
+def _usage_chunk(generation: Generation, kind: str, created: int,
+                 state: ServingState) -> Callable[[], dict]:
+    """The last chunk of a stream with `include_usage`: no choices, the usage."""
+    return lambda: {"id": generation.request_id, "object": kind, "created": created,
+                    "model": state.model_name, "choices": [], "usage": _usage(generation)}
+
+
+def _sse(generation: Generation, chunk, with_token_ids: bool,
+         usage_chunk: Callable[[], dict] | None) -> StreamingResponse:
+    """Chunks without text are sent only to clients that asked for token ids; the
+    usage chunk, when asked for, comes after the finish reason."""
     # Once streaming, Starlette watches for the disconnect and cancels `events`;
     # polling for it here too would race it for the same ASGI message.
     generation.is_disconnected = None
@@ -176,6 +193,8 @@ def _sse(generation: Generation, chunk, with_token_ids: bool) -> StreamingRespon
         except ApiError as error:
             yield f"data: {json.dumps(error.body())}\n\n"
             return
+        if usage_chunk is not None:
+            yield f"data: {json.dumps(usage_chunk())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",

@@ -35,10 +35,38 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    """`stream_options` of a streamed request."""
+    """`stream_options` of a streamed request, as in OpenAI and vLLM: `include_usage`
+    adds a last chunk with empty `choices` and the `usage`; `continuous_usage_stats`
+    (vLLM's) also puts the usage so far on every chunk."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = True
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def stream_usage(stream: bool, options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk) of a request; non-empty
+    `stream_options` on a request that does not stream is a 400, as in vLLM."""
+    if options is None:
+        return False, False
+    if not stream:
+        if options.model_fields_set:
+            raise ApiError(400, "stream_options is only allowed with stream=true",
+                           param="stream_options")
+        return False, False
+    final = bool(options.include_usage)
+    return final, final and bool(options.continuous_usage_stats)
+
+
+def parse_stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """`stream_usage` of a raw JSON body (the proxy's view of a request)."""
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ApiError(400, f"stream_options must be an object, got {options!r:.80}",
+                           param="stream_options")
+        options = parse_request(StreamOptions, options)
+    return stream_usage(body.get("stream") is True, options)
 
 
 class _GenerationFields(BaseModel):
@@ -59,6 +87,10 @@ class _GenerationFields(BaseModel):
     return_token_ids: bool = False
     n: int = 1
     logprobs: Any = None
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk); see `stream_usage`."""
+        return stream_usage(self.stream, self.stream_options)
 
     def stop_strings(self) -> list[str]:
         """The `stop` strings as a list (empty ones dropped)."""

@@ -4,7 +4,9 @@ Routing, failover and migration live in `proxy_request.py`; this module is the
 HTTP side: it parses the client's request, answers in the client's format
 (streamed or not, completions or chat) whatever instance produced the tokens,
 and sends no status line before the first token is known, so a request no
-instance could serve is a plain 503, never a 200 that ends badly.
+instance could serve is a plain 503, never a 200 that ends badly. A client that
+leaves (streamed or not) has its upstream request closed, so the instance aborts
+it; with `stream_options.include_usage` the stream ends with a usage chunk.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
 from kvrecover.entrypoints.http_errors import install_error_handlers
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.protocol import ApiError, parse_stream_usage
 from kvrecover.entrypoints.proxy_instances import InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy_request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
 from kvrecover.entrypoints.proxy_upstream import Piece, Rejected
 from kvrecover.entrypoints.server import MAX_BODY_BYTES, read_json_body
 
 FORWARDED_HEADERS = ("authorization",)
+DISCONNECT_POLL_S = 0.5  # how often a request not yet answered checks for its client
 
 
 @dataclass
@@ -111,11 +114,31 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         body = await read_json_body(request, config.max_body_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        usage = parse_stream_usage(body)
         proxied = ProxiedRequest(holder["context"], path, body, _forwarded(request))
+        # Until a streamed response starts (Starlette watches the client from then
+        # on), a client that leaves cancels the work, which closes the upstream
+        # request, so the instance aborts it and frees its blocks.
+        answer = asyncio.ensure_future(respond(proxied, path, body, usage))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return answer.result()
+                if await request.is_disconnected():
+                    answer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, ApiError, Rejected):
+                        await answer
+                    return Response(status_code=499)  # nobody reads it: the client left
+        finally:
+            answer.cancel()  # a no-op once it is done; else this handler was cancelled
+
+    async def respond(proxied: ProxiedRequest, path: str, body: dict[str, Any],
+                      usage: tuple[bool, bool]) -> Response:
         await proxied.prefill()
         first = await proxied.open_decode()
         formatter = ClientFormat(path, bool(body.get("return_token_ids")),
-                                 body.get("model") or first.model or "")
+                                 body.get("model") or first.model or "", *usage)
         headers = {"x-kvrecover-decode-instance": proxied.stream.instance.url}
         pieces = _chain(first, proxied.pieces(first))
         if body.get("stream"):
@@ -126,6 +149,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             return JSONResponse(await formatter.whole(pieces, proxied), headers=headers)
         finally:
             await pieces.aclose()
+            await proxied.close()  # `pieces` may not have started: then aclose ran nothing
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -158,6 +182,8 @@ class ClientFormat:
     path: str
     return_token_ids: bool
     model: str
+    final_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     request_id: str = field(default_factory=lambda: f"proxy-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -188,7 +214,7 @@ class ClientFormat:
             if first:
                 holder = body if self.chat else choice
                 holder["prompt_token_ids"] = proxied.prompt_token_ids
-        if piece.finish_reason is not None:
+        if self.continuous_usage:
             body["usage"] = self._usage(proxied)
         return body
 
@@ -204,6 +230,11 @@ class ClientFormat:
             return
         finally:
             await pieces.aclose()
+        if self.final_usage:
+            usage = {"id": self.request_id, "created": self.created, "model": self.model,
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "choices": [], "usage": self._usage(proxied)}
+            yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
 
     async def whole(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest) -> dict:

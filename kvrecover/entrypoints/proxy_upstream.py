@@ -109,6 +109,9 @@ async def open_stream(client: httpx.AsyncClient, instance: Instance, path: str,
     except StreamBroken as error:
         await stream.close()
         raise Retryable(f"{instance.url}: {error}") from error
+    except BaseException:  # cancelled (the client left): the instance must see it go
+        await stream.close()
+        raise
     return stream, first
 
 
