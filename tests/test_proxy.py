@@ -307,24 +307,33 @@ def chat_prompt_ids(model_dir, messages) -> list[int]:
     return hf.encode(text, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint,sampling", [("completions", "greedy"), ("chat", "greedy"),
+                                               ("completions", "seeded"), ("chat", "seeded")])
 def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluster, reference,
-                                                                     model_dir, endpoint):
+                                                                     model_dir, endpoint,
+                                                                     sampling):
+    """Greedy, and seeded sampling (the continuation resumes the per-token seeds),
+    continue token for token as if undisturbed."""
     cluster = fresh_cluster
     proxy = cluster.proxy(health_interval=600)
     max_tokens = 400
-    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": True}
+    knobs = {"temperature": 0} if sampling == "greedy" else \
+        {"temperature": 0.9, "top_k": 30, "seed": 17}
+    body = {"max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True,
+            "stream": True, **knobs}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **knobs)
     if endpoint == "chat":
         messages = [{"role": "user", "content": PROMPT}]
         body["messages"] = messages
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        output = reference.generate(
-            [{"prompt_token_ids": chat_prompt_ids(model_dir, messages)}], params)[0].outputs[0]
-        want = (output.text, output.token_ids)
+        prompt = {"prompt_token_ids": chat_prompt_ids(model_dir, messages)}
     else:
         body["prompt"] = PROMPT
-        want = expected(reference, max_tokens)
+        prompt = PROMPT
+    output = reference.generate([prompt], params)[0].outputs[0]
+    want = (output.text, output.token_ids)
+    if sampling == "seeded":
+        greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert output.token_ids != reference.generate([prompt], greedy)[0].outputs[0].token_ids
     text, token_ids, finish, done = [], [], None, False
     with httpx.stream("POST", f"{proxy.url}/v1/{endpoint.replace('chat', 'chat/completions')}",
                       json=body, timeout=WAIT_S) as response:

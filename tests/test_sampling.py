@@ -127,6 +127,28 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     assert together != greedy  # it really sampled
 
 
+def test_a_continuation_with_the_resumed_seed_samples_the_undisturbed_tokens(llm):
+    """A seeded request continued from its prompt + first k outputs (a migration)
+    under `resumed_request_seed(seed, k)` draws the original's tokens k, k+1, ..."""
+    from kvrecover.engine.request import resumed_request_seed
+
+    prompt_ids = list(PROMPTS[2])
+
+    def sample(ids: list[int], seed: int, max_tokens: int) -> list[int]:
+        params = SamplingParams(temperature=1.5, top_k=40, max_tokens=max_tokens, seed=seed,
+                                ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+
+    whole = sample(prompt_ids, 11, 14)
+    greedy = generate(llm, [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=14,
+                                                        ignore_eos=True))[0]
+    assert whole != greedy  # it really sampled
+    for k in (1, 6, 13):
+        assert sample(prompt_ids + whole[:k], resumed_request_seed(11, k), 14 - k) == whole[k:]
+    # Restarting the per-token seeds (the plain seed) draws other tokens.
+    assert sample(prompt_ids + whole[:6], 11, 8) != whole[6:]
+
+
 def test_different_seeds_give_different_samples(llm):
     prompt = PROMPTS[1]
     samples = generate(

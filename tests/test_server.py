@@ -96,6 +96,21 @@ def test_token_id_prompt_and_seeded_sampling_match_generate(server, reference):
     assert got.choices[0].model_extra["token_ids"] == want
 
 
+def test_resumed_seeded_request_continues_the_undisturbed_samples(server, reference):
+    """What the proxy sends after a migration: prompt + the k tokens already sent,
+    `resumed_output_tokens=k`, the same seed: the rest of the undisturbed sample."""
+    sdk = client(server.url)
+    ids = reference.get_tokenizer().encode(PROMPTS[2])
+    params = SamplingParams(temperature=0.9, top_k=30, seed=5, max_tokens=12, ignore_eos=True)
+    want = reference.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+    for k in (3, 8):
+        got = sdk.completions.create(model="tiny", prompt=ids + want[:k], max_tokens=12 - k,
+                                     temperature=0.9, seed=5, extra_body={
+                                         "top_k": 30, "ignore_eos": True,
+                                         "return_token_ids": True, "resumed_output_tokens": k})
+        assert got.choices[0].model_extra["token_ids"] == want[k:]
+
+
 def test_chat_matches_generate(server, reference, model_dir):
     from transformers import AutoTokenizer
 

@@ -16,13 +16,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from kvrecover.engine.request import resumed_request_seed
 from kvrecover.entrypoints.chat_template import ChatTemplate
 from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.engine_loop import EngineLoop
@@ -66,6 +67,8 @@ async def create_completion(state: ServingState, http: Request, body: Any):
     resumed = request.resumed_token_ids()
     if resumed:
         detokenizer.resume(resumed, request.resumed_output_text)
+        if params.seed is not None:  # continue the original's per-token seeds
+            params = replace(params, seed=resumed_request_seed(params.seed, len(resumed)))
     generation = await _start(state, http, request_id, prompt, params, detokenizer,
                               "completions")
     created = int(time.time())

@@ -134,7 +134,8 @@ class CompletionRequest(_GenerationFields):
     suffix: str | None = None
     # kvrecover's own: the last `resumed_output_tokens` prompt tokens are output of an
     # earlier generation (a request the proxy migrated), of which `resumed_output_text`
-    # reached the client; the new text continues theirs.
+    # reached the client; the new text continues theirs, and a seeded request's
+    # per-token sampling seeds continue from that position.
     resumed_output_tokens: int = 0
     resumed_output_text: str = ""
 

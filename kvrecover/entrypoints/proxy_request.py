@@ -11,8 +11,9 @@
 3. Migration: an instance that dies mid-stream has the request continued on
    another one as a completion of prompt + tokens already sent, with the rest of
    `max_tokens` (and `resumed_output_tokens` / `resumed_output_text`, so its text
-   continues the first one's). Greedy requests continue token for token as if
-   undisturbed.
+   continues the first one's). Greedy and seeded requests continue token for
+   token as if undisturbed (the instance resumes a seeded request's per-token
+   seeds at `resumed_output_tokens`); unseeded sampling continues afresh.
 Every step is bounded by `max_retries`.
 """
 
