@@ -4,7 +4,7 @@
         [--concurrency 1 4 16] [--failure-rates 0 0.1 1] [--num-prompts 32]
         [--prompt-words 150] [--max-tokens 32] [--threads N] [--json out.json]
         [--modes plain direct proxy] [--vllm PYTHON_OR_VLLM] [--vllm-args '...']
-        [--server-args '--kv-cache-memory-gb 8']
+        [--repeats R] [--server-args '--kv-cache-memory-gb 8']
 
 Every target gets the same load: for each concurrency N, N clients stream greedy
 completions (`ignore_eos`, `max_tokens`) of a fixed prompt set, sent as token ids
@@ -14,7 +14,9 @@ each (target, N) uses prompts of its own (a run tag in front), so no prefix-cach
 hit crosses runs.
 - plain: `kvrecover serve` without a KV store (prompts computed): the fair
   comparison with plain `vllm serve`, which runs alongside it; the two alternate
-  per N so a change in the machine's load hits both alike, and get the same prompts;
+  per N (`--repeats` rounds, fresh prompts each, each target's fastest round
+  kept) so a change in the machine's load hits both alike, and get the same
+  prompts; "server CPU s" is the CPU time the server's processes used in the run;
 - direct: clients to a decode server after a prefill server stored the prompts'
   KV (untimed), so every request loads its KV and, at a failure rate r (the
   fraction of loaded blocks a `FaultInjectionConnector` drops, policy
@@ -77,6 +79,7 @@ class RunResult:
     tpot_p50_ms: float
     tpot_p99_ms: float
     failed_blocks: float = 0.0
+    server_cpu_s: float | None = None  # CPU seconds of the server's processes in the run
     identical_to_rate_0: bool | None = None
     same_tokens_as_vllm: str | None = None  # "k/n" requests, plain runs only
 
@@ -137,6 +140,27 @@ class Server:
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"{self.proc.args[:4]} did not start in {timeout}s")
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds of this process and its descendants so far (Linux)."""
+        try:
+            stats = {}
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    except OSError:
+                        continue
+                    stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        except OSError:
+            return None
+        tree, grown = {self.proc.pid}, True
+        while grown:
+            children = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
+            tree |= children
+            grown = bool(children)
+        ticks = sum(stats[pid][1] for pid in tree if pid in stats)
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -278,6 +302,9 @@ def main() -> int:
     parser.add_argument("--vllm", default=os.environ.get("PEER_PY"),
                         help="the vLLM venv's python or its `vllm` command (default: $PEER_PY)")
     parser.add_argument("--vllm-args", default="", help="more `vllm serve` flags")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="plain and vLLM: alternate this many rounds per concurrency, "
+                             "fresh prompts each, and keep each target's fastest round")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
 
@@ -337,18 +364,30 @@ def run_plain(args: argparse.Namespace, engine: list[str], env: dict[str, str], 
         warm_up(server, model, prompts, args.max_tokens)
     rows = []
     for concurrency in args.concurrency:
-        batch = prompts.make(f"plain-{concurrency}")
-        tokens = {}
-        for name, server in targets:
-            seconds, results, errors = asyncio.run(
-                run_load(server.url, model, batch, concurrency, args.max_tokens))
-            rows.append(summarize(name, 0.0, concurrency, seconds, results, errors))
-            tokens[name] = [r[2] if r else None for r in results]
-            print(json.dumps(asdict(rows[-1])), flush=True)
+        best: dict[str, RunResult] = {}
+        same = total = 0
+        for round_ in range(args.repeats):
+            batch = prompts.make(f"plain-{concurrency}-{round_}")
+            tokens = {}
+            for name, server in targets:
+                cpu_before = server.cpu_seconds()
+                seconds, results, errors = asyncio.run(
+                    run_load(server.url, model, batch, concurrency, args.max_tokens))
+                row = summarize(name, 0.0, concurrency, seconds, results, errors)
+                cpu_after = server.cpu_seconds()
+                if cpu_before is not None and cpu_after is not None:
+                    row.server_cpu_s = round(cpu_after - cpu_before, 2)
+                tokens[name] = [r[2] if r else None for r in results]
+                print(json.dumps(asdict(row)), flush=True)
+                if name not in best or row.seconds < best[name].seconds:
+                    best[name] = row
+            if with_vllm:
+                same += sum(a is not None and a == b for a, b in
+                            zip(tokens["kvrecover-plain"], tokens["vllm"]))
+                total += len(batch)
         if with_vllm:
-            same = sum(a is not None and a == b for a, b in
-                       zip(tokens["kvrecover-plain"], tokens["vllm"]))
-            rows[-2].same_tokens_as_vllm = f"{same}/{len(batch)}"
+            best["kvrecover-plain"].same_tokens_as_vllm = f"{same}/{total}"
+        rows += [best[name] for name, _ in targets]
     for _, server in targets:
         server.stop()
     return rows
@@ -401,8 +440,8 @@ def run_kv(args: argparse.Namespace, engine: list[str], env: dict[str, str], mod
 
 def print_table(rows: list[RunResult]) -> None:
     print("\n| target | KV fail | clients | req/s | out tok/s | TTFT p50 / p99 ms | "
-          "TPOT p50 / p99 ms | failed blocks | same tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
+          "TPOT p50 / p99 ms | server CPU s | failed blocks | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for r in rows:
         if r.same_tokens_as_vllm is not None:
             same = f"{r.same_tokens_as_vllm} as vLLM"
@@ -411,7 +450,9 @@ def print_table(rows: list[RunResult]) -> None:
                                                               else "NO")
         print(f"| {r.target} | {r.failure_rate:.0%} | {r.concurrency} | {r.requests_per_s} | "
               f"{r.output_tokens_per_s} | {r.ttft_p50_ms} / {r.ttft_p99_ms} | "
-              f"{r.tpot_p50_ms} / {r.tpot_p99_ms} | {r.failed_blocks:.0f} | {same} |"
+              f"{r.tpot_p50_ms} / {r.tpot_p99_ms} | "
+              f"{'-' if r.server_cpu_s is None else r.server_cpu_s} | "
+              f"{r.failed_blocks:.0f} | {same} |"
               + (f" {r.errors} errors" if r.errors else ""))
 
 
