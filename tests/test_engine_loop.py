@@ -53,6 +53,47 @@ def test_concurrent_requests_match_generate(engine_loop, model_dir):
     assert all(len(r) == 9 for r in results)  # one output per token: they streamed
 
 
+def test_a_burst_of_arrivals_on_an_idle_engine_shares_the_first_step(model_dir, monkeypatch):
+    """Clients that arrive together are prefilled together: the idle thread woken by
+    the first request waits for the rest of the burst before it steps."""
+    import time
+
+    from kvrecover.entrypoints import engine_loop as module
+
+    monkeypatch.setattr(module, "BURST_GAP_S", 0.5)  # wide: the test machine is slow
+    monkeypatch.setattr(module, "BURST_MAX_S", 2.0)
+    batch_sizes: list[int] = []
+
+    def make_llm() -> LLM:
+        llm = LLM(str(model_dir))
+        step = llm.engine.step
+
+        def counted_step():
+            outputs = step()
+            batch_sizes.append(len(llm.engine.scheduler.running))
+            return outputs
+        llm.engine.step = counted_step
+        return llm
+
+    loop = EngineLoop(make_llm)
+    loop.start(timeout=WAIT_S)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run():
+        streams = []
+        for i, prompt in enumerate(random_prompts(4, [20], 384, seed=8)):
+            streams.append(loop.add(f"b{i}", {"prompt_token_ids": prompt}, params))
+            time.sleep(0.01)  # arrivals a little apart, as HTTP requests are
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        loop.stop()
+    assert all(len(r[-1].outputs[0].token_ids) == 3 for r in results)
+    assert batch_sizes[0] == 4
+
+
 def test_abort_frees_the_request(engine_loop):
     async def run():
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)

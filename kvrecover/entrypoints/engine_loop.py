@@ -3,7 +3,8 @@
 The engine is not thread-safe, so exactly one thread owns it. HTTP handlers talk
 to that thread through a command queue (add, abort, snapshot); the thread adds
 and aborts requests between steps and hands each step's outputs back to the
-asyncio loop in one batch. A request the engine rejects (a prompt too long, a
+asyncio loop in one batch. An idle thread woken by a request gathers the rest of a
+burst of arrivals (a few ms) before stepping, so they share one prefill step. A request the engine rejects (a prompt too long, a
 bad token id) comes back as a finished output with `error_type`
 "invalid_request_error"; a step that raises ends the loop (`alive` turns False)
 and fails every open request with "internal_error". When the loop ends (`stop()`
@@ -17,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,11 @@ from kvrecover.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle thread blocks on the command queue per turn
+# An idle engine woken by a request waits this long for the next one of a burst (at
+# most BURST_MAX_S in all) so that clients arriving together are prefilled in one
+# step, instead of the first alone while the others queue behind it.
+BURST_GAP_S = 0.003
+BURST_MAX_S = 0.02
 
 
 @dataclass
@@ -157,12 +164,20 @@ class EngineLoop:
             logger.exception("closing the engine failed")
 
     def _drain_commands(self, block: bool) -> None:
+        burst_end = None
         while True:
             try:
-                command = self._commands.get(timeout=IDLE_WAIT_S) if block else \
-                    self._commands.get_nowait()
+                if block:
+                    command = self._commands.get(timeout=IDLE_WAIT_S)
+                elif burst_end is not None:
+                    command = self._commands.get(
+                        timeout=max(0.0, min(BURST_GAP_S, burst_end - time.monotonic())))
+                else:
+                    command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if block and isinstance(command, _Add):
+                burst_end = time.monotonic() + BURST_MAX_S
             block = False
             if isinstance(command, _Add):
                 self._add(command)
