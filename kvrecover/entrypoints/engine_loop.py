@@ -4,11 +4,12 @@ The engine is not thread-safe, so exactly one thread owns it. HTTP handlers talk
 to that thread through a command queue (add, abort, snapshot); the thread adds
 and aborts requests between steps and hands each step's outputs back to the
 asyncio loop in one batch. An idle thread woken by a request gathers the rest of a
-burst of arrivals (a few ms) before stepping, so they share one prefill step. A request the engine rejects (a prompt too long, a
-bad token id) comes back as a finished output with `error_type`
-"invalid_request_error"; a step that raises ends the loop (`alive` turns False)
-and fails every open request with "internal_error". When the loop ends (`stop()`
-or a failed step) the thread closes its LLM.
+burst of arrivals (a few ms) before stepping, so they share one prefill step. A
+request the engine rejects (a prompt too long, a bad token id) comes back as a
+finished output with `error_type` "invalid_request_error"; a step that raises
+ends the loop (`alive` turns False) and fails every open request with
+"internal_error". When the loop ends (`stop()` or a failed step) the thread
+closes its LLM.
 """
 
 from __future__ import annotations
