@@ -1,0 +1,259 @@
+/* Batch-invariant paged attention on the CPU, one (query token, KV head) at a time.
+ *
+ * Built at first use by kvrecover/ops/native_build.py and called through ctypes
+ * (kvrecover/ops/native_attention.py). Work item i is query token i / Hkv and KV
+ * head i % Hkv: all query heads of that KV head attend to keys 0..pos of the
+ * token's request, read straight from the paged cache. An item's arithmetic
+ * depends only on its own query, its keys and its position: keys are visited
+ * in increasing absolute order, in vectors whose lanes are fixed by the key's
+ * absolute index, with float32 accumulation and an exact two-pass softmax
+ * (pass 1: scores and their maximum; pass 2: exp, the sum and P.V in key order).
+ * How many items share a call, or how a step is split across threads, cannot
+ * change a single bit. One code path per build: the AVX-512 one where the
+ * compiler targets it, else a portable scalar one (invariance holds within one
+ * machine and build, like a library kernel's).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVR_AVX512 1
+#else
+#define KVR_AVX512 0
+#endif
+
+enum { KVR_FLOAT32 = 0, KVR_BFLOAT16 = 1, KVR_FLOAT16 = 2 };
+
+/* Mirrored by the ctypes Structure in native_attention.py: keep the order. */
+typedef struct {
+    const void *query;         /* [T, Hq, D], last dim contiguous */
+    int64_t query_token_stride; /* elements */
+    int64_t query_head_stride;  /* elements */
+    const void *key_cache;     /* [num_blocks, block_size, Hkv, D] contiguous */
+    const void *value_cache;   /* same layout */
+    void *out;                 /* [T, Hq, D] contiguous */
+    const int32_t *block_tables; /* [B, table_stride] */
+    int64_t table_stride;
+    const int32_t *token_request; /* [T] request row in block_tables */
+    const int32_t *token_position; /* [T] absolute position: keys 0..position are visible */
+    int32_t num_heads;
+    int32_t num_kv_heads;
+    int32_t head_dim;
+    int32_t block_size;
+    int32_t dtype;
+    float scale;
+} KvrAttentionArgs;
+
+/* Which path this build runs: 1 = AVX-512, 0 = portable scalar. */
+int kvr_vector_path(void) { return KVR_AVX512; }
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, like torch */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load_scalar(const void *base, int64_t index, int dtype) {
+    if (dtype == KVR_BFLOAT16) return bf16_to_float(((const uint16_t *)base)[index]);
+    if (dtype == KVR_FLOAT16) return (float)((const _Float16 *)base)[index];
+    return ((const float *)base)[index];
+}
+
+static inline void store_scalar(void *base, int64_t index, int dtype, float value) {
+    if (dtype == KVR_BFLOAT16) ((uint16_t *)base)[index] = float_to_bf16(value);
+    else if (dtype == KVR_FLOAT16) ((_Float16 *)base)[index] = (_Float16)value;
+    else ((float *)base)[index] = value;
+}
+
+/* Element offset of key `position`'s row for `kv_head` in the paged cache. */
+static inline int64_t key_offset(const KvrAttentionArgs *a, const int32_t *table,
+                                 int64_t position, int kv_head) {
+    int64_t block = table[position / a->block_size];
+    int64_t slot = block * a->block_size + position % a->block_size;
+    return (slot * a->num_kv_heads + kv_head) * a->head_dim;
+}
+
+#if KVR_AVX512
+/* 16 floats from `count` (<= 16) elements; missing lanes are 0. */
+static inline __m512 load16(const void *base, int64_t index, int dtype, __mmask16 mask) {
+    if (dtype == KVR_BFLOAT16) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + index);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == KVR_FLOAT16) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + index);
+        return _mm512_cvtph_ps(h);
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)base + index);
+}
+
+/* exp(x) for x <= 0 (softmax arguments): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define KVR_MAX_GROUP 16
+#define KVR_MAX_DIM 256
+
+/* One item on the AVX-512 path; head_dim % 16 == 0, head_dim <= 256, group <= 16. */
+static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_head,
+                               float *scores) {
+    const int group = a->num_heads / a->num_kv_heads;
+    const int dim = a->head_dim, lanes = dim / 16, dtype = a->dtype;
+    const int64_t position = a->token_position[token];
+    const int64_t num_keys = position + 1;
+    const int32_t *table = a->block_tables + (int64_t)a->token_request[token] * a->table_stride;
+    __m512 query[KVR_MAX_GROUP][KVR_MAX_DIM / 16];
+    for (int h = 0; h < group; h++) {
+        int64_t base = token * a->query_token_stride
+                       + (int64_t)(kv_head * group + h) * a->query_head_stride;
+        for (int l = 0; l < lanes; l++) query[h][l] = load16(a->query, base + 16 * l, dtype, 0xffff);
+    }
+    /* Pass 1: scores[h * num_keys + j] = scale * q_h . k_j, and each head's maximum. */
+    float row_max[KVR_MAX_GROUP];
+    for (int h = 0; h < group; h++) row_max[h] = -INFINITY;
+    for (int64_t j = 0; j < num_keys; j++) {
+        int64_t offset = key_offset(a, table, j, kv_head);
+        __m512 key[KVR_MAX_DIM / 16];
+        for (int l = 0; l < lanes; l++) key[l] = load16(a->key_cache, offset + 16 * l, dtype, 0xffff);
+        for (int h = 0; h < group; h++) {
+            __m512 acc = _mm512_mul_ps(query[h][0], key[0]);
+            for (int l = 1; l < lanes; l++) acc = _mm512_fmadd_ps(query[h][l], key[l], acc);
+            float s = _mm512_reduce_add_ps(acc) * a->scale;
+            scores[h * num_keys + j] = s;
+            row_max[h] = s > row_max[h] ? s : row_max[h];
+        }
+    }
+    /* Pass 2: p = exp(s - max) in vectors of 16 keys at absolute lanes j % 16. */
+    __m512 acc[KVR_MAX_GROUP][KVR_MAX_DIM / 16];
+    __m512 sums[KVR_MAX_GROUP];
+    for (int h = 0; h < group; h++) {
+        sums[h] = _mm512_setzero_ps();
+        for (int l = 0; l < lanes; l++) acc[h][l] = _mm512_setzero_ps();
+    }
+    float probs[KVR_MAX_GROUP][16];
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+        int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
+        __mmask16 mask = (__mmask16)((1u << count) - 1u);
+        for (int h = 0; h < group; h++) {
+            __m512 s = _mm512_maskz_loadu_ps(mask, scores + h * num_keys + j0);
+            __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(row_max[h]))));
+            sums[h] = _mm512_add_ps(sums[h], p);
+            _mm512_storeu_ps(probs[h], p);
+        }
+        for (int k = 0; k < count; k++) {
+            int64_t offset = key_offset(a, table, j0 + k, kv_head);
+            __m512 value[KVR_MAX_DIM / 16];
+            for (int l = 0; l < lanes; l++)
+                value[l] = load16(a->value_cache, offset + 16 * l, dtype, 0xffff);
+            for (int h = 0; h < group; h++) {
+                __m512 p = _mm512_set1_ps(probs[h][k]);
+                for (int l = 0; l < lanes; l++) acc[h][l] = _mm512_fmadd_ps(p, value[l], acc[h][l]);
+            }
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums[h]));
+        int64_t base = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
+        for (int l = 0; l < lanes; l++) {
+            __m512 o = _mm512_mul_ps(acc[h][l], inverse);
+            if (dtype == KVR_FLOAT32) {
+                _mm512_storeu_ps((float *)a->out + base + 16 * l, o);
+            } else {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, o);
+                for (int e = 0; e < 16; e++) store_scalar(a->out, base + 16 * l + e, dtype, tmp[e]);
+            }
+        }
+    }
+}
+#endif
+
+/* One item on the portable path: the same algorithm, scalar, in the same key order. */
+static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_head,
+                               float *scores, float *acc) {
+    const int group = a->num_heads / a->num_kv_heads;
+    const int dim = a->head_dim, dtype = a->dtype;
+    const int64_t num_keys = (int64_t)a->token_position[token] + 1;
+    const int32_t *table = a->block_tables + (int64_t)a->token_request[token] * a->table_stride;
+    for (int h = 0; h < group; h++) {
+        int64_t qbase = token * a->query_token_stride
+                        + (int64_t)(kv_head * group + h) * a->query_head_stride;
+        float row_max = -INFINITY;
+        for (int64_t j = 0; j < num_keys; j++) {
+            int64_t offset = key_offset(a, table, j, kv_head);
+            float dot = 0.0f;
+            for (int d = 0; d < dim; d++)
+                dot += load_scalar(a->query, qbase + d, dtype) * load_scalar(a->key_cache, offset + d, dtype);
+            float s = dot * a->scale;
+            scores[j] = s;
+            row_max = s > row_max ? s : row_max;
+        }
+        float sum = 0.0f;
+        for (int d = 0; d < dim; d++) acc[d] = 0.0f;
+        for (int64_t j = 0; j < num_keys; j++) {
+            float p = expf(scores[j] - row_max);
+            sum += p;
+            int64_t offset = key_offset(a, table, j, kv_head);
+            for (int d = 0; d < dim; d++) acc[d] += p * load_scalar(a->value_cache, offset + d, dtype);
+        }
+        int64_t obase = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
+        for (int d = 0; d < dim; d++) store_scalar(a->out, obase + d, dtype, acc[d] / sum);
+    }
+}
+
+/* Items [item_begin, item_end) of the step; 0 on success, 1 when out of memory,
+ * 2 for a shape this build does not take. */
+int kvr_paged_attention(const KvrAttentionArgs *a, int64_t item_begin, int64_t item_end) {
+    if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return 2;
+    const int group = a->num_heads / a->num_kv_heads;
+    int64_t max_keys = 0;
+    for (int64_t i = item_begin; i < item_end; i++) {
+        int64_t keys = (int64_t)a->token_position[i / a->num_kv_heads] + 1;
+        max_keys = keys > max_keys ? keys : max_keys;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(group * max_keys + a->head_dim + 16));
+    if (!scores) return 1;
+    float *acc = scores + group * max_keys;
+#if KVR_AVX512
+    int vector = a->head_dim % 16 == 0 && a->head_dim <= KVR_MAX_DIM && group <= KVR_MAX_GROUP;
+#endif
+    for (int64_t i = item_begin; i < item_end; i++) {
+        int64_t token = i / a->num_kv_heads;
+        int kv_head = (int)(i % a->num_kv_heads);
+#if KVR_AVX512
+        if (vector) {
+            attend_item_avx512(a, token, kv_head, scores);
+            continue;
+        }
+#endif
+        attend_item_scalar(a, token, kv_head, scores, acc);
+    }
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,166 @@
+"""Batch-invariant paged attention on the CPU through our C kernel (`csrc/paged_attention.c`).
+
+The kernel computes each (query token, KV head) alone, reading that token's
+keys 0..position straight from the paged cache in increasing order with float32
+accumulation and an exact two-pass softmax, so a query's bits are the same in a
+full prefill, a chunk, a decode step or any batch (see the C file). A step's
+items are split across `torch.get_num_threads()` threads (a small pool calling
+the kernel on disjoint item ranges; ctypes releases the GIL); the split changes
+no bit. Where the kernel cannot be built, `invariant_cpu_attention` returns the
+torch implementation (`cpu_invariant_attention`) instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvrecover.ops.attention_metadata import AttentionMetadata
+from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
+from kvrecover.ops.native_build import load_library
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class KvrAttentionArgs(ctypes.Structure):
+    """The C kernel's argument record (`KvrAttentionArgs` in paged_attention.c)."""
+
+    _fields_ = [
+        ("query", ctypes.c_void_p),
+        ("query_token_stride", ctypes.c_int64),
+        ("query_head_stride", ctypes.c_int64),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("token_request", ctypes.c_void_p),
+        ("token_position", ctypes.c_void_p),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+
+@dataclass
+class StepPlan:
+    """Per-step kernel inputs, built once and shared by every layer of the step."""
+
+    block_tables: torch.Tensor  # [B, stride] int32, contiguous
+    token_request: torch.Tensor  # [T] int32
+    token_position: torch.Tensor  # [T] int32
+    item_bounds: list[int]  # thread t runs items [bounds[t], bounds[t + 1])
+
+
+class NativeInvariantAttention:
+    """Paged attention whose per-query bits do not depend on batch, chunking or threads."""
+
+    name = "cpu_native"
+    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
+
+    def __init__(self, library: ctypes.CDLL, num_threads: int | None = None) -> None:
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"num_threads must be None or an integer >= 1, got {num_threads!r}")
+        self._kernel = library.kvr_paged_attention
+        self._kernel.argtypes = [ctypes.POINTER(KvrAttentionArgs), ctypes.c_int64, ctypes.c_int64]
+        self._kernel.restype = ctypes.c_int
+        self.vector_path = bool(library.kvr_vector_path())
+        self.num_threads = num_threads  # None: torch.get_num_threads() at each step
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_workers = 0
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: StepPlan | None = None
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        if query.dtype != kv_cache.dtype or query.dtype not in DTYPE_CODES:
+            raise ValueError(f"query dtype {query.dtype} must equal the cache dtype "
+                             f"{kv_cache.dtype}, one of {list(DTYPE_CODES)}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, meta.slot_mapping, key)
+        value_cache.index_copy_(0, meta.slot_mapping, value)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        plan = self._plan_for(meta, num_kv_heads)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        args = KvrAttentionArgs(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
+            plan.block_tables.data_ptr(), plan.block_tables.stride(0),
+            plan.token_request.data_ptr(), plan.token_position.data_ptr(),
+            num_heads, num_kv_heads, head_dim, kv_cache.shape[2], DTYPE_CODES[query.dtype], scale,
+        )
+        bounds = plan.item_bounds
+        pointer = ctypes.byref(args)
+        jobs = []
+        if len(bounds) > 2:
+            pool = self._pool_for(len(bounds) - 1)
+            jobs = [pool.submit(self._kernel, pointer, bounds[t], bounds[t + 1])
+                    for t in range(1, len(bounds) - 1)]
+        codes = [self._kernel(pointer, bounds[0], bounds[1])] + [job.result() for job in jobs]
+        if any(codes):
+            raise RuntimeError(f"paged attention kernel failed with codes {codes}")
+        return out
+
+    def _pool_for(self, threads: int) -> ThreadPoolExecutor:
+        """A pool of `threads - 1` workers (the caller runs the first range itself)."""
+        if self._pool is None or self._pool_workers != threads - 1:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvr-attention")
+            self._pool_workers = threads - 1
+        return self._pool
+
+    def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int) -> StepPlan:
+        """The step's plan; every layer of a step shares `meta`, so it is built once."""
+        if self._plan_meta is not meta:
+            threads = self.num_threads or torch.get_num_threads()
+            self._plan = build_step_plan(meta, num_kv_heads, threads)
+            self._plan_meta = meta
+        return self._plan
+
+
+def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) -> StepPlan:
+    """Each token's request and position, and item ranges of about equal work per thread."""
+    query_lens = torch.tensor(meta.query_lens)
+    seq_lens = torch.tensor(meta.seq_lens)
+    num_tokens = int(query_lens.sum())
+    token_request = torch.repeat_interleave(torch.arange(len(meta.query_lens)), query_lens)
+    first_row = torch.cumsum(query_lens, 0) - query_lens
+    row_in_request = torch.arange(num_tokens) - first_row[token_request]
+    token_position = (seq_lens - query_lens)[token_request] + row_in_request
+    # An item's work grows with its position: cut the cumulative work into equal parts.
+    work = torch.cumsum((token_position + 1).repeat_interleave(num_kv_heads), 0)
+    total = int(work[-1]) if num_tokens else 0
+    threads = max(1, min(threads, num_tokens * num_kv_heads))
+    cuts = [int(torch.searchsorted(work, total * t // threads)) for t in range(1, threads)]
+    bounds = sorted({0, *cuts, num_tokens * num_kv_heads})
+    return StepPlan(
+        block_tables=meta.block_tables.to(device="cpu", dtype=torch.int32).contiguous(),
+        token_request=token_request.to(torch.int32),
+        token_position=token_position.to(torch.int32),
+        item_bounds=bounds,
+    )
+
+
+def invariant_cpu_attention() -> NativeInvariantAttention | CpuInvariantAttention:
+    """The fused C kernel where it builds, else the torch implementation (one warning)."""
+    library = load_library("paged_attention")
+    if library is None:
+        return CpuInvariantAttention()
+    return NativeInvariantAttention(library)

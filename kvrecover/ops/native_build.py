@@ -1,0 +1,114 @@
+"""Our C kernels (`ops/csrc/`), compiled at first use with the system C compiler.
+
+`load_library("paged_attention")` compiles `csrc/paged_attention.c` with
+`cc -O3 -march=native` into the kvrecover cache folder (`cache_dir.cache_root()
+/ "kernels"`) and loads it with ctypes. The file name carries a digest of the
+source, the compiler and its version, the flags and the CPU's feature flags, so
+a changed source, compiler or machine builds anew; a file lock keeps two
+processes from compiling at once, and the build lands under its final name by
+an atomic rename. When no compiler is found, the build fails, or
+`KVRECOVER_NATIVE_KERNELS=0` is set, it returns None after one warning and the
+caller falls back to its torch implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+from kvrecover.cache_dir import cache_root
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+# No fast-math and no FMA contraction in the portable path: every sum is in
+# the order the source writes it (the AVX-512 path is explicit intrinsics).
+CFLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=off", "-shared", "-fPIC")
+DISABLE_ENV = "KVRECOVER_NATIVE_KERNELS"  # "0": never build, use the torch fallbacks
+BUILD_TIMEOUT_S = 120
+
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.c` (built on first use, then cached), or None after
+    one warning when it cannot be built or native kernels are disabled."""
+    if name not in _loaded:
+        _loaded[name] = _build_and_load(name)
+    return _loaded[name]
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        warnings.warn(f"{DISABLE_ENV}=0: the C kernel {name!r} is off, using the slower torch "
+                      "fallback", RuntimeWarning, stacklevel=3)
+        return None
+    source = SOURCE_DIR / f"{name}.c"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn(f"no C compiler (cc) found: the kernel {name!r} falls back to torch ops "
+                      "(slower); install build-essential", RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        path = _build(source, compiler)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        warnings.warn(f"building the C kernel {name!r} failed ({error}); falling back to torch "
+                      "ops (slower)", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _build(source: Path, compiler: str) -> Path:
+    """Compile `source` unless a build for this source, compiler and CPU exists."""
+    folder = cache_root() / "kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{source.stem}-{_build_key(source, compiler)}.so"
+    if target.exists():
+        return target
+    with open(folder / f"{source.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling the same file
+        if target.exists():
+            return target
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            result = subprocess.run([compiler, *CFLAGS, str(source), "-o", partial, "-lm"],
+                                    capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if result.returncode != 0:
+                raise OSError(f"{compiler} exited with {result.returncode}: "
+                              f"{result.stderr.strip()[-2000:]}")
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    return target
+
+
+def _build_key(source: Path, compiler: str) -> str:
+    """A digest of everything the machine code depends on."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S).stdout
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), compiler.encode(), version.encode(), " ".join(CFLAGS).encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (`-march=native` compiles for exactly these)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
