@@ -23,6 +23,7 @@ from kvrecover.ops.attention_metadata import AttentionMetadata
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
 from kvrecover.ops.cpu_invariant_linear import InvariantCpuOps
+from kvrecover.ops.native_attention import NativeInvariantAttention
 from kvrecover.ops.torch_ops import TorchOps
 from kvrecover.worker.sampler import Sampler
 
@@ -174,7 +175,16 @@ def test_backend_selection_on_the_cpu():
         invariant = select_backend("auto", CPU, dtype=dtype, batch_invariant=True)
         assert invariant.name == "cpu_invariant" and invariant.batch_invariant
         assert isinstance(invariant.ops, InvariantCpuOps)
-        assert isinstance(invariant.attention, CpuInvariantAttention)
+        assert isinstance(invariant.attention, NativeInvariantAttention)  # the C kernel built
+
+
+def test_backend_falls_back_to_torch_attention_without_the_c_kernel(monkeypatch):
+    from kvrecover.ops import native_build
+
+    monkeypatch.setattr(native_build, "_loaded", {"paged_attention": None})
+    invariant = select_backend("auto", CPU, dtype=torch.bfloat16, batch_invariant=True)
+    assert invariant.name == "cpu_invariant"
+    assert isinstance(invariant.attention, CpuInvariantAttention)
 
 
 def test_large_tiles_are_used_only_where_they_match_small_ones(monkeypatch):
@@ -234,14 +244,23 @@ def _assert_same(run, expected):
         assert torch.equal(got, want)
 
 
-def test_engine_bf16_bits_do_not_depend_on_chunking_batch_or_prefix_cache(tiny_llama):
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch-fallback"])
+def test_engine_bf16_bits_do_not_depend_on_chunking_batch_or_prefix_cache(
+    tiny_llama, monkeypatch, native
+):
+    if not native:
+        from kvrecover.ops import native_build
+
+        monkeypatch.setattr(native_build, "_loaded", {"paged_attention": None})
     prompts = random_prompts(5, [70, 13, 150, 33, 1], 384, seed=5)
     shared = prompts[2][:96]  # full-block prefix shared with prompt 2: cache hits later
     prompts.append(shared + prompts[0][:20])
     runs = {}
     for budget in (16, 64, 512):
         llm = _llm(tiny_llama, budget, enable_prefix_caching=False)
-        assert llm.engine.model_runner.backend.name == "cpu_invariant"
+        backend = llm.engine.model_runner.backend
+        assert backend.name == "cpu_invariant"
+        assert backend.attention.name == ("cpu_native" if native else "cpu_invariant")
         runs[budget] = _greedy_with_logits(llm, prompts, 10)
     _assert_same(runs[16], runs[512])
     _assert_same(runs[64], runs[512])

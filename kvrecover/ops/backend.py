@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from kvrecover.config import ATTENTION_BACKENDS
-from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
 from kvrecover.ops.cpu_invariant_linear import HALF_DTYPES, InvariantCpuOps
+from kvrecover.ops.native_attention import invariant_cpu_attention
 from kvrecover.ops.torch_attention import TorchPagedAttention
 from kvrecover.ops.torch_ops import TorchOps
 
@@ -77,5 +77,5 @@ def select_backend(
         ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), ops, batch_invariant)
     if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES):
-        return KernelBackend("cpu_invariant", CpuInvariantAttention(), InvariantCpuOps(), True)
+        return KernelBackend("cpu_invariant", invariant_cpu_attention(), InvariantCpuOps(), True)
     return KernelBackend("torch", TorchPagedAttention(), TorchOps())

@@ -5,8 +5,8 @@ keys 0..position straight from the paged cache in increasing order with float32
 accumulation and an exact two-pass softmax, so a query's bits are the same in a
 full prefill, a chunk, a decode step or any batch (see the C file). A step's
 items are split across `torch.get_num_threads()` threads (a small pool calling
-the kernel on disjoint item ranges; ctypes releases the GIL); the split changes
-no bit. Where the kernel cannot be built, `invariant_cpu_attention` returns the
+the kernel, which hands out items from a shared counter; ctypes releases the
+GIL); which thread computes an item changes no bit. Where the kernel cannot be built, `invariant_cpu_attention` returns the
 torch implementation (`cpu_invariant_attention`) instead.
 """
 
@@ -55,7 +55,9 @@ class StepPlan:
     block_tables: torch.Tensor  # [B, stride] int32, contiguous
     token_request: torch.Tensor  # [T] int32
     token_position: torch.Tensor  # [T] int32
-    item_bounds: list[int]  # thread t runs items [bounds[t], bounds[t + 1])
+    num_items: int  # (token, KV head) pairs
+    threads: int  # threads that take items
+    grain: int  # items a thread takes at a time
 
 
 class NativeInvariantAttention:
@@ -68,7 +70,8 @@ class NativeInvariantAttention:
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be None or an integer >= 1, got {num_threads!r}")
         self._kernel = library.kvr_paged_attention
-        self._kernel.argtypes = [ctypes.POINTER(KvrAttentionArgs), ctypes.c_int64, ctypes.c_int64]
+        self._kernel.argtypes = [ctypes.POINTER(KvrAttentionArgs), ctypes.POINTER(ctypes.c_int64),
+                                 ctypes.c_int64, ctypes.c_int64]
         self._kernel.restype = ctypes.c_int
         self.vector_path = bool(library.kvr_vector_path())
         self.num_threads = num_threads  # None: torch.get_num_threads() at each step
@@ -105,14 +108,12 @@ class NativeInvariantAttention:
             plan.token_request.data_ptr(), plan.token_position.data_ptr(),
             num_heads, num_kv_heads, head_dim, kv_cache.shape[2], DTYPE_CODES[query.dtype], scale,
         )
-        bounds = plan.item_bounds
-        pointer = ctypes.byref(args)
+        call = (ctypes.byref(args), ctypes.byref(ctypes.c_int64(0)), plan.num_items, plan.grain)
         jobs = []
-        if len(bounds) > 2:
-            pool = self._pool_for(len(bounds) - 1)
-            jobs = [pool.submit(self._kernel, pointer, bounds[t], bounds[t + 1])
-                    for t in range(1, len(bounds) - 1)]
-        codes = [self._kernel(pointer, bounds[0], bounds[1])] + [job.result() for job in jobs]
+        if plan.threads > 1:
+            pool = self._pool_for(plan.threads)
+            jobs = [pool.submit(self._kernel, *call) for _ in range(plan.threads - 1)]
+        codes = [self._kernel(*call)] + [job.result() for job in jobs]
         if any(codes):
             raise RuntimeError(f"paged attention kernel failed with codes {codes}")
         return out
@@ -136,7 +137,7 @@ class NativeInvariantAttention:
 
 
 def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) -> StepPlan:
-    """Each token's request and position, and item ranges of about equal work per thread."""
+    """Each token's request and position, and how threads share the step's items."""
     query_lens = torch.tensor(meta.query_lens)
     seq_lens = torch.tensor(meta.seq_lens)
     num_tokens = int(query_lens.sum())
@@ -144,17 +145,17 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
     first_row = torch.cumsum(query_lens, 0) - query_lens
     row_in_request = torch.arange(num_tokens) - first_row[token_request]
     token_position = (seq_lens - query_lens)[token_request] + row_in_request
-    # An item's work grows with its position: cut the cumulative work into equal parts.
-    work = torch.cumsum((token_position + 1).repeat_interleave(num_kv_heads), 0)
-    total = int(work[-1]) if num_tokens else 0
-    threads = max(1, min(threads, num_tokens * num_kv_heads))
-    cuts = [int(torch.searchsorted(work, total * t // threads)) for t in range(1, threads)]
-    bounds = sorted({0, *cuts, num_tokens * num_kv_heads})
+    num_items = num_tokens * num_kv_heads
+    threads = max(1, min(threads, num_items))
     return StepPlan(
         block_tables=meta.block_tables.to(device="cpu", dtype=torch.int32).contiguous(),
         token_request=token_request.to(torch.int32),
         token_position=token_position.to(torch.int32),
-        item_bounds=bounds,
+        num_items=num_items,
+        threads=threads,
+        # Small grains balance a step whose items grow with position, or a thread
+        # the OS deschedules; each take is one atomic add.
+        grain=max(1, num_items // (16 * threads)),
     )
 
 

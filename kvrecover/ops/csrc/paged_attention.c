@@ -120,6 +120,47 @@ static inline __m512 exp16(__m512 x) {
 #define KVR_MAX_GROUP 16
 #define KVR_MAX_DIM 256
 
+/* Lane i of the result = the sum of the 16 lanes of v[i], by one fixed tree. */
+static inline __m512 transpose_sum16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xee));
+    __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                               _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
+                         _mm512_shuffle_f32x4(low, high, 0xdd));
+}
+
+/* q . k over head_dim for one query head and one key row, 16 lanes still unsummed. */
+static inline __m512 dot_lanes(const KvrAttentionArgs *a, const void *query, int64_t q_index,
+                               int64_t k_index) {
+    const int dim = a->head_dim, dtype = a->dtype;
+#if defined(__AVX512BF16__)
+    if (dtype == KVR_BFLOAT16 && dim % 32 == 0) {
+        /* bf16 pairs: exact products, float32 sums (vdpbf16ps). */
+        const uint16_t *q = (const uint16_t *)query + q_index;
+        const uint16_t *k = (const uint16_t *)a->key_cache + k_index;
+        __m512 acc = _mm512_setzero_ps();
+        for (int d = 0; d < dim; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                                   (__m512bh)_mm512_loadu_si512(k + d));
+        return acc;
+    }
+#endif
+    __m512 acc = _mm512_mul_ps(load16(query, q_index, dtype, 0xffff),
+                               load16(a->key_cache, k_index, dtype, 0xffff));
+    for (int d = 16; d < dim; d += 16)
+        acc = _mm512_fmadd_ps(load16(query, q_index + d, dtype, 0xffff),
+                              load16(a->key_cache, k_index + d, dtype, 0xffff), acc);
+    return acc;
+}
+
 /* One item on the AVX-512 path; head_dim % 16 == 0, head_dim <= 256, group <= 16. */
 static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_head,
                                float *scores) {
@@ -128,27 +169,32 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
     const int64_t position = a->token_position[token];
     const int64_t num_keys = position + 1;
     const int32_t *table = a->block_tables + (int64_t)a->token_request[token] * a->table_stride;
-    __m512 query[KVR_MAX_GROUP][KVR_MAX_DIM / 16];
-    for (int h = 0; h < group; h++) {
-        int64_t base = token * a->query_token_stride
-                       + (int64_t)(kv_head * group + h) * a->query_head_stride;
-        for (int l = 0; l < lanes; l++) query[h][l] = load16(a->query, base + 16 * l, dtype, 0xffff);
-    }
-    /* Pass 1: scores[h * num_keys + j] = scale * q_h . k_j, and each head's maximum. */
-    float row_max[KVR_MAX_GROUP];
-    for (int h = 0; h < group; h++) row_max[h] = -INFINITY;
-    for (int64_t j = 0; j < num_keys; j++) {
-        int64_t offset = key_offset(a, table, j, kv_head);
-        __m512 key[KVR_MAX_DIM / 16];
-        for (int l = 0; l < lanes; l++) key[l] = load16(a->key_cache, offset + 16 * l, dtype, 0xffff);
+    int64_t query_index[KVR_MAX_GROUP];
+    for (int h = 0; h < group; h++)
+        query_index[h] = token * a->query_token_stride
+                         + (int64_t)(kv_head * group + h) * a->query_head_stride;
+    /* Pass 1: scores[h * num_keys + j] = scale * q_h . k_j for 16 keys at a time (key j
+     * in lane j % 16), and each head's maximum. */
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    __m512 maxima[KVR_MAX_GROUP];
+    for (int h = 0; h < group; h++) maxima[h] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+        int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
+        __mmask16 mask = (__mmask16)((1u << count) - 1u);
+        int64_t offsets[16];
+        for (int k = 0; k < count; k++) offsets[k] = key_offset(a, table, j0 + k, kv_head);
         for (int h = 0; h < group; h++) {
-            __m512 acc = _mm512_mul_ps(query[h][0], key[0]);
-            for (int l = 1; l < lanes; l++) acc = _mm512_fmadd_ps(query[h][l], key[l], acc);
-            float s = _mm512_reduce_add_ps(acc) * a->scale;
-            scores[h * num_keys + j] = s;
-            row_max[h] = s > row_max[h] ? s : row_max[h];
+            __m512 partial[16];
+            for (int k = 0; k < 16; k++)
+                partial[k] = k < count ? dot_lanes(a, a->query, query_index[h], offsets[k])
+                                       : _mm512_setzero_ps();
+            __m512 s = _mm512_mul_ps(transpose_sum16(partial), scale);
+            _mm512_mask_storeu_ps(scores + h * num_keys + j0, mask, s);
+            maxima[h] = _mm512_mask_max_ps(maxima[h], mask, maxima[h], s);
         }
     }
+    float row_max[KVR_MAX_GROUP];
+    for (int h = 0; h < group; h++) row_max[h] = _mm512_reduce_max_ps(maxima[h]);
     /* Pass 2: p = exp(s - max) in vectors of 16 keys at absolute lanes j % 16. */
     __m512 acc[KVR_MAX_GROUP][KVR_MAX_DIM / 16];
     __m512 sums[KVR_MAX_GROUP];
@@ -227,14 +273,18 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
     }
 }
 
-/* Items [item_begin, item_end) of the step; 0 on success, 1 when out of memory,
- * 2 for a shape this build does not take. */
-int kvr_paged_attention(const KvrAttentionArgs *a, int64_t item_begin, int64_t item_end) {
-    if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return 2;
+/* Runs items of the step until none is left, taking `grain` items at a time from
+ * the shared counter `next_item`: every thread of a step calls this with the same
+ * counter, so a thread the OS deschedules leaves its share to the others. Which
+ * thread computes an item changes none of its bits. 0 on success, 1 when out of
+ * memory, 2 for a shape this build does not take. */
+int kvr_paged_attention(const KvrAttentionArgs *a, int64_t *next_item, int64_t num_items,
+                        int64_t grain) {
+    if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || grain < 1) return 2;
     const int group = a->num_heads / a->num_kv_heads;
     int64_t max_keys = 0;
-    for (int64_t i = item_begin; i < item_end; i++) {
-        int64_t keys = (int64_t)a->token_position[i / a->num_kv_heads] + 1;
+    for (int64_t t = 0; t < num_items / a->num_kv_heads; t++) {
+        int64_t keys = (int64_t)a->token_position[t] + 1;
         max_keys = keys > max_keys ? keys : max_keys;
     }
     float *scores = malloc(sizeof(float) * (size_t)(group * max_keys + a->head_dim + 16));
@@ -243,16 +293,21 @@ int kvr_paged_attention(const KvrAttentionArgs *a, int64_t item_begin, int64_t i
 #if KVR_AVX512
     int vector = a->head_dim % 16 == 0 && a->head_dim <= KVR_MAX_DIM && group <= KVR_MAX_GROUP;
 #endif
-    for (int64_t i = item_begin; i < item_end; i++) {
-        int64_t token = i / a->num_kv_heads;
-        int kv_head = (int)(i % a->num_kv_heads);
+    for (;;) {
+        int64_t begin = __atomic_fetch_add(next_item, grain, __ATOMIC_RELAXED);
+        if (begin >= num_items) break;
+        int64_t end = begin + grain < num_items ? begin + grain : num_items;
+        for (int64_t i = begin; i < end; i++) {
+            int64_t token = i / a->num_kv_heads;
+            int kv_head = (int)(i % a->num_kv_heads);
 #if KVR_AVX512
-        if (vector) {
-            attend_item_avx512(a, token, kv_head, scores);
-            continue;
-        }
+            if (vector) {
+                attend_item_avx512(a, token, kv_head, scores);
+                continue;
+            }
 #endif
-        attend_item_scalar(a, token, kv_head, scores, acc);
+            attend_item_scalar(a, token, kv_head, scores, acc);
+        }
     }
     free(scores);
     return 0;
