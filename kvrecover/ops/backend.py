@@ -9,10 +9,11 @@ and the torch path elsewhere; "torch" and "triton" force one (Triton off
 CUDA only under `TRITON_INTERPRET=1`).
 
 On the torch path, `batch_invariant` means what it means on Triton: a token's
-bits do not depend on its batch or chunking. It selects the fixed-shape CPU
-kernels (`cpu_invariant_linear`, `cpu_invariant_attention`) for every dtype;
-without it the CPU runs the faster reference (oneDNN linears, SDPA), unless
-`HALF_INVARIANT_BY_DEFAULT` makes bf16/fp16 invariant by default.
+bits do not depend on its batch or chunking. It selects the invariant CPU
+kernels (`cpu_invariant_linear`; the C kernel of `native_attention`, or
+`cpu_invariant_attention` where it cannot be built) for every dtype. bf16 and
+fp16 on the CPU run them by default too (`HALF_INVARIANT_BY_DEFAULT`); float32
+without `batch_invariant` runs the reference (oneDNN linears, SDPA).
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class KernelBackend:
 
 
 # Whether bf16/fp16 on the CPU run the invariant kernels without `batch_invariant`.
-# Off: they cost 2-3x the torch reference in bf16 here, far above the 15% the
-# default may cost (bench/NOTES.md, "bf16 on the CPU").
-HALF_INVARIANT_BY_DEFAULT = False
+# On: with the C attention kernel they cost no more than the reference kernels in
+# bf16 (within the 15% a default may cost; bench/NOTES.md, "bf16 on the CPU").
+HALF_INVARIANT_BY_DEFAULT = True
 
 
 def select_backend(
@@ -64,7 +65,8 @@ def select_backend(
 
     `batch_invariant` on Triton routes every linear through the fixed-order
     Triton matmul and keeps decode attention on the prefill tiles; on the torch
-    path it selects the fixed-shape CPU kernels (see `HALF_INVARIANT_BY_DEFAULT`).
+    path it selects the invariant CPU kernels, which bf16/fp16 on the CPU run
+    anyway (`HALF_INVARIANT_BY_DEFAULT`).
     """
     if attention_backend not in ATTENTION_BACKENDS:  # EngineArgs checks too; direct callers
         raise ValueError(
@@ -76,6 +78,8 @@ def select_backend(
 
         ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), ops, batch_invariant)
-    if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES):
-        return KernelBackend("cpu_invariant", invariant_cpu_attention(), InvariantCpuOps(), True)
+    if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES
+                           and device.type == "cpu"):
+        return KernelBackend("cpu_invariant", invariant_cpu_attention(device), InvariantCpuOps(),
+                             True)
     return KernelBackend("torch", TorchPagedAttention(), TorchOps())

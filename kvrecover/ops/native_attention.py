@@ -22,6 +22,7 @@ from kvrecover.ops.attention_metadata import AttentionMetadata
 from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
 from kvrecover.ops.native_build import load_library
 
+CPU = torch.device("cpu")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -159,8 +160,13 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
     )
 
 
-def invariant_cpu_attention() -> NativeInvariantAttention | CpuInvariantAttention:
-    """The fused C kernel where it builds, else the torch implementation (one warning)."""
+def invariant_cpu_attention(
+    device: torch.device = CPU,
+) -> NativeInvariantAttention | CpuInvariantAttention:
+    """The fused C kernel where it builds (on the CPU), else the torch implementation
+    (after one warning; always off the CPU: `attention_backend="torch"` on CUDA)."""
+    if device.type != "cpu":
+        return CpuInvariantAttention()
     library = load_library("paged_attention")
     if library is None:
         return CpuInvariantAttention()
