@@ -4,7 +4,7 @@ Command (repository root, default model converted):
 
     .venv/bin/python bench/profile_cpu.py --shapes 8x256x64 32x256x64 8x1024x32
 
-Per shape (batch x prompt x new tokens, float32, greedy, fresh random prompts after
+Per shape (batch x prompt x new tokens, float32 or `--dtype`, greedy, fresh random prompts after
 a warm-up on other prompts) it prints the wall time of each engine phase (schedule,
 step inputs, forward, LM head + sampling, update) split into prefill steps and decode
 steps, and the torch profiler's self time grouped into linears, attention, KV
@@ -144,18 +144,35 @@ def run_shape(llm, batch: int, prompt_len: int, new_tokens: int, with_profiler: 
     print(f"(forward + lm head wall {forward:.2f} s; ops total {sum(totals.values()):.2f} s)")
 
 
+def _label_attention(attention) -> None:
+    """Make the attention call visible to the profiler: a C kernel has no torch op."""
+    import torch
+
+    forward = attention.forward
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function("kvrecover::paged_attention"):
+            return forward(*args, **kwargs)
+
+    attention.forward = labelled
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["8x256x64", "32x256x64", "8x1024x32"])
     parser.add_argument("--no-profiler", action="store_true", help="phase wall times only")
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     args = parser.parse_args()
     import torch
 
     from kvrecover import LLM, SamplingParams
 
-    llm = LLM(None, device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    llm = LLM(None, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    backend = llm.engine.model_runner.backend
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+          f"kernels {backend.name} / attention {backend.attention.name}")
+    _label_attention(backend.attention)
     warm = torch.randint(100, 49152, (4, 300), generator=torch.Generator().manual_seed(1))
     llm.generate([{"prompt_token_ids": p} for p in warm.tolist()],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -192,7 +192,7 @@ class EngineArgs:
         0.85, "share of the GPU's memory the engine may use", float, above=0, maximum=1)
     batch_invariant: bool = option(
         False, "numerics independent of batch composition and chunking (exact recovery "
-        "in bf16, on GPUs and CPUs; costs speed, 2-3x in bf16 on the CPU)", bool)
+        "in bf16 on GPUs, at a cost in speed; always on for bf16/fp16 on the CPU)", bool)
     attention_backend: str = option(
         "auto", "which kernels run: auto (Triton on CUDA, the torch reference elsewhere), "
         "torch or triton (off CUDA only under TRITON_INTERPRET=1)", str,

@@ -3,7 +3,7 @@
 Per op, bitwise: linears (a row alone, in batches of 1..64 rows, in chunks of
 16..512), attention (every position of a long prompt against the same query as
 a decode step, and inside chunks and mixed batches), and the row-local small
-ops. Then the engine in bf16 with `batch_invariant=True`: greedy tokens (and
+ops. Then the engine in bf16 (invariant by default): greedy tokens (and
 the logits behind them) across `max_num_batched_tokens`, batch compositions and
 prefix-cache hits; and the reference scenario in bf16 (slow).
 """
@@ -169,9 +169,13 @@ def test_norm_rotary_swiglu_and_sampling_are_row_local(dtype):
 
 
 def test_backend_selection_on_the_cpu():
+    plain = select_backend("auto", CPU, dtype=torch.float32)
+    assert plain.name == "torch" and not plain.batch_invariant
+    for dtype in HALF:  # invariant by default in bf16/fp16 (bench/NOTES.md, "bf16 on the CPU")
+        default = select_backend("auto", CPU, dtype=dtype)
+        assert default.name == "cpu_invariant" and default.batch_invariant
+        assert isinstance(default.attention, NativeInvariantAttention)
     for dtype in (*HALF, torch.float32):
-        plain = select_backend("auto", CPU, dtype=dtype)
-        assert plain.name == "torch" and not plain.batch_invariant
         invariant = select_backend("auto", CPU, dtype=dtype, batch_invariant=True)
         assert invariant.name == "cpu_invariant" and invariant.batch_invariant
         assert isinstance(invariant.ops, InvariantCpuOps)
@@ -212,8 +216,7 @@ def test_large_tiles_are_used_only_where_they_match_small_ones(monkeypatch):
 
 def _llm(model, max_num_batched_tokens, **kwargs):
     return LLM(str(model), device="cpu", dtype="bfloat16", num_kv_blocks=96,
-               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
-               batch_invariant=True, **kwargs)
+               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, **kwargs)
 
 
 def _greedy_with_logits(llm, prompts, max_tokens):
@@ -244,20 +247,24 @@ def _assert_same(run, expected):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch-fallback"])
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel-default", "torch-fallback"])
 def test_engine_bf16_bits_do_not_depend_on_chunking_batch_or_prefix_cache(
     tiny_llama, monkeypatch, native
 ):
+    """bf16 by default (the C kernel), and with `batch_invariant=True` where the C
+    kernel is unavailable (the torch attention)."""
+    flags = {}
     if not native:
         from kvrecover.ops import native_build
 
         monkeypatch.setattr(native_build, "_loaded", {"paged_attention": None})
+        flags = {"batch_invariant": True}
     prompts = random_prompts(5, [70, 13, 150, 33, 1], 384, seed=5)
     shared = prompts[2][:96]  # full-block prefix shared with prompt 2: cache hits later
     prompts.append(shared + prompts[0][:20])
     runs = {}
     for budget in (16, 64, 512):
-        llm = _llm(tiny_llama, budget, enable_prefix_caching=False)
+        llm = _llm(tiny_llama, budget, enable_prefix_caching=False, **flags)
         backend = llm.engine.model_runner.backend
         assert backend.name == "cpu_invariant"
         assert backend.attention.name == ("cpu_native" if native else "cpu_invariant")
@@ -265,7 +272,7 @@ def test_engine_bf16_bits_do_not_depend_on_chunking_batch_or_prefix_cache(
     _assert_same(runs[16], runs[512])
     _assert_same(runs[64], runs[512])
     # One at a time (no batch mates), then all again with the prefix cache warm.
-    llm = _llm(tiny_llama, 64)
+    llm = _llm(tiny_llama, 64, **flags)
     alone = [_greedy_with_logits(llm, [p], 10) for p in prompts]
     _assert_same(([a[0][0] for a in alone], [a[1][0] for a in alone]), runs[64])
     hits_before = llm.stats["prefix_cache_hit_tokens"]

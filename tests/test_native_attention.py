@@ -38,7 +38,11 @@ def _kernel(library, threads=None):
 
 
 def _cache(num_blocks, block_size, kv_heads, head_dim, dtype):
-    return torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    """NaN everywhere but the zeroed null block 0 (as the engine allocates it): a slot
+    the kernel reads before it is written poisons the output."""
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    cache[:, 0].zero_()
+    return cache
 
 
 def _sdpa(q, k, v, scale):

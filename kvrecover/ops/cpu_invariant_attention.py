@@ -1,4 +1,8 @@
-"""Batch-invariant paged attention on the CPU: fixed query tiles, fixed key chunks.
+"""Batch-invariant paged attention in torch ops: fixed query tiles, fixed key chunks.
+
+The fallback of the C kernel (`native_attention`) where that cannot be built, and
+the CPU-invariant attention off the CPU (`attention_backend="torch"` on CUDA); it
+keeps the same promise at several times the cost.
 
 A query's output must not depend on whether it comes from a full prefill, a
 chunk of one or a decode step, nor on the other requests in the step. So every

@@ -1,13 +1,15 @@
 /* Batch-invariant paged attention on the CPU, one (query token, KV head) at a time.
  *
  * Built at first use by kvrecover/ops/native_build.py and called through ctypes
- * (kvrecover/ops/native_attention.py). Work item i is query token i / Hkv and KV
- * head i % Hkv: all query heads of that KV head attend to keys 0..pos of the
+ * (kvrecover/ops/native_attention.py). Work item i is query token i % T and KV
+ * head i / T (T tokens in the step): all query heads of that KV head attend to keys 0..pos of the
  * token's request, read straight from the paged cache. An item's arithmetic
  * depends only on its own query, its keys and its position: keys are visited
  * in increasing absolute order, in vectors whose lanes are fixed by the key's
  * absolute index, with float32 accumulation and an exact two-pass softmax
- * (pass 1: scores and their maximum; pass 2: exp, the sum and P.V in key order).
+ * (pass 1: scores and their maximum; pass 2: exp, the sum and P.V in key order;
+ * with a bf16 cache and AVX512-BF16, q.k and P.V run as vdpbf16ps, whose products
+ * are exact and sums float32, with P rounded to bf16 for P.V as flash attention does).
  * How many items share a call, or how a step is split across threads, cannot
  * change a single bit. One code path per build: the AVX-512 one where the
  * compiler targets it, else a portable scalar one (invariance holds within one
@@ -77,12 +79,21 @@ static inline void store_scalar(void *base, int64_t index, int dtype, float valu
     else ((float *)base)[index] = value;
 }
 
-/* Element offset of key `position`'s row for `kv_head` in the paged cache. */
-static inline int64_t key_offset(const KvrAttentionArgs *a, const int32_t *table,
-                                 int64_t position, int kv_head) {
-    int64_t block = table[position / a->block_size];
-    int64_t slot = block * a->block_size + position % a->block_size;
-    return (slot * a->num_kv_heads + kv_head) * a->head_dim;
+/* Element offsets of the rows of keys first..first+count-1 for `kv_head` in the
+ * paged cache: one division per call, then block by block. */
+static inline void key_offsets(const KvrAttentionArgs *a, const int32_t *table, int64_t first,
+                               int count, int kv_head, int64_t *offsets) {
+    int64_t block = first / a->block_size;
+    int64_t in_block = first - block * a->block_size;
+    const int64_t row = (int64_t)a->num_kv_heads * a->head_dim;
+    int64_t start = ((int64_t)table[block] * a->block_size) * row + (int64_t)kv_head * a->head_dim;
+    for (int k = 0; k < count; k++) {
+        offsets[k] = start + in_block * row;
+        if (++in_block == a->block_size && k + 1 < count) {
+            in_block = 0;
+            start = ((int64_t)table[++block] * a->block_size) * row + (int64_t)kv_head * a->head_dim;
+        }
+    }
 }
 
 #if KVR_AVX512
@@ -182,7 +193,7 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
         int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
         __mmask16 mask = (__mmask16)((1u << count) - 1u);
         int64_t offsets[16];
-        for (int k = 0; k < count; k++) offsets[k] = key_offset(a, table, j0 + k, kv_head);
+        key_offsets(a, table, j0, count, kv_head, offsets);
         for (int h = 0; h < group; h++) {
             __m512 partial[16];
             for (int k = 0; k < 16; k++)
@@ -196,6 +207,9 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
     float row_max[KVR_MAX_GROUP];
     for (int h = 0; h < group; h++) row_max[h] = _mm512_reduce_max_ps(maxima[h]);
     /* Pass 2: p = exp(s - max) in vectors of 16 keys at absolute lanes j % 16. */
+#if defined(__AVX512BF16__)
+    const int bf16_pairs = dtype == KVR_BFLOAT16 && dim % 32 == 0;
+#endif
     __m512 acc[KVR_MAX_GROUP][KVR_MAX_DIM / 16];
     __m512 sums[KVR_MAX_GROUP];
     for (int h = 0; h < group; h++) {
@@ -212,17 +226,65 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
             sums[h] = _mm512_add_ps(sums[h], p);
             _mm512_storeu_ps(probs[h], p);
         }
+        int64_t offsets[16];
+        key_offsets(a, table, j0, count, kv_head, offsets);
+#if defined(__AVX512BF16__)
+        if (bf16_pairs) {
+            /* p rounded to bf16 (as flash attention does), two keys per vdpbf16ps: exact
+             * products, float32 sums. Lanes hold a fixed permutation of d, undone below. */
+            uint32_t words[KVR_MAX_GROUP][8];
+            for (int h = 0; h < group; h++)
+                _mm256_storeu_si256((__m256i *)words[h],
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs[h])));
+            for (int k = 0; k < count; k += 2) {
+                const uint16_t *first = (const uint16_t *)a->value_cache + offsets[k];
+                const uint16_t *second = (const uint16_t *)a->value_cache + offsets[k + 1 < count ? k + 1 : k];
+                for (int c = 0; c < dim / 32; c++) {
+                    __m512i x0 = _mm512_loadu_si512(first + 32 * c);
+                    /* Past the last key: zeros (the slot may hold another request's data). */
+                    __m512i x1 = k + 1 < count ? _mm512_loadu_si512(second + 32 * c)
+                                               : _mm512_setzero_si512();
+                    __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                    __m512bh high = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+                    for (int h = 0; h < group; h++) {
+                        __m512bh p = (__m512bh)_mm512_set1_epi32((int)words[h][k / 2]);
+                        acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], p, low);
+                        acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], p, high);
+                    }
+                }
+            }
+            continue;
+        }
+#endif
         for (int k = 0; k < count; k++) {
-            int64_t offset = key_offset(a, table, j0 + k, kv_head);
             __m512 value[KVR_MAX_DIM / 16];
             for (int l = 0; l < lanes; l++)
-                value[l] = load16(a->value_cache, offset + 16 * l, dtype, 0xffff);
+                value[l] = load16(a->value_cache, offsets[k] + 16 * l, dtype, 0xffff);
             for (int h = 0; h < group; h++) {
                 __m512 p = _mm512_set1_ps(probs[h][k]);
                 for (int l = 0; l < lanes; l++) acc[h][l] = _mm512_fmadd_ps(p, value[l], acc[h][l]);
             }
         }
     }
+#if defined(__AVX512BF16__)
+    if (bf16_pairs) {
+        /* Undo the pair lanes: low lane 4L+m holds d = 8L+m, high lane 4L+m holds d = 8L+4+m. */
+        int first_half[16], second_half[16];
+        for (int d = 0; d < 16; d++) {
+            int m = d % 8;
+            first_half[d] = m < 4 ? 4 * (d / 8) + m : 16 | (4 * (d / 8) + m - 4);
+            second_half[d] = m < 4 ? 4 * (2 + d / 8) + m : 16 | (4 * (2 + d / 8) + m - 4);
+        }
+        __m512i first_index = _mm512_loadu_si512(first_half);
+        __m512i second_index = _mm512_loadu_si512(second_half);
+        for (int h = 0; h < group; h++)
+            for (int c = 0; c < dim / 32; c++) {
+                __m512 low = acc[h][2 * c], high = acc[h][2 * c + 1];
+                acc[h][2 * c] = _mm512_permutex2var_ps(low, first_index, high);
+                acc[h][2 * c + 1] = _mm512_permutex2var_ps(low, second_index, high);
+            }
+    }
+#endif
     for (int h = 0; h < group; h++) {
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums[h]));
         int64_t base = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
@@ -252,7 +314,8 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
                         + (int64_t)(kv_head * group + h) * a->query_head_stride;
         float row_max = -INFINITY;
         for (int64_t j = 0; j < num_keys; j++) {
-            int64_t offset = key_offset(a, table, j, kv_head);
+            int64_t offset;
+            key_offsets(a, table, j, 1, kv_head, &offset);
             float dot = 0.0f;
             for (int d = 0; d < dim; d++)
                 dot += load_scalar(a->query, qbase + d, dtype) * load_scalar(a->key_cache, offset + d, dtype);
@@ -265,7 +328,8 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
         for (int64_t j = 0; j < num_keys; j++) {
             float p = expf(scores[j] - row_max);
             sum += p;
-            int64_t offset = key_offset(a, table, j, kv_head);
+            int64_t offset;
+            key_offsets(a, table, j, 1, kv_head, &offset);
             for (int d = 0; d < dim; d++) acc[d] += p * load_scalar(a->value_cache, offset + d, dtype);
         }
         int64_t obase = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
@@ -282,8 +346,9 @@ int kvr_paged_attention(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
                         int64_t grain) {
     if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || grain < 1) return 2;
     const int group = a->num_heads / a->num_kv_heads;
+    const int64_t num_tokens = num_items / a->num_kv_heads;
     int64_t max_keys = 0;
-    for (int64_t t = 0; t < num_items / a->num_kv_heads; t++) {
+    for (int64_t t = 0; t < num_tokens; t++) {
         int64_t keys = (int64_t)a->token_position[t] + 1;
         max_keys = keys > max_keys ? keys : max_keys;
     }
@@ -298,8 +363,9 @@ int kvr_paged_attention(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
         if (begin >= num_items) break;
         int64_t end = begin + grain < num_items ? begin + grain : num_items;
         for (int64_t i = begin; i < end; i++) {
-            int64_t token = i / a->num_kv_heads;
-            int kv_head = (int)(i % a->num_kv_heads);
+            /* KV head major: consecutive items share one head's keys in the caches. */
+            int64_t token = i % num_tokens;
+            int kv_head = (int)(i / num_tokens);
 #if KVR_AVX512
             if (vector) {
                 attend_item_avx512(a, token, kv_head, scores);
