@@ -23,6 +23,7 @@ from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
 from kvrecover.ops.native_build import load_library
 
 CPU = torch.device("cpu")
+KEY_ROWS_PER_THREAD = 16384  # (query token, KV head, key) triples worth one more thread
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -147,7 +148,10 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
     row_in_request = torch.arange(num_tokens) - first_row[token_request]
     token_position = (seq_lens - query_lens)[token_request] + row_in_request
     num_items = num_tokens * num_kv_heads
-    threads = max(1, min(threads, num_items))
+    # Waking a pool thread costs tens of microseconds: small steps (decodes over short
+    # contexts) run on the calling thread alone.
+    key_rows = int((token_position + 1).sum()) * num_kv_heads
+    threads = max(1, min(threads, num_items, key_rows // KEY_ROWS_PER_THREAD))
     return StepPlan(
         block_tables=meta.block_tables.to(device="cpu", dtype=torch.int32).contiguous(),
         token_request=token_request.to(torch.int32),
