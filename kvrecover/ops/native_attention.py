@@ -4,16 +4,16 @@ The kernel computes each (query token, KV head) alone, reading that token's
 keys 0..position straight from the paged cache in increasing order with float32
 accumulation and an exact two-pass softmax, so a query's bits are the same in a
 full prefill, a chunk, a decode step or any batch (see the C file). A step's
-items are split across `torch.get_num_threads()` threads (a small pool calling
-the kernel, which hands out items from a shared counter; ctypes releases the
-GIL); which thread computes an item changes no bit. Where the kernel cannot be built, `invariant_cpu_attention` returns the
+items are shared by `torch.get_num_threads()` OpenMP threads, torch's own (the
+library is built with -fopenmp and so uses the libgomp torch loaded), which take
+items from one atomic counter; ctypes releases the GIL. Which thread computes an
+item changes no bit. Where the kernel cannot be built, `invariant_cpu_attention` returns the
 torch implementation (`cpu_invariant_attention`) instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +72,11 @@ class NativeInvariantAttention:
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be None or an integer >= 1, got {num_threads!r}")
         self._kernel = library.kvr_paged_attention
-        self._kernel.argtypes = [ctypes.POINTER(KvrAttentionArgs), ctypes.POINTER(ctypes.c_int64),
-                                 ctypes.c_int64, ctypes.c_int64]
+        self._kernel.argtypes = [ctypes.POINTER(KvrAttentionArgs), ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int]
         self._kernel.restype = ctypes.c_int
         self.vector_path = bool(library.kvr_vector_path())
         self.num_threads = num_threads  # None: torch.get_num_threads() at each step
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_workers = 0
         self._plan_meta: AttentionMetadata | None = None
         self._plan: StepPlan | None = None
 
@@ -110,24 +108,10 @@ class NativeInvariantAttention:
             plan.token_request.data_ptr(), plan.token_position.data_ptr(),
             num_heads, num_kv_heads, head_dim, kv_cache.shape[2], DTYPE_CODES[query.dtype], scale,
         )
-        call = (ctypes.byref(args), ctypes.byref(ctypes.c_int64(0)), plan.num_items, plan.grain)
-        jobs = []
-        if plan.threads > 1:
-            pool = self._pool_for(plan.threads)
-            jobs = [pool.submit(self._kernel, *call) for _ in range(plan.threads - 1)]
-        codes = [self._kernel(*call)] + [job.result() for job in jobs]
-        if any(codes):
-            raise RuntimeError(f"paged attention kernel failed with codes {codes}")
+        code = self._kernel(ctypes.byref(args), plan.num_items, plan.grain, plan.threads)
+        if code:
+            raise RuntimeError(f"paged attention kernel failed with code {code}")
         return out
-
-    def _pool_for(self, threads: int) -> ThreadPoolExecutor:
-        """A pool of `threads - 1` workers (the caller runs the first range itself)."""
-        if self._pool is None or self._pool_workers != threads - 1:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvr-attention")
-            self._pool_workers = threads - 1
-        return self._pool
 
     def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int) -> StepPlan:
         """The step's plan; every layer of a step shares `meta`, so it is built once."""
@@ -148,8 +132,8 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
     row_in_request = torch.arange(num_tokens) - first_row[token_request]
     token_position = (seq_lens - query_lens)[token_request] + row_in_request
     num_items = num_tokens * num_kv_heads
-    # Waking a pool thread costs tens of microseconds: small steps (decodes over short
-    # contexts) run on the calling thread alone.
+    # A parallel region costs microseconds: small steps (decodes over short contexts)
+    # run on the calling thread alone.
     key_rows = int((token_position + 1).sum()) * num_kv_heads
     threads = max(1, min(threads, num_items, key_rows // KEY_ROWS_PER_THREAD))
     return StepPlan(

@@ -29,7 +29,9 @@ from kvrecover.cache_dir import cache_root
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # No fast-math and no FMA contraction in the portable path: every sum is in
 # the order the source writes it (the AVX-512 path is explicit intrinsics).
-CFLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=off", "-shared", "-fPIC")
+# -fopenmp: the kernels use torch's OpenMP runtime (libgomp.so.1, loaded by torch first).
+CFLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=off", "-fopenmp", "-shared",
+          "-fPIC")
 DISABLE_ENV = "KVRECOVER_NATIVE_KERNELS"  # "0": never build, use the torch fallbacks
 BUILD_TIMEOUT_S = 120
 

@@ -16,6 +16,7 @@
  * machine and build, like a library kernel's).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -342,7 +343,7 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
  * counter, so a thread the OS deschedules leaves its share to the others. Which
  * thread computes an item changes none of its bits. 0 on success, 1 when out of
  * memory, 2 for a shape this build does not take. */
-int kvr_paged_attention(const KvrAttentionArgs *a, int64_t *next_item, int64_t num_items,
+static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t num_items,
                         int64_t grain) {
     if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || grain < 1) return 2;
     const int group = a->num_heads / a->num_kv_heads;
@@ -377,4 +378,24 @@ int kvr_paged_attention(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
     }
     free(scores);
     return 0;
+}
+
+/* The step's `num_items` items on `threads` OpenMP threads. Built with -fopenmp, this
+ * library shares torch's OpenMP runtime (the same libgomp.so.1, already loaded), so
+ * the threads are torch's own, still spinning from the previous op: no second pool
+ * competing for the cores. Returns attend_items' code. */
+int kvr_paged_attention(const KvrAttentionArgs *a, int64_t num_items, int64_t grain,
+                        int threads) {
+    int64_t next_item = 0;
+    if (threads <= 1) return attend_items(a, &next_item, num_items, grain);
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int code = attend_items(a, &next_item, num_items, grain);
+        if (code) {
+#pragma omp atomic write
+            status = code;
+        }
+    }
+    return status;
 }
