@@ -11,6 +11,7 @@ or with `KVRECOVER_NATIVE_KERNELS=0`.
 from __future__ import annotations
 
 import random
+import sys
 import warnings
 
 import pytest
@@ -188,3 +189,12 @@ def test_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("KVRECOVER_NATIVE_KERNELS", "0")
     with pytest.warns(RuntimeWarning, match="KVRECOVER_NATIVE_KERNELS=0"):
         assert isinstance(invariant_cpu_attention(), CpuInvariantAttention)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_kernel_shares_torchs_openmp_runtime(library):
+    """Built with -fopenmp, the library must bind to the libgomp torch loaded, not bring
+    a second OpenMP runtime whose threads would fight torch's for the cores."""
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "gomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes
