@@ -150,6 +150,9 @@ def test_rejects_mismatched_dtypes_and_thread_counts(library):
     q, k = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16)
     with pytest.raises(ValueError, match="must equal the cache dtype"):
         _kernel(library).forward(q, k, k, _cache(2, 16, 1, 16, torch.bfloat16), meta, 1.0)
+    strided = _cache(2, 16, 1, 16, torch.float32).transpose(1, 2)
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        _kernel(library).forward(q, k, k, strided, meta, 1.0)
     with pytest.raises(ValueError, match="num_threads must be None or an integer >= 1, got 0"):
         _kernel(library, 0)
 

@@ -90,6 +90,8 @@ class NativeInvariantAttention:
         if query.dtype != kv_cache.dtype or query.dtype not in DTYPE_CODES:
             raise ValueError(f"query dtype {query.dtype} must equal the cache dtype "
                              f"{kv_cache.dtype}, one of {list(DTYPE_CODES)}")
+        if not kv_cache.is_contiguous():  # the kernel computes slot offsets itself
+            raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
