@@ -3,13 +3,14 @@
 A oneDNN (or torch) matmul of a fixed shape (rows, in, out) on a fixed thread
 count runs one kernel with one reduction order, so a row's result cannot depend
 on the other rows. `InvariantCpuOps.linear` therefore runs only fixed shapes:
-tiles of exactly `tile_rows` rows (the last one zero-padded), and, for long
-prefill chunks, tiles of `large_tile_rows` rows where `prepare_weights` has
-proven, per weight shape and at start-up, that a row's bits in a large tile
-equal its bits in a small one (else large tiles are off). Decode pads to one
-small tile; a prefill chunk runs large tiles, then small ones. The weight of
-one linear stays in cache across its tiles. Accumulation is float32 inside
-oneDNN's bf16 kernels; the result is rounded once to the model dtype.
+tiles of exactly `tile_rows` rows; for long prefill chunks, tiles of
+`large_tile_rows` rows; and, for a decode batch or a chunk's last rows, the
+smallest proven tile of `SMALL_TILE_CANDIDATES` (zero-padded) that holds them.
+`prepare_weights` proves, per weight shape and at start-up, that a row's bits in
+every large or small tile equal its bits in a `tile_rows` tile; a tile size that
+fails for any shape is never used. The weight of one linear stays in cache
+across its tiles. Accumulation is float32 inside oneDNN's bf16 kernels; the
+result is rounded once to the model dtype.
 
 Norms, rotary, SwiGLU and sampling are row-local already (the inherited
 `TorchOps` versions; `tests/test_cpu_invariant.py` proves it bit for bit).
@@ -29,6 +30,9 @@ from kvrecover.ops.torch_ops import TorchOps
 # tiles pays a parallel region per tile, which a busy machine makes expensive.
 TILE_ROWS = 16
 LARGE_TILE_ROWS = 256
+# Tiles below TILE_ROWS for decode and chunk tails: a weight-bound matmul costs
+# about the same for 1-5 rows, so a batch of 1 in a 16-row tile paid ~2x per linear.
+SMALL_TILE_CANDIDATES = (1, 2, 4, 8, 12)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 PACKABLE_DTYPES = (torch.float32, *HALF_DTYPES)
 
@@ -47,39 +51,63 @@ class InvariantCpuOps(TorchOps):
         # None until prepare_weights proves large tiles agree with small ones.
         self.large_tile_rows: int | None = None
         self._wanted_large_tile_rows = large_tile_rows
+        # The tile sizes in use, ascending, tile_rows last (smaller ones once proven).
+        self.small_tiles: tuple[int, ...] = (tile_rows,)
+        # _pad_to[n]: the tile that runs n < tile_rows leftover rows.
+        self._pad_to = [tile_rows] * tile_rows
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once after loading: pack the linear weights for oneDNN (a tied
-        embedding keeps its dense copy for lookups), then enable large tiles if
-        every weight shape gives a row the same bits in a large and a small tile."""
+        embedding keeps its dense copy for lookups), then enable the large tile
+        and each small tile that gives a row, for every weight shape, the same
+        bits as a `tile_rows` tile."""
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         dtypes = [layer.weight.dtype for layer in linears]  # before packing hides them
         if torch.backends.mkldnn.is_available():
             for layer in linears:
                 _pack_linear(layer, self.tile_rows)
-        self.large_tile_rows = self._wanted_large_tile_rows
+        large = self._wanted_large_tile_rows
+        smalls = [t for t in SMALL_TILE_CANDIDATES if t < self.tile_rows]
         checked = set()
         for layer, dtype in zip(linears, dtypes):
             shape = (layer.in_features, layer.out_features, layer.bias is not None, dtype)
             if shape not in checked:
                 checked.add(shape)
-                if not self._large_tiles_agree(layer, dtype):
-                    self.large_tile_rows = None
-                    return
+                large, smalls = self._proven_tiles(layer, dtype, large, smalls)
+        self.large_tile_rows = large
+        self.small_tiles = (*smalls, self.tile_rows)
+        self._pad_to = [next(t for t in self.small_tiles if t >= n) for n in range(self.tile_rows)]
 
-    def _large_tiles_agree(self, layer: nn.Linear, dtype: torch.dtype) -> bool:
-        large, tile = self._wanted_large_tile_rows, self.tile_rows
+    def _proven_tiles(
+        self, layer: nn.Linear, dtype: torch.dtype, large: int | None, smalls: list[int]
+    ) -> tuple[int | None, list[int]]:
+        """The large tile (or None) and the small tiles that give every row of a
+        random input the same bits as `tile_rows` tiles do, for this weight."""
+        tile, rows = self.tile_rows, self._wanted_large_tile_rows
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(large, layer.in_features, generator=generator).to(dtype)
-        small = torch.cat([_matmul(x[s : s + tile], layer) for s in range(0, large, tile)])
-        return torch.equal(_matmul(x, layer), small)
+        x = torch.randn(rows, layer.in_features, generator=generator).to(dtype)
+        reference = torch.cat([_matmul(x[s : s + tile], layer) for s in range(0, rows, tile)])
+        if large is not None and not torch.equal(_matmul(x, layer), reference):
+            large = None
+        proven = []
+        for size in smalls:
+            starts = range(0, min(rows, 2 * tile) - size + 1, size)
+            if all(torch.equal(_matmul(x[s : s + size], layer), reference[s : s + size])
+                   for s in starts):
+                proven.append(size)
+        return large, proven
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`x @ layer.weight.T + layer.bias`, one fixed-shape call per row tile."""
         tile = self.tile_rows
         rows = x.shape[0]
-        if rows == tile:
-            return _matmul(x, layer)
+        if rows <= tile:  # a decode batch: one tile
+            size = tile if rows == tile else self._pad_to[rows]
+            if size == rows:
+                return _matmul(x, layer)
+            padded = x.new_zeros(size, x.shape[1])
+            padded[:rows] = x
+            return _matmul(padded, layer)[:rows]
         x = x.contiguous()
         out = x.new_empty(rows, layer.out_features)
         done = 0
@@ -92,9 +120,14 @@ class InvariantCpuOps(TorchOps):
         for start in range(done, full, tile):
             out[start : start + tile] = _matmul(x[start : start + tile], layer)
         if full < rows:
-            padded = x.new_zeros(tile, x.shape[1])
-            padded[: rows - full] = x[full:]
-            out[full:] = _matmul(padded, layer)[: rows - full]
+            left = rows - full
+            size = self._pad_to[left]
+            if size == left:
+                out[full:] = _matmul(x[full:], layer)
+            else:
+                padded = x.new_zeros(size, x.shape[1])
+                padded[:left] = x[full:]
+                out[full:] = _matmul(padded, layer)[:left]
         return out
 
 
