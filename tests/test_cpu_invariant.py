@@ -214,6 +214,31 @@ def test_large_tiles_are_used_only_where_they_match_small_ones(monkeypatch):
         InvariantCpuOps(tile_rows=16, large_tile_rows=40)
 
 
+def test_small_tiles_are_proven_per_size_and_pad_to_the_smallest(monkeypatch):
+    from kvrecover.ops import cpu_invariant_linear
+
+    real = cpu_invariant_linear._matmul
+    shapes: list[int] = []
+
+    def four_rows_differ(x, layer):  # a library whose 4-row kernel sums differently
+        shapes.append(x.shape[0])
+        out = real(x, layer)
+        return out * 1.01 if x.shape[0] == 4 else out
+
+    monkeypatch.setattr(cpu_invariant_linear, "_matmul", four_rows_differ)
+    layer = _linear(64, 96, torch.bfloat16, False)
+    ops = InvariantCpuOps(tile_rows=16, large_tile_rows=64)
+    ops.prepare_weights(nn.Sequential(layer))
+    assert 4 not in ops.small_tiles and ops.small_tiles[-1] == 16
+    assert 8 in ops.small_tiles  # proven equal on this machine
+    x = torch.randn(40, 64).bfloat16()
+    reference = torch.cat([real(x[s : s + 16], layer) for s in range(0, 48, 16)])[:40]
+    for rows, runs in ((3, [8]), (8, [8]), (16, [16]), (19, [16, 8]), (40, [16, 16, 8])):
+        shapes.clear()
+        assert torch.equal(ops.linear(x[:rows], layer), reference[:rows]), rows
+        assert shapes == runs, rows
+
+
 def _llm(model, max_num_batched_tokens, **kwargs):
     return LLM(str(model), device="cpu", dtype="bfloat16", num_kv_blocks=96,
                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, **kwargs)
