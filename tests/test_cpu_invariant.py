@@ -1,7 +1,7 @@
 """ops.cpu_invariant_*: a token's bits on the CPU do not depend on its batch or chunking.
 
 Per op, bitwise: linears (a row alone, in batches of 1..64 rows, in chunks of
-16..512), attention (every position of a long prompt against the same query as
+16..512; each small and large tile size used only where proven), attention (every position of a long prompt against the same query as
 a decode step, and inside chunks and mixed batches), and the row-local small
 ops. Then the engine in bf16 (invariant by default): greedy tokens (and
 the logits behind them) across `max_num_batched_tokens`, batch compositions and
