@@ -242,25 +242,34 @@ class StoreConnectorBase(KVConnectorBase):
         for request_id, load in list(self._async_loads.items()):
             if request_id in finished_req_ids:  # aborted: nothing will read these blocks
                 load.cancelled.set()
-                done.add(request_id)
             elif load.future.done():
-                if load.future.exception() is None:
-                    self._install(load.transfer, load.future.result())
-                else:
-                    logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
-                                   request_id, load.future.exception())
-                    self._invalid_block_ids.update(load.transfer.block_ids)
-                done.add(request_id)
+                self._land(load)
             elif now >= load.deadline:
                 logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
                                request_id, self.load_timeout_s)
                 load.cancelled.set()  # a late result is dropped with the future
                 self._invalid_block_ids.update(load.transfer.block_ids)
-                done.add(request_id)
             else:
                 continue
             del self._async_loads[request_id]
+            done.add(request_id)
+        # Installing takes time (a copy; on a GPU an upload): a load that finished
+        # meanwhile is reported now, not a whole step later.
+        while landed := [rid for rid, load in self._async_loads.items() if load.future.done()]:
+            for request_id in landed:
+                self._land(self._async_loads.pop(request_id))
+                done.add(request_id)
         return None, done or None
+
+    def _land(self, load: AsyncLoad) -> None:
+        """Install a finished load's blocks, or mark them invalid if its read crashed."""
+        error = load.future.exception()
+        if error is None:
+            self._install(load.transfer, load.future.result())
+        else:
+            logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
+                           load.transfer.request_id, error)
+            self._invalid_block_ids.update(load.transfer.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
