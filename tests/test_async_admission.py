@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import threading
 
-from conftest import KV_PROMPTS, copy_store, make_kv_llm, no_connector_ids, storage_transfer
+from conftest import (
+    KV_PROMPTS,
+    copy_store,
+    greedy_token_ids,
+    make_kv_llm,
+    no_connector_ids,
+    random_prompt,
+    storage_transfer,
+)
 
 from kvrecover import SamplingParams
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
@@ -68,3 +76,66 @@ def test_a_load_finishing_during_another_install_is_admitted_with_it(tiny_llama,
     assert first_step["slow"] == first_step["fast"]
     expected = no_connector_ids(tiny_llama, list(prompts.values()))
     assert [tokens["slow"], tokens["fast"]] == [ids[:3] for ids in expected]
+
+
+class GatedLoadConnector(SharedStorageConnector):
+    """Request "loaded" finishes reading only once the test opens `gate`."""
+
+    gate = threading.Event()  # set per test (the engine builds the connector)
+
+    def _read_async(self, transfer, cancelled):
+        blocks = super()._read_async(transfer, cancelled)
+        if transfer.request_id == "loaded":
+            type(self).gate.wait(WAIT_S)
+        return blocks
+
+
+def test_a_load_reported_by_an_overlapped_step_joins_the_very_next_step(tiny_llama,
+                                                                        pristine_store, tmp_path):
+    """While another request decodes on the overlapped path, the step after the one whose
+    connector hooks reported the load finished must already run the loaded request (it
+    used to launch one more decode without it)."""
+    copy_store(pristine_store, tmp_path / "store")
+    GatedLoadConnector.gate = threading.Event()
+    kv = storage_transfer(tmp_path / "store", "kv_consumer", "GatedLoadConnector",
+                          module_path=__name__, async_load=True)
+    llm = make_kv_llm(tiny_llama, kv)
+    engine, runner = llm.engine, llm.engine.model_runner
+    runner.eager_overlap = True
+    ran: list[tuple[list[str], set[str]]] = []  # per step run: its requests, loads reported
+    execute, launch = runner.execute, runner.launch_decode
+
+    def logged_execute(scheduler_output):
+        output = execute(scheduler_output)
+        ran.append(([s.request_id for s in scheduler_output.scheduled], output.finished_recving))
+        return output
+
+    def logged_launch(scheduler_output, previous=None):
+        pending = launch(scheduler_output, previous)
+        ran.append(([s.request_id for s in scheduler_output.scheduled],
+                    pending.finished_recving))
+        return pending
+
+    runner.execute, runner.launch_decode = logged_execute, logged_launch
+    decoder_prompt = random_prompt(20, seed=7)  # not in the store
+    engine.add_request("decoder", decoder_prompt,
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished() and steps < 10_000:
+        steps += 1
+        if steps == 3:
+            engine.add_request("loaded", KV_PROMPTS[0],
+                               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        if steps == 8:
+            GatedLoadConnector.gate.set()
+        for output in engine.step():
+            tokens[output.request_id] = output.outputs[0].token_ids
+    GatedLoadConnector.gate.set()
+    reported = [i for i, (_, loads) in enumerate(ran) if "loaded" in loads]
+    assert len(reported) == 1 and reported[0] + 1 < len(ran)
+    assert "decoder" in ran[reported[0]][0], "the load was not reported by a decode step"
+    assert llm.stats["overlapped_steps"] > 10 and llm.stats["prompt_tokens_external"] > 0
+    assert "loaded" in ran[reported[0] + 1][0]
+    decoded, loaded = greedy_token_ids(make_kv_llm(tiny_llama), [decoder_prompt, KV_PROMPTS[0]], 40)
+    assert tokens == {"decoder": decoded, "loaded": loaded[:3]}

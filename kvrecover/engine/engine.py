@@ -217,7 +217,8 @@ class Engine:
         of it when it lands (`Scheduler.update_from_output`)."""
         scheduler_output, pending = self._in_flight
         self._in_flight = None
-        following = self.scheduler.schedule_next_decode(scheduler_output)
+        following = self.scheduler.schedule_next_decode(scheduler_output,
+                                                        pending.finished_recving)
         if following is not None:
             self._in_flight = (following, self._launch(following, pending))
         outputs = self._apply(scheduler_output, pending.result())

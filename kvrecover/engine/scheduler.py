@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager
@@ -131,7 +131,8 @@ class Scheduler:
         output.kv_connector_metadata = self.kv_loads.build_connector_meta(output)
         return output
 
-    def schedule_next_decode(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+    def schedule_next_decode(self, previous: SchedulerOutput,
+                             loads_done: Collection[str] = ()) -> SchedulerOutput | None:
         """Schedule the decode step after `previous` while `previous` still runs.
 
         Every request of `previous` must be decoding one token. Each one that
@@ -142,11 +143,14 @@ class Scheduler:
         waiting request could be admitted, an async load has passed its deadline,
         a running request is not in `previous` (one that recovery rolled back
         after `previous` was scheduled, or one the token budget left out), or the
-        cache would need preemption. Requests parked for their async loads wait:
-        the connector's report of a finished load arrives with any step.
+        cache would need preemption. Requests parked for their async loads wait,
+        unless `loads_done` (the loads `previous` reports finished, known at its
+        launch) holds theirs: they join the step after `previous` instead.
         """
         if self.loads.orphans or self.loads.expired() or any(
-            request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS for request in self.waiting
+            request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS
+            or request.request_id in loads_done
+            for request in self.waiting
         ):
             return None
         scheduled: list[ScheduledRequest] = []

@@ -59,6 +59,11 @@ class PendingDecode:
         self._ready = ready
         self._ready.record()
 
+    @property
+    def finished_recving(self) -> set[str]:
+        """The async loads this step's connector hooks reported finished (known at launch)."""
+        return self._output.finished_recving
+
     def rows(self) -> dict[str, int]:
         """Each request's row in `device_tokens`."""
         return {request_id: row for row, request_id in enumerate(self.request_ids)}
