@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--default-model", action="store_true",
                         help="the built-in default model (else a tiny random Llama)")
+    parser.add_argument("--model", help="a checkpoint folder (e.g. bench_gpu.py's 1B one)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -105,12 +106,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="kvrecover_timeline_"))
     try:
-        if args.default_model:
-            model, vocab = None, 49152
+        vocab = 384  # token ids every model here accepts
+        if args.model or args.default_model:
+            model = args.model
         else:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
             from conftest import build_tiny_model
-            model, vocab = str(build_tiny_model(root / "model")), 384
+            model = str(build_tiny_model(root / "model"))
         rng = random.Random(0)
         prompts = [[rng.randrange(2, vocab) for _ in range(args.prompt_tokens)]
                    for _ in range(args.batch)]
