@@ -32,7 +32,10 @@ TILE_ROWS = 16
 LARGE_TILE_ROWS = 256
 # Tiles below TILE_ROWS for decode and chunk tails: a weight-bound matmul costs
 # about the same for 1-5 rows, so a batch of 1 in a 16-row tile paid ~2x per linear.
-SMALL_TILE_CANDIDATES = (1, 2, 4, 8, 12)
+# Never 1 row: oneDNN runs a one-row product as a matrix-vector kernel that rounds
+# differently from the tile kernels for a few percent of rows, data-dependently, so
+# a sampled proof can pass it by chance (it did, in about a quarter of test runs).
+SMALL_TILE_CANDIDATES = (2, 4, 8, 12)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 PACKABLE_DTYPES = (torch.float32, *HALF_DTYPES)
 
@@ -91,7 +94,7 @@ class InvariantCpuOps(TorchOps):
             large = None
         proven = []
         for size in smalls:
-            starts = range(0, min(rows, 2 * tile) - size + 1, size)
+            starts = range(0, rows - size + 1, size)  # every row of the input
             if all(torch.equal(_matmul(x[s : s + size], layer), reference[s : s + size])
                    for s in starts):
                 proven.append(size)
