@@ -1,0 +1,220 @@
+/* Row-local fused kernels for the bf16/fp16 CPU path: add + RMSNorm, RMSNorm, SwiGLU.
+ *
+ * Built at first use by kvrecover/ops/native_build.py and called through ctypes
+ * (kvrecover/ops/native_row_ops.py). Each output row is computed from its own
+ * input row alone, in one fixed order (the sum of squares in 16 lane partial
+ * sums, combined in a fixed tree), in float32, and rounded where TorchOps
+ * rounds: so a row's bits cannot depend on the batch or on which thread ran it.
+ * Rows are split across torch's OpenMP threads (the same libgomp) when asked.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVR_AVX512 1
+#else
+#define KVR_AVX512 0
+#endif
+
+enum { KVR_BFLOAT16 = 1, KVR_FLOAT16 = 2 };
+#define LANES 16
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, like torch */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load(const void *base, int64_t i, int dtype) {
+    if (dtype == KVR_BFLOAT16) return bf16_to_float(((const uint16_t *)base)[i]);
+    return (float)((const _Float16 *)base)[i];
+}
+
+static inline void store(void *base, int64_t i, int dtype, float value) {
+    if (dtype == KVR_BFLOAT16) ((uint16_t *)base)[i] = float_to_bf16(value);
+    else ((_Float16 *)base)[i] = (_Float16)value;
+}
+
+/* The value `value` takes once rounded to the half dtype. */
+static inline float round_half(float value, int dtype) {
+    if (dtype == KVR_BFLOAT16) return bf16_to_float(float_to_bf16(value));
+    return (float)(_Float16)value;
+}
+
+/* One row of out = round(h * rsqrt(mean(h^2) + eps)) * weight, h already float32. */
+static void norm_row(const float *h, const void *weight, void *out, int64_t row_offset,
+                     int64_t hidden, float eps, int dtype) {
+    float lanes[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= hidden; d += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += h[d + l] * h[d + l];
+    for (int l = 0; d < hidden; d++, l++) lanes[l] += h[d] * h[d];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    const float scale = 1.0f / sqrtf(lanes[0] / (float)hidden + eps);
+    for (d = 0; d < hidden; d++)
+        store(out, row_offset + d, dtype, round_half(h[d] * scale, dtype) * load(weight, d, dtype));
+}
+
+#define ROW_CHUNK 8192 /* float32 scratch per row; longer rows take the slow two-pass path */
+
+/* residual_out = x + residual (rounded); out = norm(residual_out) * weight.
+ * With x == NULL: out = norm(residual) * weight and residual_out is not written.
+ * All tensors [rows, hidden] contiguous. Returns 0, or 1 when hidden is too large. */
+int kvr_add_rms_norm(const void *x, const void *residual, void *residual_out,
+                     const void *weight, void *out, int64_t rows, int64_t hidden, float eps,
+                     int dtype, int threads) {
+    if (hidden > ROW_CHUNK || hidden < 1) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float h[ROW_CHUNK];
+        const int64_t offset = r * hidden;
+        if (x != NULL) {
+            for (int64_t d = 0; d < hidden; d++) {
+                h[d] = round_half(load(x, offset + d, dtype) + load(residual, offset + d, dtype),
+                                  dtype);
+                store(residual_out, offset + d, dtype, h[d]);
+            }
+        } else {
+            for (int64_t d = 0; d < hidden; d++) h[d] = load(residual, offset + d, dtype);
+        }
+        norm_row(h, weight, out, offset, hidden, eps, dtype);
+    }
+    return 0;
+}
+
+#if KVR_AVX512
+/* 16 lanes of `count` elements from base + i as float32 (missing lanes 0). */
+static inline __m512 load16(const void *base, int64_t i, int dtype, __mmask16 mask) {
+    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + i);
+    if (dtype == KVR_BFLOAT16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* The half-dtype bits of 16 floats, rounded to nearest even as float_to_bf16 does. */
+static inline __m256i to_half16(__m512 v, int dtype) {
+    if (dtype != KVR_BFLOAT16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+static inline __m512 round_half16(__m512 v, int dtype) {
+    __m256i h = to_half16(v, dtype);
+    if (dtype == KVR_BFLOAT16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* exp(x): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]; overflows to inf past ~88.7. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int64_t width,
+                         int dtype) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t d = 0; d < width; d += 16) {
+        const int64_t left = width - d;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 g = load16(gate_up, in + d, dtype, mask);
+        __m512 up = load16(gate_up, in + width + d, dtype, mask);
+        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        __m256i h = to_half16(_mm512_mul_ps(round_half16(silu, dtype), up), dtype);
+        _mm256_mask_storeu_epi16((uint16_t *)out + dst + d, mask, h);
+    }
+}
+#else
+static void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int64_t width,
+                         int dtype) {
+    for (int64_t d = 0; d < width; d++) {
+        const float g = load(gate_up, in + d, dtype);
+        const float silu = round_half(g / (1.0f + expf(-g)), dtype);
+        store(out, dst + d, dtype, silu * load(gate_up, in + width + d, dtype));
+    }
+}
+#endif
+
+/* Which path this build runs: 1 = AVX-512, 0 = portable scalar. */
+int kvr_row_ops_vector_path(void) { return KVR_AVX512; }
+
+/* out[r, :] = round(silu(gate)) * up for gate_up[r] = [gate | up], gate_up [rows, 2 * width]
+ * and out [rows, width], both contiguous. */
+void kvr_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype,
+                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up, out, r * 2 * width, r * width, width, dtype);
+}
+
+/* Rotary embedding of one head: out[d] = round(round(x[d] * c[d]) + round(x[d ^ half] * s[d]))
+ * with c, s the cache's cos and signed sin rounded to the half dtype, exactly as
+ * ops/rotary.py computes it in torch. */
+static inline void rotate_head(const void *x, int64_t x_index, void *out, int64_t out_index,
+                               const float *cos_sin, int64_t dim, int dtype) {
+    const int64_t half = dim / 2;
+    for (int64_t d = 0; d < dim; d++) {
+        const float c = round_half(cos_sin[d], dtype), s = round_half(cos_sin[dim + d], dtype);
+        const float partner = load(x, x_index + (d < half ? d + half : d - half), dtype);
+        const float value = round_half(load(x, x_index + d, dtype) * c, dtype)
+                            + round_half(partner * s, dtype);
+        store(out, out_index + d, dtype, value);
+    }
+}
+
+/* Rotate query [T, Hq, D] and key [T, Hkv, D] (last dim contiguous, given token and head
+ * strides) into contiguous outputs, by positions [T] into the float32 cos_sin cache
+ * [max_positions, 2 * D]. Returns 0, or 1 when a position is outside the cache. */
+int kvr_rotary(const void *query, int64_t q_token_stride, int64_t q_head_stride,
+               const void *key, int64_t k_token_stride, int64_t k_head_stride,
+               void *query_out, void *key_out, const float *cos_sin, int64_t max_positions,
+               const int64_t *positions, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+               int64_t dim, int dtype, int threads) {
+    int status = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t position = positions[t];
+        if (position < 0 || position >= max_positions) {
+#pragma omp atomic write
+            status = 1;
+            continue;
+        }
+        const float *row = cos_sin + position * 2 * dim;
+        for (int64_t h = 0; h < num_heads; h++)
+            rotate_head(query, t * q_token_stride + h * q_head_stride, query_out,
+                        (t * num_heads + h) * dim, row, dim, dtype);
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            rotate_head(key, t * k_token_stride + h * k_head_stride, key_out,
+                        (t * num_kv_heads + h) * dim, row, dim, dtype);
+    }
+    return status;
+}

@@ -1,0 +1,144 @@
+"""Row-local fused kernels for bf16/fp16 on the CPU through C (`csrc/row_ops.c`).
+
+Add + RMSNorm, RMSNorm, SwiGLU and rotary, each one call instead of several torch ops.
+Every output row is computed from its own input row in a fixed order with
+float32 math, rounded where `TorchOps` rounds, so a row's bits do not depend
+on the batch or the thread count (`tests/test_row_ops.py`). Results are close
+to, not bit-equal with, torch's (the sum of squares and `exp` differ in the
+last bits); the residual sum is exact-rounded and equals torch's, and rotary
+rounds step for step as `rotary.apply_rotary` does (bit-equal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvrecover.ops.native_build import load_library
+
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+MAX_HIDDEN = 8192  # ROW_CHUNK in row_ops.c
+# Elements worth one more thread: a parallel region costs microseconds, so a
+# decode step's rows run on the calling thread.
+ELEMENTS_PER_THREAD = 1 << 16
+
+_i64, _int, _ptr, _float = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+
+class NativeRowOps:
+    """ctypes wrappers around the compiled `row_ops` library."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._add_rms_norm = library.kvr_add_rms_norm
+        self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int,
+                                       _int]
+        self._add_rms_norm.restype = _int
+        self._silu_mul = library.kvr_silu_mul
+        self._silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, _int, _int]
+        self._silu_mul.restype = None
+        self._rotary = library.kvr_rotary
+        self._rotary.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
+                                 _i64, _i64, _i64, _i64, _int, _int]
+        self._rotary.restype = _int
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        threads: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x) * weight, residual + x); with `x` None, (norm(residual) *
+        weight, residual). Tensors [..., hidden] contiguous, one half dtype."""
+        tensors = {"residual": residual, "weight": weight}
+        if x is not None:
+            tensors["x"] = x
+            if x.shape != residual.shape:
+                raise ValueError(f"x shape {tuple(x.shape)} must equal residual shape "
+                                 f"{tuple(residual.shape)}")
+        code = _dtype_code(tensors)
+        hidden = residual.shape[-1]
+        if weight.shape != (hidden,):
+            raise ValueError(f"weight shape {tuple(weight.shape)} must be ({hidden},)")
+        if not 1 <= hidden <= MAX_HIDDEN:
+            raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {hidden}")
+        rows = residual.numel() // hidden
+        out = torch.empty_like(residual)
+        summed = residual if x is None else torch.empty_like(residual)
+        status = self._add_rms_norm(
+            None if x is None else x.data_ptr(), residual.data_ptr(),
+            None if x is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            rows, hidden, eps, code, _threads(residual.numel(), rows, threads))
+        if status:
+            raise RuntimeError(f"add_rms_norm kernel failed with code {status}")
+        return out, summed
+
+    def silu_mul(self, gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """`silu(gate) * up` for `gate_up = [gate | up]` along the last dim (contiguous)."""
+        code = _dtype_code({"gate_up": gate_up})
+        if gate_up.shape[-1] % 2:
+            raise ValueError(f"gate_up's last dim must be even, got {gate_up.shape[-1]}")
+        width = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], width)
+        rows = out.numel() // max(width, 1)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, code,
+                       _threads(gate_up.numel(), rows, threads))
+        return out
+
+    def rotary(
+        self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor, threads: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary.apply_rotary` bit for bit: query [T, Hq, D] and key [T, Hkv, D] (last dim
+        contiguous) rotated by positions [T] (int64) with the float32 cache [P, 2 * D]."""
+        if query.dtype != key.dtype or query.dtype not in DTYPE_CODES:
+            raise ValueError(f"query and key dtypes ({query.dtype}, {key.dtype}) must be one of "
+                             f"{list(DTYPE_CODES)}")
+        if query.dim() != 3 or key.dim() != 3 or query.stride(-1) != 1 or key.stride(-1) != 1:
+            raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must be "
+                             "[tokens, heads, head_dim] with a contiguous last dim")
+        tokens, num_heads, dim = query.shape
+        if key.shape[0] != tokens or key.shape[2] != dim or dim % 2:
+            raise ValueError(f"key shape {tuple(key.shape)} must match query shape "
+                             f"{tuple(query.shape)} in tokens and an even head_dim")
+        if (cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
+                or cos_sin_cache.shape[1:] != (2 * dim,)):
+            raise ValueError(f"cos_sin_cache must be contiguous float32 [positions, {2 * dim}], "
+                             f"got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+        if positions.dtype != torch.int64 or positions.shape != (tokens,):
+            raise ValueError(f"positions must be int64 [{tokens}], got {positions.dtype} "
+                             f"{tuple(positions.shape)}")
+        positions = positions.contiguous()
+        query_out = query.new_empty(query.shape)
+        key_out = key.new_empty(key.shape)
+        status = self._rotary(
+            query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0),
+            key.stride(1), query_out.data_ptr(), key_out.data_ptr(), cos_sin_cache.data_ptr(),
+            cos_sin_cache.shape[0], positions.data_ptr(), tokens, num_heads, key.shape[1], dim,
+            DTYPE_CODES[query.dtype], _threads(query.numel() + key.numel(), tokens, threads))
+        if status:
+            raise ValueError(f"positions must be in 0..{cos_sin_cache.shape[0] - 1}")
+        return query_out, key_out
+
+
+def _dtype_code(tensors: dict[str, torch.Tensor]) -> int:
+    """The kernel's dtype code for tensors that share one half dtype, on the CPU, contiguous."""
+    dtype = next(iter(tensors.values())).dtype
+    for name, tensor in tensors.items():
+        if tensor.dtype != dtype or dtype not in DTYPE_CODES:
+            raise ValueError(f"{name} dtype {tensor.dtype} must be {dtype} and one of "
+                             f"{list(DTYPE_CODES)}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor, got device "
+                             f"{tensor.device} and strides {tensor.stride()}")
+    return DTYPE_CODES[dtype]
+
+
+def _threads(elements: int, rows: int, threads: int | None) -> int:
+    if threads is None:
+        threads = min(torch.get_num_threads(), elements // ELEMENTS_PER_THREAD)
+    return max(1, min(threads, rows))
+
+
+def native_row_ops() -> NativeRowOps | None:
+    """The compiled kernels, or None (after one warning) where they cannot be built."""
+    library = load_library("row_ops")
+    return None if library is None else NativeRowOps(library)
