@@ -14,7 +14,7 @@ result is rounded once to the model dtype.
 
 Norms, rotary, SwiGLU and sampling are row-local already (the inherited
 `TorchOps` versions; `tests/test_cpu_invariant.py` proves it bit for bit). For
-bf16/fp16, RMSNorm (with its residual add), SwiGLU and rotary run as one C call each
+bf16/fp16, RMSNorm (with its residual add) and rotary run as one C call each
 (`native_row_ops`, row-local by construction) where the library builds; float32
 keeps the torch versions.
 """
@@ -116,13 +116,6 @@ class InvariantCpuOps(TorchOps):
                 or positions.dtype != torch.int64):
             return super().rotary(rotary, positions, query, key)
         return rows.rotary(cache, positions, query, key)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """`TorchOps.silu_mul`, one C call for bf16/fp16."""
-        rows = self._row_kernels(gate_up)
-        if rows is None or gate_up.device.type != "cpu" or gate_up.shape[-1] % 2:
-            return super().silu_mul(gate_up)
-        return rows.silu_mul(gate_up)
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once after loading: pack the linear weights for oneDNN (a tied

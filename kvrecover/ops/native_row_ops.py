@@ -1,11 +1,12 @@
 """Row-local fused kernels for bf16/fp16 on the CPU through C (`csrc/row_ops.c`).
 
-Add + RMSNorm, RMSNorm, SwiGLU and rotary, each one call instead of several torch ops.
+Add + RMSNorm, RMSNorm and rotary, each one call instead of several torch ops
+(a C SwiGLU measured slower than torch's two vectorized ops: bench/NOTES.md).
 Every output row is computed from its own input row in a fixed order with
 float32 math, rounded where `TorchOps` rounds, so a row's bits do not depend
 on the batch or the thread count (`tests/test_row_ops.py`). Results are close
-to, not bit-equal with, torch's (the sum of squares and `exp` differ in the
-last bits); the residual sum is exact-rounded and equals torch's, and rotary
+to, not always bit-equal with, torch's (the sum of squares runs in another
+order); the residual sum is exact-rounded and equals torch's, and rotary
 rounds step for step as `rotary.apply_rotary` does (bit-equal).
 """
 
@@ -19,6 +20,7 @@ from kvrecover.ops.native_build import load_library
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 MAX_HIDDEN = 8192  # ROW_CHUNK in row_ops.c
+MAX_ROTARY_DIM = 1024  # MAX_ROTARY_DIM in row_ops.c
 # Elements worth one more thread: a parallel region costs microseconds, so a
 # decode step's rows run on the calling thread.
 ELEMENTS_PER_THREAD = 1 << 16
@@ -34,9 +36,6 @@ class NativeRowOps:
         self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int,
                                        _int]
         self._add_rms_norm.restype = _int
-        self._silu_mul = library.kvr_silu_mul
-        self._silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, _int, _int]
-        self._silu_mul.restype = None
         self._rotary = library.kvr_rotary
         self._rotary.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
                                  _i64, _i64, _i64, _i64, _int, _int]
@@ -71,18 +70,6 @@ class NativeRowOps:
             raise RuntimeError(f"add_rms_norm kernel failed with code {status}")
         return out, summed
 
-    def silu_mul(self, gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """`silu(gate) * up` for `gate_up = [gate | up]` along the last dim (contiguous)."""
-        code = _dtype_code({"gate_up": gate_up})
-        if gate_up.shape[-1] % 2:
-            raise ValueError(f"gate_up's last dim must be even, got {gate_up.shape[-1]}")
-        width = gate_up.shape[-1] // 2
-        out = gate_up.new_empty(*gate_up.shape[:-1], width)
-        rows = out.numel() // max(width, 1)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, code,
-                       _threads(gate_up.numel(), rows, threads))
-        return out
-
     def rotary(
         self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor, threads: int | None = None,
@@ -114,6 +101,8 @@ class NativeRowOps:
             key.stride(1), query_out.data_ptr(), key_out.data_ptr(), cos_sin_cache.data_ptr(),
             cos_sin_cache.shape[0], positions.data_ptr(), tokens, num_heads, key.shape[1], dim,
             DTYPE_CODES[query.dtype], _threads(query.numel() + key.numel(), tokens, threads))
+        if status == 2:
+            raise ValueError(f"head_dim must be at most {MAX_ROTARY_DIM}, got {dim}")
         if status:
             raise ValueError(f"positions must be in 0..{cos_sin_cache.shape[0] - 1}")
         return query_out, key_out

@@ -1,4 +1,4 @@
-/* Row-local fused kernels for the bf16/fp16 CPU path: add + RMSNorm, RMSNorm, SwiGLU.
+/* Row-local fused kernels for the bf16/fp16 CPU path: add + RMSNorm, RMSNorm, rotary.
  *
  * Built at first use by kvrecover/ops/native_build.py and called through ctypes
  * (kvrecover/ops/native_row_ops.py). Each output row is computed from its own
@@ -123,82 +123,51 @@ static inline __m512 round_half16(__m512 v, int dtype) {
     return _mm512_cvtph_ps(h);
 }
 
-/* exp(x): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]; overflows to inf past ~88.7. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int64_t width,
-                         int dtype) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t d = 0; d < width; d += 16) {
-        const int64_t left = width - d;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 g = load16(gate_up, in + d, dtype, mask);
-        __m512 up = load16(gate_up, in + width + d, dtype, mask);
-        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        __m256i h = to_half16(_mm512_mul_ps(round_half16(silu, dtype), up), dtype);
-        _mm256_mask_storeu_epi16((uint16_t *)out + dst + d, mask, h);
-    }
-}
-#else
-static void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int64_t width,
-                         int dtype) {
-    for (int64_t d = 0; d < width; d++) {
-        const float g = load(gate_up, in + d, dtype);
-        const float silu = round_half(g / (1.0f + expf(-g)), dtype);
-        store(out, dst + d, dtype, silu * load(gate_up, in + width + d, dtype));
-    }
-}
 #endif
 
 /* Which path this build runs: 1 = AVX-512, 0 = portable scalar. */
 int kvr_row_ops_vector_path(void) { return KVR_AVX512; }
 
-/* out[r, :] = round(silu(gate)) * up for gate_up[r] = [gate | up], gate_up [rows, 2 * width]
- * and out [rows, width], both contiguous. */
-void kvr_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype,
-                  int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up, out, r * 2 * width, r * width, width, dtype);
-}
-
-/* Rotary embedding of one head: out[d] = round(round(x[d] * c[d]) + round(x[d ^ half] * s[d]))
- * with c, s the cache's cos and signed sin rounded to the half dtype, exactly as
- * ops/rotary.py computes it in torch. */
+/* Rotary embedding of one head: out[d] = round(round(x[d] * c[d]) + round(x[d +- half] * s[d]))
+ * with c, s (cs = [c | s]) the cache's cos and signed sin already rounded to the half
+ * dtype, exactly as ops/rotary.py computes it in torch. */
 static inline void rotate_head(const void *x, int64_t x_index, void *out, int64_t out_index,
-                               const float *cos_sin, int64_t dim, int dtype) {
+                               const float *cs, int64_t dim, int dtype) {
     const int64_t half = dim / 2;
+#if KVR_AVX512
+    if (half % 16 == 0) {
+        for (int64_t d = 0; d < dim; d += 16) {
+            const int64_t partner = d < half ? d + half : d - half;
+            __m512 v = load16(x, x_index + d, dtype, 0xffff);
+            __m512 p = load16(x, x_index + partner, dtype, 0xffff);
+            __m512 a = round_half16(_mm512_mul_ps(v, _mm512_loadu_ps(cs + d)), dtype);
+            __m512 b = round_half16(_mm512_mul_ps(p, _mm512_loadu_ps(cs + dim + d)), dtype);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + out_index + d),
+                                to_half16(_mm512_add_ps(a, b), dtype));
+        }
+        return;
+    }
+#endif
     for (int64_t d = 0; d < dim; d++) {
-        const float c = round_half(cos_sin[d], dtype), s = round_half(cos_sin[dim + d], dtype);
         const float partner = load(x, x_index + (d < half ? d + half : d - half), dtype);
-        const float value = round_half(load(x, x_index + d, dtype) * c, dtype)
-                            + round_half(partner * s, dtype);
+        const float value = round_half(load(x, x_index + d, dtype) * cs[d], dtype)
+                            + round_half(partner * cs[dim + d], dtype);
         store(out, out_index + d, dtype, value);
     }
 }
 
+#define MAX_ROTARY_DIM 1024
+
 /* Rotate query [T, Hq, D] and key [T, Hkv, D] (last dim contiguous, given token and head
  * strides) into contiguous outputs, by positions [T] into the float32 cos_sin cache
- * [max_positions, 2 * D]. Returns 0, or 1 when a position is outside the cache. */
+ * [max_positions, 2 * D]. Returns 0, 1 when a position is outside the cache, or 2
+ * when D is above MAX_ROTARY_DIM. */
 int kvr_rotary(const void *query, int64_t q_token_stride, int64_t q_head_stride,
                const void *key, int64_t k_token_stride, int64_t k_head_stride,
                void *query_out, void *key_out, const float *cos_sin, int64_t max_positions,
                const int64_t *positions, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
                int64_t dim, int dtype, int threads) {
+    if (dim > MAX_ROTARY_DIM || dim < 2) return 2;
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tokens; t++) {
@@ -208,7 +177,9 @@ int kvr_rotary(const void *query, int64_t q_token_stride, int64_t q_head_stride,
             status = 1;
             continue;
         }
-        const float *row = cos_sin + position * 2 * dim;
+        float row[2 * MAX_ROTARY_DIM];
+        for (int64_t d = 0; d < 2 * dim; d++)
+            row[d] = round_half(cos_sin[position * 2 * dim + d], dtype);
         for (int64_t h = 0; h < num_heads; h++)
             rotate_head(query, t * q_token_stride + h * q_head_stride, query_out,
                         (t * num_heads + h) * dim, row, dim, dtype);
