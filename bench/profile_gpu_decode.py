@@ -81,6 +81,11 @@ def kernel_table(engine, steps: int) -> list[dict]:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    return _per_step_rows(prof, steps)
+
+
+def _per_step_rows(prof, steps: int) -> list[dict]:
+    """The profiled kernels per step (name, launches, device us, share), slowest first."""
     rows = [
         {"name": e.key, "count": e.count / steps, "us": _device_us(e) / steps}
         for e in prof.key_averages() if _device_us(e) > 0
@@ -109,15 +114,7 @@ def eager_table(engine, batch: int, steps: int) -> list[dict]:
         for _ in range(steps):
             runner._decode_step(inputs)
         torch.cuda.synchronize()
-    rows = [
-        {"name": e.key, "count": e.count / steps, "us": _device_us(e) / steps}
-        for e in prof.key_averages() if _device_us(e) > 0
-    ]
-    rows.sort(key=lambda r: -r["us"])
-    total = sum(r["us"] for r in rows)
-    for r in rows:
-        r["pct"] = 100 * r["us"] / total
-    return rows
+    return _per_step_rows(prof, steps)
 
 
 def decode_step(engine) -> list:
