@@ -3,10 +3,10 @@
 `load_library("paged_attention")` compiles `csrc/paged_attention.c` with
 `cc -O3 -march=native` into the kvrecover cache folder (`cache_dir.cache_root()
 / "kernels"`) and loads it with ctypes. The file name carries a digest of the
-source, the compiler and its version, the flags and the CPU's feature flags, so
-a changed source, compiler or machine builds anew; a file lock keeps two
-processes from compiling at once, and the build lands under its final name by
-an atomic rename. When no compiler is found, the build fails, or
+source and the headers beside it (`kvr_common.h`), the compiler and its
+version, the flags and the CPU's feature flags, so a changed source, header,
+compiler or machine builds anew; a file lock keeps two processes from compiling
+at once, and the build lands under its final name by an atomic rename. When no compiler is found, the build fails, or
 `KVRECOVER_NATIVE_KERNELS=0` is set, it returns None after one warning and the
 caller falls back to its torch implementation.
 """
@@ -97,8 +97,9 @@ def _build_key(source: Path, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=BUILD_TIMEOUT_S).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), version.encode(), " ".join(CFLAGS).encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, compiler.encode(), version.encode(),
+                 " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:20]

@@ -17,18 +17,9 @@
  */
 #include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define KVR_AVX512 1
-#else
-#define KVR_AVX512 0
-#endif
-
-enum { KVR_FLOAT32 = 0, KVR_BFLOAT16 = 1, KVR_FLOAT16 = 2 };
+#include "kvr_common.h"
 
 /* Mirrored by the ctypes Structure in native_attention.py: keep the order. */
 typedef struct {
@@ -52,21 +43,6 @@ typedef struct {
 
 /* Which path this build runs: 1 = AVX-512, 0 = portable scalar. */
 int kvr_vector_path(void) { return KVR_AVX512; }
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, like torch */
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float load_scalar(const void *base, int64_t index, int dtype) {
     if (dtype == KVR_BFLOAT16) return bf16_to_float(((const uint16_t *)base)[index]);
