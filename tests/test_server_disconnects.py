@@ -12,7 +12,14 @@ import time
 import httpx
 import pytest
 from conftest import build_tiny_model
-from serving_utils import add_chat_template, metric, serve
+from serving_utils import (
+    add_chat_template,
+    long_request,
+    metric,
+    request_bytes,
+    serve,
+    wait_until_idle,
+)
 
 pytestmark = pytest.mark.slow  # a separate server process
 
@@ -35,19 +42,12 @@ def server(model_dir, tmp_path_factory):
         process.wait_healthy()
         # The first chat request loads the chat template (seconds): done here, so that a
         # client leaving at once is not still in its handler when the next test starts.
-        chat = body_for("/v1/chat/completions", stream=False, max_tokens=1)
+        chat = long_request("/v1/chat/completions", stream=False, max_tokens=1)
         assert httpx.post(f"{process.url}/v1/chat/completions", json=chat,
                           timeout=120).status_code == 200
         yield process
     finally:
         process.kill()
-
-
-def request_bytes(port: int, path: str, body: dict) -> bytes:
-    payload = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
-    return head.encode() + payload
 
 
 def send_and_leave(url: str, port: int, path: str, body: dict, when: str) -> float:
@@ -65,23 +65,6 @@ def send_and_leave(url: str, port: int, path: str, body: dict, when: str) -> flo
             assert sock.recv(1)
         generated = metric(url, "kvrecover_generation_tokens_total")
     return generated
-
-
-def body_for(path: str, stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
-    fields = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
-    if path == "/v1/completions":
-        return {"prompt": "the capital of france is", **fields}
-    return {"messages": [{"role": "user", "content": "the capital of france is"}], **fields}
-
-
-def wait_until_idle(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(url, "kvrecover_num_requests_running") == 0 and \
-                metric(url, "kvrecover_num_requests_waiting") == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("requests still running after their clients left")
 
 
 def aborted(url: str, endpoint: str) -> float:
@@ -104,7 +87,7 @@ def test_a_client_that_leaves_is_aborted_within_a_step(server, path, stream, whe
     aborted_before = aborted(server.url, endpoint)
     generated_before = metric(server.url, "kvrecover_generation_tokens_total")
     generated_at_leaving = send_and_leave(server.url, server.port, path,
-                                          body_for(path, stream), when)
+                                          long_request(path, stream, MAX_TOKENS), when)
     wait_until_idle(server.url)
     generated = metric(server.url, "kvrecover_generation_tokens_total")
     assert generated - generated_before < MAX_TOKENS  # not run to length
@@ -122,8 +105,9 @@ def test_a_client_that_leaves_is_aborted_within_a_step(server, path, stream, whe
 def test_clients_that_stay_get_their_whole_answer(server):
     """The disconnect watch never takes a client that stays for one that left."""
     for stream in (False, True):
+        body = long_request("/v1/completions", stream, max_tokens=40)
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
-                          json=body_for("/v1/completions", stream, max_tokens=40)) as response:
+                          json=body) as response:
             assert response.status_code == 200
             text = b"".join(response.iter_bytes()).decode()
         if stream:
