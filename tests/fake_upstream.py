@@ -197,7 +197,9 @@ class InProcessProxy:
     """`build_proxy_app` served by uvicorn on a thread of this process."""
 
     def __init__(self, prefill: list[str], decode: list[str], **settings: Any) -> None:
-        config = ProxyConfig(prefill, decode, **{"health_interval_s": 0.05, "timeout_s": 5.0,
+        # Health checks time out after the interval: 0.25 s leaves a loaded machine
+        # room, while a migrated-from instance is soon back up for the next request.
+        config = ProxyConfig(prefill, decode, **{"health_interval_s": 0.25, "timeout_s": 5.0,
                                                  **settings})
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
