@@ -79,7 +79,7 @@ def test_allowed_imports_pass(tmp_path):
         "ops/ok.py": "from kvrecover.config import ATTENTION_BACKENDS\nimport torch\n",
         "models/ok.py": "from kvrecover.models.rope import RotaryEmbedding\n",
         # Engine and worker may import anything below them.
-        "worker/runner.py": "from kvrecover.engine.scheduler_output import SchedulerOutput\n",
+        "worker/runner.py": "from kvrecover.step_messages import SchedulerOutput\n",
         "engine/engine.py": "from kvrecover.worker.model_runner import ModelRunner\n",
     })
     assert find_violations(root) == []

@@ -27,7 +27,7 @@ from scheduler_harness import (
 )
 
 from kvrecover.engine.request import RequestStatus
-from kvrecover.engine.scheduler_output import ModelRunnerOutput
+from kvrecover.step_messages import ModelRunnerOutput
 
 
 # ----- rule 1: sync loads -------------------------------------------------------------

@@ -20,7 +20,6 @@ from kvrecover.engine.inputs import (
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler import Scheduler
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed, update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
@@ -30,6 +29,7 @@ from kvrecover.models.fingerprint import checkpoint_fingerprint
 from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.kv_cache import available_kv_cache_bytes
 from kvrecover.worker.model_runner import ModelRunner

@@ -21,10 +21,10 @@ from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecovery
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnector
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import blocks_needed
 from kvrecover.kv_transfer.base import DEFAULT_LOAD_TIMEOUT_S, KVConnectorBase, KVConnectorMetadata
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

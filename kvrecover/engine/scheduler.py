@@ -23,14 +23,14 @@ from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.kv_loads import KVLoads
 from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.engine.scheduler_output import (
+from kvrecover.engine.stats import EngineStats
+from kvrecover.kv_transfer.base import KVConnectorBase
+from kvrecover.step_messages import (
     PENDING_TOKEN,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 

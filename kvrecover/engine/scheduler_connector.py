@@ -22,7 +22,7 @@ from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from kvrecover.kv_transfer.errors import ConnectorErrorLog, checked_counters
 
 if TYPE_CHECKING:
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

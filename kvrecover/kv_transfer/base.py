@@ -47,7 +47,7 @@ from kvrecover.options import reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.step_messages import SchedulerOutput
 
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 

@@ -35,7 +35,7 @@ from kvrecover.options import reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.step_messages import SchedulerOutput
 
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")
 BLOCK_SELECTORS = ("all", "first", "last", "middle")

@@ -36,7 +36,7 @@ from kvrecover.kv_transfer.base import (
 
 if TYPE_CHECKING:
     from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
