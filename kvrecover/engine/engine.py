@@ -24,8 +24,8 @@ from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed, update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
-from kvrecover.models.config import ModelConfig
 from kvrecover.models.fingerprint import checkpoint_fingerprint
+from kvrecover.models.registry import load_model_config
 from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
@@ -50,7 +50,7 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
         self.tokenizer = Tokenizer(self.model_dir)
