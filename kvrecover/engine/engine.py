@@ -265,8 +265,8 @@ class Engine:
         return failed
 
     def _check_progress(self) -> None:
-        """An idle step is fine only while async loads are in flight."""
-        if self.scheduler.loads_in_flight():
+        """An idle step is fine only while KV transfers (async loads, sends) are in flight."""
+        if self.scheduler.transfers_in_flight():
             time.sleep(0.0005)  # let the loader threads run instead of spinning
         elif self.scheduler.waiting:
             # The scheduler fails a request it cannot place; reaching this is a bug.

@@ -103,14 +103,22 @@ class SchedulerConnector:
         return self._call("build_connector_meta", self.connector.build_connector_meta,
                           scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> None:
-        """Tell the connector a request ended; a failure here affects nobody else."""
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Tell the connector a request ended. True: it keeps reading the blocks until
+        it reports the request in `finished_sending` (hold them). A failure, or an
+        answer that is not a bool, frees them now and affects nobody else."""
+        kind = "request_finished"
         try:
-            self._call("request_finished", self.connector.request_finished,
-                       request_view(request), block_ids,
-                       effect="the request had ended; nothing else is affected")
+            answer = self._call(kind, self.connector.request_finished, request_view(request),
+                                block_ids, effect="the request had ended; its blocks are freed")
         except ConnectorError:
-            pass
+            return False
+        if answer is None or answer is False:
+            return False
+        if answer is not True:
+            self.errors.report(kind, f"returned {answer!r}, not a bool; the blocks are freed")
+            return False
+        return True
 
     def connector_stats(self) -> dict[str, int]:
         """The connector's own counter increments since the last call ({} on failure)."""
