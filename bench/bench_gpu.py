@@ -194,13 +194,13 @@ def profile_steps(model_dir: Path, batch: int, prompt_len: int, batch_invariant:
 @torch.inference_mode()
 def _attention_microbench(engine) -> None:
     """Attention alone over the running requests' caches (decode, and prefill of the prompts)."""
-    from kvrecover.engine.scheduler_output import ScheduledRequest
     from kvrecover.ops.triton_attention import (
         FAST_DECODE,
         INVARIANT_DECODE,
         paged_attention,
         tile_tokens,
     )
+    from kvrecover.step_messages import ScheduledRequest
     from kvrecover.worker.step_inputs import StepInputBuilder
 
     runner = engine.model_runner

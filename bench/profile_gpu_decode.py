@@ -119,7 +119,7 @@ def eager_table(engine, batch: int, steps: int) -> list[dict]:
 
 def decode_step(engine) -> list:
     """A one-token step of every running request (what the next decode step reads)."""
-    from kvrecover.engine.scheduler_output import ScheduledRequest
+    from kvrecover.step_messages import ScheduledRequest
 
     return [ScheduledRequest(r.request_id, [0], r.num_tokens - 1, list(r.block_ids), True, None, 0)
             for r in engine.scheduler.running]

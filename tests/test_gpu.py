@@ -14,7 +14,7 @@ import torch
 from conftest import build_tiny_model, random_prompts
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.engine.scheduler_output import ScheduledRequest
+from kvrecover.step_messages import ScheduledRequest
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

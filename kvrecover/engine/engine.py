@@ -20,16 +20,16 @@ from kvrecover.engine.inputs import (
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler import Scheduler
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed, update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
-from kvrecover.models.config import ModelConfig
 from kvrecover.models.fingerprint import checkpoint_fingerprint
+from kvrecover.models.registry import load_model_config
 from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.kv_cache import available_kv_cache_bytes
 from kvrecover.worker.model_runner import ModelRunner
@@ -50,7 +50,7 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -265,8 +265,8 @@ class Engine:
         return failed
 
     def _check_progress(self) -> None:
-        """An idle step is fine only while async loads are in flight."""
-        if self.scheduler.loads_in_flight():
+        """An idle step is fine only while KV transfers (async loads, sends) are in flight."""
+        if self.scheduler.transfers_in_flight():
             time.sleep(0.0005)  # let the loader threads run instead of spinning
         elif self.scheduler.waiting:
             # The scheduler fails a request it cannot place; reaching this is a bug.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrecover.engine.scheduler_output import ScheduledRequest
+from kvrecover.step_messages import ScheduledRequest
 from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.kv_transfer.errors import (
@@ -18,16 +17,17 @@ from kvrecover.kv_transfer.errors import (
     checked_request_ids,
 )
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.llama import LlamaForCausalLM
 from kvrecover.models.loader import load_weights, skip_weight_init
+from kvrecover.models.registry import build_model
 from kvrecover.ops.backend import select_backend
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.worker.cpu_threads import set_cpu_threads
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.sampler import SampledRows, Sampler
 from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs, reference_step_inputs
 
 if TYPE_CHECKING:
-    from kvrecover.engine.scheduler_output import ScheduledRequest
+    from kvrecover.step_messages import ScheduledRequest
     from kvrecover.worker.overlap import PendingDecode
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self.batch_invariant = batch_invariant
         with torch.device(device), skip_weight_init():
-            model = LlamaForCausalLM(model_config, self.backend, max_model_len)
+            model = build_model(model_config, self.backend, max_model_len)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use

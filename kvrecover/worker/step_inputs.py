@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrecover.engine.scheduler_output import ScheduledRequest
 from kvrecover.ops.attention_metadata import AttentionMetadata, PagedAttentionMetadata
+from kvrecover.step_messages import ScheduledRequest
 
 _ALIGN = 32  # int32 elements (128 bytes) between segments, for aligned kernel loads
 _SEGMENTS = ("ids", "positions", "slots", "seq_lens", "query_start", "tile_request",
