@@ -175,13 +175,13 @@ def linears(runner, batch: int, copy_bw: float) -> list[dict]:
 
 @torch.inference_mode()
 def attention(engine, batch: int, copy_bw: float) -> list[dict]:
-    from kvrecover.ops.triton_attention import (
+    from kvrecover.ops.triton.attention import (
         FAST_DECODE,
         INVARIANT_DECODE,
         paged_attention,
         tile_tokens,
     )
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     runner = engine.model_runner
     caches = runner.kv_caches
@@ -224,7 +224,7 @@ def small_ops(runner, batch: int) -> list[dict]:
     """The small ops alone (16 calls per graph), with other warp counts for the row kernels."""
     import triton
 
-    from kvrecover.ops import triton_ops as t
+    from kvrecover.ops.triton import fused_ops as t
 
     model = runner.model
     hidden = model.config.hidden_size

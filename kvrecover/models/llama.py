@@ -13,10 +13,11 @@ from torch import nn
 
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.interface import BackendFeatures
 
 if TYPE_CHECKING:
     from kvrecover.ops.backend import KernelBackend
-    from kvrecover.ops.torch_ops import TorchOps
+    from kvrecover.ops.interface import ModelOps, PagedAttention
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
@@ -42,7 +43,8 @@ class LlamaAttention(nn.Module):
     """Self-attention with fused QKV projection, GQA and an optional per-head q/k norm."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, attention: Any, ops: TorchOps
+        self, config: ModelConfig, rotary: RotaryEmbedding, attention: PagedAttention[Any],
+        ops: ModelOps,
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -77,20 +79,15 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        if self.attention.fuses_rotary:
-            out = self.attention.forward_rotary(
-                self.rotary, positions, q, k, v, kv_cache, attn_meta, self.scale
-            )
-        else:
-            q, k = ops.rotary(self.rotary, positions, q, k)
-            out = self.attention.forward(q, k, v, kv_cache, attn_meta, self.scale)
+        out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
+                                    self.scale)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
 
-    def __init__(self, config: ModelConfig, ops: TorchOps) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
         super().__init__()
         self.ops = ops
         self.intermediate_size = config.intermediate_size
@@ -113,7 +110,8 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, attention: Any, ops: TorchOps
+        self, config: ModelConfig, rotary: RotaryEmbedding, attention: PagedAttention[Any],
+        ops: ModelOps,
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -148,6 +146,12 @@ class LlamaForCausalLM(nn.Module):
     the KV cache and `after_layer(layer_index)` after the layer wrote it: that is
     where a KV connector waits for a layer's load and saves a layer's KV.
     """
+
+    @classmethod
+    def required_features(cls, config: ModelConfig) -> BackendFeatures:
+        """The kernel features this model needs beyond dense full attention (none: every
+        Llama-family config here is dense, full-attention, without soft-capping)."""
+        return BackendFeatures()
 
     def __init__(self, config: ModelConfig, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 """Fused row-wise and elementwise ops for the GPU path, in Triton.
 
-Each kernel rounds where the torch reference (`kvrecover.ops.torch_ops.TorchOps`)
+Each kernel rounds where the torch reference (`kvrecover.ops.reference.torch_ops.TorchOps`)
 rounds, so bf16 results match it up to the order of a row's sum of squares.
 Every op works row by row, so a row's result never depends on the other rows
 of the batch (batch invariance comes for free).
@@ -9,18 +9,14 @@ Import only where Triton exists (CUDA machines, or `TRITON_INTERPRET=1`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from kvrecover.ops.batch_invariant import linear as batch_invariant_linear
-from kvrecover.ops.torch_ops import TorchOps
-
-if TYPE_CHECKING:
-    from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.interface import RotaryTables
+from kvrecover.ops.reference.torch_ops import TorchOps
+from kvrecover.ops.triton.batch_invariant_matmul import linear as batch_invariant_linear
 
 
 @triton.jit
@@ -251,7 +247,7 @@ def rms_norm(
 
 
 def rotary_(
-    rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] in place (rows may be strided)."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -267,7 +263,7 @@ def rotary_(
 
 
 def rotary_store_(
-    rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+    rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
     """`rotary_` on `query` (in place) and on `key`, whose result goes with `value` straight
@@ -315,13 +311,24 @@ class TritonOps(TorchOps):
         return rms_norm(x, weight, eps, residual=residual), residual
 
     def rotary(
-        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        self, rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_(rotary, positions, query, key)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
+
+
+class TritonSampling:
+    """The `ops.interface.SamplingKernels` of the GPU path: the two-pass argmax kernels."""
+
+    def upcast_greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits, greedy tokens [B] int32); a half input is cast and argmaxed
+        in one read."""
+        if logits.dtype == torch.float32:
+            return logits, greedy_tokens(logits)
+        return upcast_greedy_tokens(logits)
 
 
 class BatchInvariantOps(TritonOps):
