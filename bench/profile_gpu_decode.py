@@ -225,6 +225,7 @@ def small_ops(runner, batch: int) -> list[dict]:
     import triton
 
     from kvrecover.ops.triton import fused_ops as t
+    from kvrecover.ops.triton import sampling
 
     model = runner.model
     hidden = model.config.hidden_size
@@ -240,8 +241,8 @@ def small_ops(runner, batch: int) -> list[dict]:
     ops = {
         "embedding (F.embedding)": lambda: F.embedding(ids, emb),
         "embedding (triton)": lambda: t.embedding(ids, emb),
-        "logits.float() + greedy": lambda: t.greedy_tokens(logits.float()),
-        "upcast_greedy_tokens": lambda: t.upcast_greedy_tokens(logits),
+        "logits.float() + greedy": lambda: sampling.greedy_tokens(logits.float()),
+        "upcast_greedy_tokens": lambda: sampling.upcast_greedy_tokens(logits),
     }
     for warps in (2, 4, 8, 16):
         ops[f"add_rms_norm warps={warps}"] = lambda wp=warps: t._rms_norm_kernel[(batch,)](

@@ -306,7 +306,7 @@ def _decode_logits(llm: LLM, prompts, target: int) -> list[torch.Tensor]:
 
 @needs_cuda
 def test_greedy_tokens_match_argmax():
-    from kvrecover.ops.triton.fused_ops import greedy_tokens
+    from kvrecover.ops.triton.sampling import greedy_tokens
 
     logits = torch.randn(37, 128256, device=DEVICE)
     logits[3, 5000] = logits[3, 70000] = 1e4  # a tie: the first index wins, as in torch
@@ -315,7 +315,7 @@ def test_greedy_tokens_match_argmax():
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_cuda)])
 def test_upcast_greedy_tokens_match_cast_then_argmax(dtype):
-    from kvrecover.ops.triton.fused_ops import upcast_greedy_tokens
+    from kvrecover.ops.triton.sampling import upcast_greedy_tokens
 
     logits = _randn(5, 9000, dtype=dtype, generator=torch.Generator().manual_seed(1))
     logits[2, 100] = logits[2, 8000] = 50.0  # a tie: the first index wins

@@ -1,4 +1,4 @@
-"""The C row kernels (`ops/native_row_ops`, `csrc/row_ops.c`) of the bf16/fp16 CPU path:
+"""The C row kernels (`ops/cpu/row_ops.py`, `ops/cpu/csrc/row_ops.c`) of the bf16/fp16 CPU path:
 a row's bits never depend on its batch or the thread count, results match torch's
 within half rounding (residual sums and rotary exactly), bad input is refused."""
 

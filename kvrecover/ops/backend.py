@@ -102,7 +102,8 @@ def select_backend(
         )
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
         from kvrecover.ops.triton.attention import TritonPagedAttention, step_input_builder
-        from kvrecover.ops.triton.fused_ops import BatchInvariantOps, TritonOps, TritonSampling
+        from kvrecover.ops.triton.fused_ops import BatchInvariantOps, TritonOps
+        from kvrecover.ops.triton.sampling import TritonSampling
 
         ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), ops,

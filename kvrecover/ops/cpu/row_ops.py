@@ -74,7 +74,7 @@ class NativeRowOps:
         self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor, threads: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rotary.apply_rotary` bit for bit: query [T, Hq, D] and key [T, Hkv, D] (last dim
+        """`ops.reference.rotary.apply_rotary` bit for bit: query [T, Hq, D] and key [T, Hkv, D] (last dim
         contiguous) rotated by positions [T] (int64) with the float32 cache [P, 2 * D]."""
         if query.dtype != key.dtype or query.dtype not in DTYPE_CODES:
             raise ValueError(f"query and key dtypes ({query.dtype}, {key.dtype}) must be one of "
