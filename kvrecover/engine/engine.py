@@ -87,7 +87,7 @@ class Engine:
         self.model_runner = ModelRunner(
             self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
             self.layout, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, native_kernels=args.native_kernels,
         )
         self.model_runner.allocate_kv_cache(self._num_blocks())
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]

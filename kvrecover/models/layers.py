@@ -16,10 +16,11 @@ from torch import nn
 
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.interface import BackendFeatures
 
 if TYPE_CHECKING:
     from kvrecover.ops.backend import KernelBackend
-    from kvrecover.ops.torch_ops import TorchOps
+    from kvrecover.ops.interface import ModelOps, PagedAttention
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +50,8 @@ class Attention(nn.Module):
         self,
         config: ModelConfig,
         rotary: RotaryEmbedding,
-        attention: Any,
-        ops: TorchOps,
+        attention: PagedAttention[Any],
+        ops: ModelOps,
         *,
         bias: bool = False,
         qk_norm: bool = False,
@@ -86,27 +87,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        out = self._attend(positions, q, k, v, kv_cache, attn_meta)
+        out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
+                                    self.scale)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
-
-    def _attend(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: torch.Tensor, attn_meta: Any,
-    ) -> torch.Tensor:
-        """Rotate q and k, write k and v into the paged cache and attend: the one call
-        into the backend's attention."""
-        if self.attention.fuses_rotary:
-            return self.attention.forward_rotary(
-                self.rotary, positions, q, k, v, kv_cache, attn_meta, self.scale
-            )
-        q, k = self.ops.rotary(self.rotary, positions, q, k)
-        return self.attention.forward(q, k, v, kv_cache, attn_meta, self.scale)
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: TorchOps) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps) -> None:
         super().__init__()
         self.ops = ops
         self.intermediate_size = intermediate_size
@@ -128,7 +117,7 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module,
-                 ops: TorchOps) -> None:
+                 ops: ModelOps) -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -167,6 +156,12 @@ class CausalLM(nn.Module):
 
     config_class: type[ModelConfig] = ModelConfig
 
+    @classmethod
+    def required_features(cls, config: ModelConfig) -> BackendFeatures:
+        """The kernel features this model needs beyond dense full attention (a family
+        with sliding windows, soft-capping, sinks or experts overrides this)."""
+        return BackendFeatures()
+
     def __init__(self, config: ModelConfig, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -187,7 +182,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def make_layer(self, config: ModelConfig, index: int, attention: Any,
-                   ops: TorchOps) -> nn.Module:
+                   ops: ModelOps) -> nn.Module:
         """Decoder layer `index` (called once per layer, in order, by `__init__`)."""
         raise NotImplementedError(f"{type(self).__name__} must say how its layers are built")
 

@@ -16,7 +16,7 @@ from kvrecover.models.config import ModelConfig, refuse_sliding_window
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 
 if TYPE_CHECKING:
-    from kvrecover.ops.torch_ops import TorchOps
+    from kvrecover.ops.interface import ModelOps
 
 
 @dataclass
@@ -40,7 +40,7 @@ class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
 
     def make_layer(self, config: LlamaConfig, index: int, attention: Any,
-                   ops: TorchOps) -> nn.Module:
+                   ops: ModelOps) -> nn.Module:
         self_attn = Attention(config, self.rotary, attention, ops,
                               bias=config.attention_bias, qk_norm=config.qk_norm)
         mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
