@@ -72,15 +72,16 @@ class ReaderThreads:
         thread.start()
         return StoreRead(future, cancelled, thread)
 
-    def run(self, name: str, read: Callable[[threading.Event], Any], timeout_s: float) -> Any:
-        """`read(cancelled)`'s result, waited for at most `timeout_s`; past that the read is
-        abandoned and ReadTimedOut raised. Raises StoreStuck, or what `read` raised."""
-        task = self.start(name, read)
+    def wait(self, task: StoreRead, timeout_s: float) -> Any:
+        """`task`'s result, waited for at most `timeout_s`; past that the read is abandoned
+        and ReadTimedOut raised. Raises what the read raised."""
         try:
-            return task.future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
+            return task.future.result(timeout=max(0.0, timeout_s))
+        except TimeoutError:  # (concurrent.futures' is the built-in one)
+            if task.future.done():  # the read's own TimeoutError
+                raise
             self.abandon(task)
-            raise ReadTimedOut(f"the read was still running after {timeout_s:.1f} s") from None
+            raise ReadTimedOut("the read was still running after its deadline") from None
 
     def abandon(self, task: StoreRead) -> None:
         """Stop waiting for `task`: cancel it and count it while its thread runs on."""

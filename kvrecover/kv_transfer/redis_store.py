@@ -152,7 +152,9 @@ class RedisBlockStore(BlockCodec):
             timeout=settings.timeout_s,  # waiting for a free pooled connection
             socket_timeout=settings.timeout_s,
             socket_connect_timeout=settings.timeout_s,
-            retry=Retry(NoBackoff(), 0),  # a failure is reported, never retried here
+            # One reconnect for a pooled connection the server closed while it sat idle (an
+            # asyncio connection may not have seen the close yet); `_call`'s bound covers it.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             driver_info=None,  # no CLIENT SETINFO round trips per new connection
         )
         password = settings.password or os.environ.get(PASSWORD_ENV) or None

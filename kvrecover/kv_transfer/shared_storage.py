@@ -115,14 +115,13 @@ class SharedStorageConnector(StoreConnectorBase):
         if not synchronous:
             return
 
-        def read(cancelled: threading.Event, results: list) -> None:
-            for transfer in synchronous:  # one after another, under the step's one deadline
-                if cancelled.is_set():
-                    return
-                results.append(self._read_blocks(transfer, cancelled))
+        # Each load on its own reader, all at once, under the step's one deadline.
+        def read(group: list[BlockTransfer], cancelled: threading.Event) -> list:
+            return [self._read_blocks(group[0], cancelled)]
 
-        for transfer, blocks in zip(synchronous, self._read_now(synchronous, read)):
-            self._install(transfer, blocks)
+        for transfer, blocks in zip(synchronous, self._read_now(synchronous, read, batched=False)):
+            if blocks is not None:
+                self._install(transfer, blocks)
 
     def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
         """Read and verify a request's blocks into staging rows (on a reader thread);

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
-# A sync load's reader appends one result per transfer, in order, to the list it is given.
-SyncRead = Callable[[threading.Event, list], None]
+# A sync load's read of some transfers: (transfers, cancelled) -> one result per transfer.
+SyncRead = Callable[[list["BlockTransfer"], threading.Event], list[Any]]
 
 
 def extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
@@ -234,28 +234,45 @@ class StoreConnectorBase(KVConnectorBase):
         self._async_loads[transfer.request_id] = AsyncLoad(
             transfer, task.future, deadline, task.cancelled, task.thread)
 
-    def _read_now(self, transfers: list[BlockTransfer], read: SyncRead) -> list[Any]:
-        """A sync load: run `read(cancelled, results)` on a reader thread and wait for it
-        until `load_timeout_s` at most. Returns the results of the transfers read by
-        then, in order, for `_install`; every block of the others is reported invalid
-        here (the read was abandoned past its deadline, refused, or crashed)."""
+    def _read_now(self, transfers: list[BlockTransfer], read: SyncRead,
+                  batched: bool) -> list[Any]:
+        """A step's sync loads: `read(group, cancelled)` returns one result per transfer of
+        `group`; all transfers are one group (`batched`: one store read) or each its own,
+        every group on its own reader thread, all at once, waited for until
+        `load_timeout_s` from now at most. Returns one result per transfer, None where
+        its read did not end in time, was refused or crashed: every block of those is
+        reported invalid here; pass the others to `_install`."""
+        deadline = time.monotonic() + self.load_timeout_s
+        groups = [transfers] if batched else [[transfer] for transfer in transfers]
+        tasks: list[StoreRead | Exception] = []
+        for group in groups:
+            try:
+                tasks.append(self._readers.start(
+                    f"kv-load-{group[0].request_id}",
+                    lambda cancelled, group=group: read(group, cancelled)))
+            except StoreStuck as error:
+                tasks.append(error)
         results: list[Any] = []
-        try:
-            self._readers.run("kv-load-sync", lambda cancelled: read(cancelled, results),
-                              self.load_timeout_s)
-        except ReadTimedOut:
-            logger.warning("KV load of %d request(s) exceeded load_timeout_s=%.1fs; the blocks "
-                           "not read by then are invalid", len(transfers), self.load_timeout_s)
-        except StoreStuck as error:
-            logger.warning("KV load of %d request(s) refused: %s; its blocks are invalid",
-                           len(transfers), error)
-        except Exception as error:  # reads catch their own errors; be safe
-            logger.warning("KV load crashed (%r); its blocks are invalid", error)
-        done = results[: len(transfers)]  # a copy: what an abandoned read adds later is dropped
-        for transfer in transfers[len(done):]:
-            self._invalid_block_ids.update(transfer.block_ids)
-            self._failed_requests.add(transfer.request_id)
-        return done
+        for group, task in zip(groups, tasks):
+            try:
+                if isinstance(task, Exception):
+                    raise task
+                results += self._readers.wait(task, deadline - time.monotonic())
+                continue
+            except ReadTimedOut:
+                logger.warning("KV load of request %s exceeded load_timeout_s=%.1fs; its "
+                               "blocks are invalid", group[0].request_id, self.load_timeout_s)
+            except StoreStuck as error:
+                logger.warning("KV load of request %s refused (%s); its blocks are invalid",
+                               group[0].request_id, error)
+            except Exception as error:  # reads catch their own errors; be safe
+                logger.warning("KV load of request %s crashed (%r); its blocks are invalid",
+                               group[0].request_id, error)
+            results += [None] * len(group)
+            for transfer in group:
+                self._invalid_block_ids.update(transfer.block_ids)
+                self._failed_requests.add(transfer.request_id)
+        return results
 
     def _abandon(self, load: AsyncLoad) -> None:
         """Nobody waits for this async load any more; its thread may run on (counted)."""

@@ -70,10 +70,10 @@ class BlockStoreConnector(StoreConnectorBase):
         if not synchronous:
             return
         # One batched read for every synchronous load of the step, under one deadline.
-        results = self._read_now(synchronous, lambda cancelled, results: results.extend(
-            self._read_blocks(synchronous, cancelled)))
-        for transfer, blocks in zip(synchronous, results):
-            self._install(transfer, blocks)
+        for transfer, blocks in zip(synchronous, self._read_now(
+                synchronous, self._read_blocks, batched=True)):
+            if blocks is not None:
+                self._install(transfer, blocks)
 
     def _read_blocks(self, transfers: list[BlockTransfer],
                      cancelled: threading.Event) -> list[list[StoredBlock | None]]:
