@@ -92,10 +92,11 @@ class KVConnectorBase:
 
     extra_config_keys: ClassVar[tuple[str, ...] | None] = None
 
-    # Seconds an asynchronous load may run before all its blocks count as failed.
-    # Connectors that load set it from their config (extra key `load_timeout_s`);
-    # the engine reads it from the scheduler-role instance and enforces it itself,
-    # whether or not the connector ever reports the load. Wrappers read it (an
+    # Seconds a load may run before all its blocks count as failed. Connectors that
+    # load set it from their config (extra key `load_timeout_s`) and bound their sync
+    # loads by it (store connectors: `reader_threads`); the engine reads it from the
+    # scheduler-role instance and enforces it itself on every async load, whether or
+    # not the connector ever reports the load. Wrappers read it (an
     # emulated hang must outlast it) and report their inner connector's.
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 

@@ -13,12 +13,19 @@ request's loaded blocks, or a float fraction (a seeded random subset).
 altered after the read, before verification: only the checksum catches it),
 "hang" (the read never returns; the load deadline ends it).
 A selected request stays broken on every attempt, like a persistently bad entry.
+
+Every block a load fails (each block the inner connector reports invalid, and each
+one faulted around a connector without a read hook) is filled with NaN in every
+layer before the forward pass can read it (sync loads) or before the load is
+reported finished (async ones): a recovery that skipped a recompute reads NaN and
+changes the output, so it can never pass a test by luck on whatever the cache held.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -235,7 +242,8 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         self.inner.start_load_kv(kv_caches)
-        if self._filters_reads:
+        if self._filters_reads:  # this step's failed sync loads, poisoned before the forward
+            self._poison(self.inner.get_block_ids_with_load_errors() or ())
             return
         # An inner connector without a read hook: emulate the faults around it.
         metadata: FaultMetadata = self._get_connector_metadata()
@@ -246,11 +254,14 @@ class FaultInjectionConnector(KVConnectorBase):
                     raise InjectedFault(f"injected fault: load of request {request_id} failed")
                 self._poison(faults)
 
-    def _poison(self, faults: dict[int, str]) -> None:
-        for block_id in faults:
-            for cache in self.kv_caches:
-                cache[:, block_id].fill_(float("nan"))
-            self._missing_reported.add(block_id)
+    def _poison(self, block_ids: Iterable[int]) -> None:
+        """Fill failed blocks with NaN and report them invalid."""
+        num_blocks = self.kv_caches[0].shape[1] if self.kv_caches else 0
+        for block_id in block_ids:
+            if isinstance(block_id, int) and 0 < block_id < num_blocks:
+                for cache in self.kv_caches:
+                    cache[:, block_id].fill_(float("nan"))
+            self._missing_reported.add(block_id)  # (an invalid id: the engine rejects the report)
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         self.inner.wait_for_layer_load(layer_index)
@@ -266,6 +277,8 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self.inner.get_finished(finished_req_ids)
+        if self._filters_reads:  # the async loads that ended and failed
+            self._poison(self.inner.get_block_ids_with_load_errors() or ())
         for request_id in recving or ():
             faults = self._active.pop(request_id, None)
             if faults and not self._filters_reads:
@@ -275,8 +288,10 @@ class FaultInjectionConnector(KVConnectorBase):
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid = set(self.inner.get_block_ids_with_load_errors() or ())
-        invalid |= self._missing_reported
+        late = self.inner.get_block_ids_with_load_errors() or ()
+        if self._filters_reads:
+            self._poison(late)
+        invalid = set(late) | self._missing_reported
         self._missing_reported = set()
         return invalid
 

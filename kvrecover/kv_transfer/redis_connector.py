@@ -10,11 +10,13 @@ Extra config (`kv_connector_extra_config`):
                    redis://127.0.0.1:6379/0
   key_prefix       prepended to every key ("kvrecover:")
   ttl_s            expiry of stored blocks in seconds (None: never expire)
-  timeout_s        bound on connecting, on each round trip and on waiting for a pooled
-                   connection (5); a server that never answers costs at most this
+  timeout_s        bound on each call to the server as a whole: waiting for a pooled
+                   connection, connecting, sending and the whole reply (5); a server
+                   that never answers, or trickles, costs a call at most this
   max_connections  connection pool size per connector instance (16)
   async_load       load in a background thread while the request waits (False)
-  load_timeout_s   an async load unfinished after this long fails (3 x timeout_s)
+  load_timeout_s   bound on each load as a whole, sync or async; its blocks are invalid
+                   after it (3 x timeout_s)
   verify_after_load re-checksum the engine's cache blocks after a load (True)
 
 The password comes from the URL or, when the URL has none, from the environment
@@ -42,7 +44,7 @@ class RedisConnector(BlockStoreConnector):
         return RedisBlockStore(self.layout, settings)
 
     def _default_load_timeout_s(self) -> float:
-        # Connect, wait for a pooled connection, one read round trip: each bounded by timeout_s.
+        # One read call (bounded by timeout_s as a whole), its verification, and room to spare.
         return 3 * self.store.settings.timeout_s
 
     def __repr__(self) -> str:

@@ -11,6 +11,15 @@ Stored values are untrusted (DESIGN.md, Trust): a read asks for at most one byte
 more than an entry of this layout has, so a hostile multi-megabyte value costs a
 block's worth of memory and is rejected by its size, never read whole.
 
+`timeout_s` bounds each call as a whole: waiting for a pooled connection,
+connecting, sending and reading the whole reply together, however the server paces
+its bytes (redis-py's own socket timeout bounds each socket read only, so a server
+trickling one byte at a time would pass it forever). The calls run on redis-py's
+asyncio client, on one event-loop thread for every store of the process
+(`kv-redis-io`), under `asyncio.timeout`: a call past it is cancelled there, and
+redis-py closes the connection it was reading (a reply cut in the middle is never
+handed to the next call); no thread stays blocked on a slow server.
+
 The store never raises for a store failure: a refused or dropped connection, a
 timeout or an error reply makes every block of the call missing (reads, lookups)
 or failed (writes), and the caller turns that into invalid blocks or a counted
@@ -23,16 +32,20 @@ redis-py connection pool; `repr` and every message show the URL without it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import BlockCodec, BlockLoadError
@@ -41,6 +54,22 @@ logger = logging.getLogger(__name__)
 
 PASSWORD_ENV = "KVRECOVER_REDIS_PASSWORD"
 URL_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+LOOP_GRACE_S = 5.0  # beyond timeout_s, how long a caller waits for the I/O loop itself
+T = TypeVar("T")
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def io_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every Redis store of this process runs its calls on (started on
+    first use, on the daemon thread `kv-redis-io`)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="kv-redis-io", daemon=True).start()
+        return _loop
 
 
 def redact_url(url: str) -> str:
@@ -119,17 +148,21 @@ class RedisBlockStore(BlockCodec):
             url = "redis" + url.removeprefix("valkey")
         options = dict(
             max_connections=settings.max_connections,
+            # Each part's own bound; `_call` bounds the whole call by timeout_s as well.
             timeout=settings.timeout_s,  # waiting for a free pooled connection
             socket_timeout=settings.timeout_s,
             socket_connect_timeout=settings.timeout_s,
-            retry=Retry(NoBackoff(), 0),  # a failure is reported, never retried here
+            # One reconnect for a pooled connection the server closed while it sat idle (an
+            # asyncio connection may not have seen the close yet); `_call`'s bound covers it.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             driver_info=None,  # no CLIENT SETINFO round trips per new connection
         )
         password = settings.password or os.environ.get(PASSWORD_ENV) or None
         if password and urlsplit(url).password is None:
             options["password"] = password
-        pool = redis.BlockingConnectionPool.from_url(url, **options)
-        self.client = redis.Redis(connection_pool=pool)
+        self._loop = io_loop()
+        self.pool = redis.asyncio.BlockingConnectionPool.from_url(url, **options)
+        self.client = redis.asyncio.Redis(connection_pool=self.pool)
         self._lock = threading.Lock()
         self._unavailable_until = 0.0
 
@@ -151,16 +184,47 @@ class RedisBlockStore(BlockCodec):
         logger.warning("Redis %s at %s failed: %s", operation, self.settings.redacted_url,
                        _describe(error))
 
+    # ----- one call, bounded as a whole ------------------------------------------------------
+    def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run `operation()` on the I/O loop and wait for it; past `timeout_s` in all it is
+        cancelled (redis-py then closes the connection it used) and redis.TimeoutError
+        raised. Any thread may call this."""
+        timeout_s = self.settings.timeout_s
+
+        async def bounded() -> T:
+            async with asyncio.timeout(timeout_s):
+                return await operation()
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+        try:
+            return future.result(timeout_s + LOOP_GRACE_S)
+        except TimeoutError:  # the call's own timeout, or (never expected) a stuck loop
+            future.cancel()
+            raise redis.TimeoutError(f"no whole reply within timeout_s={timeout_s:g}") from None
+
+    def _pipeline(self, add: Callable[[Any], None], raise_on_error: bool = True
+                  ) -> Callable[[], Awaitable[list[Any]]]:
+        """An operation for `_call`: one pipelined round trip of the commands `add` queues."""
+
+        async def run() -> list[Any]:
+            pipeline = self.client.pipeline(transaction=False)
+            add(pipeline)
+            return await pipeline.execute(raise_on_error=raise_on_error)
+
+        return run
+
     # ----- the batched store interface -------------------------------------------------------
     def exists_many(self, keys: list[bytes]) -> list[bool]:
         """Whether each key is stored; all False when the store cannot answer."""
         if not keys or not self._available():
             return [False] * len(keys)
-        try:
-            pipeline = self.client.pipeline(transaction=False)
+
+        def add(pipeline: Any) -> None:
             for key in keys:
                 pipeline.exists(self.redis_key(key))
-            return [bool(found) for found in pipeline.execute()]
+
+        try:
+            return [bool(found) for found in self._call(self._pipeline(add))]
         except Exception as error:
             self._failed("lookup", error)
             return [False] * len(keys)
@@ -171,11 +235,13 @@ class RedisBlockStore(BlockCodec):
             return []
         if not self._available():
             return [BlockLoadError("Redis store unavailable after a recent failure")] * len(keys)
-        try:
-            pipeline = self.client.pipeline(transaction=False)
+
+        def add(pipeline: Any) -> None:
             for key in keys:  # never more than an entry and one byte: sizes are checked first
                 pipeline.getrange(self.redis_key(key), 0, self.entry_nbytes)
-            values = pipeline.execute()
+
+        try:
+            values = self._call(self._pipeline(add))
         except Exception as error:
             self._failed("read", error)
             failure = BlockLoadError(f"Redis read failed: {_describe(error)}")
@@ -198,11 +264,13 @@ class RedisBlockStore(BlockCodec):
         if not self._available():
             return len(entries)
         ttl_ms = None if self.settings.ttl_s is None else max(1, int(self.settings.ttl_s * 1000))
-        try:
-            pipeline = self.client.pipeline(transaction=False)
+
+        def add(pipeline: Any) -> None:
             for key, entry in entries:
                 pipeline.set(self.redis_key(key), entry, px=ttl_ms)
-            replies = pipeline.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(self._pipeline(add, raise_on_error=False))
         except Exception as error:
             self._failed("write", error)
             return len(entries)
@@ -212,8 +280,12 @@ class RedisBlockStore(BlockCodec):
         return len(failures)
 
     def close(self) -> None:
-        """Close every pooled connection."""
-        self.client.connection_pool.disconnect()
+        """Close every pooled connection (bounded by timeout_s; a failure is logged)."""
+        try:
+            self._call(self.pool.disconnect)
+        except Exception as error:
+            logger.warning("closing the Redis pool of %s failed: %s", self.settings.redacted_url,
+                           _describe(error))
 
 
 def _describe(error: Exception) -> str:

@@ -13,18 +13,19 @@ write a gathered save's (min(8, CPU count)); plus `async_load`, `load_timeout_s`
 the async-load bookkeeping and shutdown; this module keeps only the folder's own
 load and save path).
 
-Async loads read and verify into host memory on a thread; the worker copies the
-result into the cache only when it reports the load finished, so a load that
-missed its deadline can never write into blocks that were given to someone else.
-Sync loads on the CPU read each entry straight into its cache blocks (which the
-request owns, and which nothing reads before this step's forward pass) and hash it
-there, so the load's checksum is already the end-to-end check `verify_after_load`
-asks for; saves on the CPU write from the cache itself (`paged_blocks`). On a GPU,
-`io_threads` threads read entries into reused pinned rows, each chunk going up on a
-side stream while the next ones are read; one indexed copy per layer puts them in
-the cache, and `verify_after_load` compares the cache's blocks on the device with
-the verified rows (`paged_blocks` says what that proves). GPU saves gather on the
-device, come down in one copy, and are written by `io_threads` threads.
+Every load reads and verifies into staging rows (host memory of its own) on a
+reader thread (`reader_threads`), and the worker copies the rows into the cache
+itself: a sync load waits for its reader until `load_timeout_s` at most, an async
+one until the worker reports it finished. A file read stuck in the kernel (a hung
+NFS mount) therefore costs a load at most its deadline and can never write into
+cache blocks later, when they may belong to someone else; its thread is abandoned
+(bounded in number). `io_threads` threads read a load's entries (`staged_io`); on a
+GPU the rows are pinned and reused, each chunk going up on a side stream while the
+next ones are read, one indexed copy per layer puts them in the cache, and
+`verify_after_load` compares the cache's blocks with the verified rows
+(`paged_blocks` says what that proves). Saves on the CPU write from the cache
+itself (`paged_blocks`); GPU saves gather on the device, come down in one copy, and
+are written by `io_threads` threads.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ MAX_IO_THREADS = 8  # default `io_threads`: beyond this the per-entry Python wor
 @dataclass(frozen=True)
 class LoadedBlock:
     """A block that `_read_blocks` read and verified: its payload checksum and where
-    its bytes are (row `position` of the staged rows, or already in the cache if None)."""
+    its bytes are (row `position` of the staged rows)."""
 
     checksum: int
-    staging: StagedRows | None
+    staging: StagedRows
     position: int
 
 
@@ -105,25 +106,27 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        synchronous = []
         for transfer in metadata.loads:
             if transfer.is_async:
                 self._start_async(transfer)
             else:
-                cancelled = threading.Event()
-                deadline = threading.Timer(self.load_timeout_s, cancelled.set)
-                deadline.start()
-                try:
-                    blocks = self._read_blocks(transfer, cancelled)
-                finally:
-                    deadline.cancel()
+                synchronous.append(transfer)
+        if not synchronous:
+            return
+
+        # Each load on its own reader, all at once, under the step's one deadline.
+        def read(group: list[BlockTransfer], cancelled: threading.Event) -> list:
+            return [self._read_blocks(group[0], cancelled)]
+
+        for transfer, blocks in zip(synchronous, self._read_now(synchronous, read, batched=False)):
+            if blocks is not None:
                 self._install(transfer, blocks)
 
     def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
-        """Read and verify a request's blocks; None from the first failure on. Sync loads
-        on the CPU land in the cache blocks themselves, the others in staging rows."""
+        """Read and verify a request's blocks into staging rows (on a reader thread);
+        None from the first failure on."""
         paged = self._paged
-        if paged.direct and not transfer.is_async:
-            return self._read_in_place(transfer, cancelled)
 
         def read_row(position: int, row: memoryview) -> int:
             return self._read_entry(transfer, position, [row], cancelled)
@@ -137,20 +140,6 @@ class SharedStorageConnector(StoreConnectorBase):
             blocks.append(LoadedBlock(result, staged, position))
         if not blocks:
             paged.release(staged.host, staged.uploaded)
-        return blocks + [None] * (len(transfer.block_ids) - len(blocks))
-
-    def _read_in_place(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
-        """`_read_blocks` straight into the cache's own slices (a sync load on the CPU)."""
-        blocks: list[LoadedBlock | None] = []
-        for position, block_id in enumerate(transfer.block_ids):
-            if cancelled.is_set():
-                break
-            try:
-                checksum = self._read_entry(transfer, position, self._paged.parts(block_id), cancelled)
-            except Exception as error:  # a failing read is an invalid block, never a crash
-                self._log_failure(transfer.keys[position], error)
-                break
-            blocks.append(LoadedBlock(checksum, None, position))
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
     def _read_entry(self, transfer: BlockTransfer, position: int, parts: list[memoryview],
@@ -176,17 +165,16 @@ class SharedStorageConnector(StoreConnectorBase):
         return self._read_blocks(transfer, cancelled)
 
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
-        """Copy the leading verified blocks into the cache unless they were read there;
-        report every block from the first bad one on as invalid."""
+        """Copy the leading verified blocks into the cache; report every block from the
+        first bad one on as invalid."""
         count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
-        if count and blocks[0].staging is not None:
+        if count:
             checksums = [block.checksum for block in blocks[:count]]
             count = self._paged.install(transfer.block_ids[:count], blocks[0].staging,
                                         checksums if self.verify_after_load else None)
             if count < len(checksums):
                 logger.warning("KV block %d does not match its stored checksum after the load",
                                transfer.block_ids[count])
-        # Blocks read in place were hashed in the cache: that check was end to end already.
         if count < len(blocks):
             self._invalid_block_ids.update(transfer.block_ids[count:])
             self._failed_requests.add(transfer.request_id)

@@ -12,7 +12,8 @@ Configured in vLLM's MultiConnector format:
 Each tier is a block-store connector (SharedStorageConnector, RedisConnector or any
 `BlockStoreConnector`); its `kv_role` defaults to the outer one (a `kv_producer` tier only
 saves, a `kv_consumer` tier only loads). `async_load`, `load_timeout_s` (default:
-the tiers' deadlines summed) and `verify_after_load` are set once, outside.
+the tiers' deadlines summed; it bounds each load as a whole, every tier it tries
+included) and `verify_after_load` are set once, outside.
 
 - Lookup: every block of the prompt is looked for tier by tier (one batched call
   per tier, later tiers only asked for what earlier ones lack); the prefix offered
@@ -42,11 +43,7 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockStore, StoredBlock
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.store_connector import (
-    BlockStoreConnector,
-    BlockTransfer,
-    deadline_event,
-)
+from kvrecover.kv_transfer.store_connector import BlockStoreConnector, BlockTransfer
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
@@ -151,14 +148,10 @@ class TieredConnector(BlockStoreConnector):
 
     # ----- worker role ----------------------------------------------------------------
     def _read_blocks(self, transfers: list[BlockTransfer],
-                     cancelled: threading.Event | None) -> list[list[StoredBlock | None]]:
+                     cancelled: threading.Event) -> list[list[StoredBlock | None]]:
         """Read every block from its first tier, then each failed one from later tiers:
-        one batched read per tier per call."""
-        with deadline_event(cancelled, self.load_timeout_s) as cancelled:
-            return self._read_tiers(transfers, cancelled)
-
-    def _read_tiers(self, transfers: list[BlockTransfer],
-                    cancelled: threading.Event) -> list[list[StoredBlock | None]]:
+        one batched read per tier per call (on the load's reader thread, so the load's
+        deadline bounds all the tiers together)."""
         results: list[list[StoredBlock | None]] = [[None] * len(t.keys) for t in transfers]
         pending = [(t, p) for t, transfer in enumerate(transfers) for p in range(len(transfer.keys))]
         for tier in self.tiers:
