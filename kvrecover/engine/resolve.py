@@ -194,9 +194,12 @@ def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLay
 
 
 def resolve_connector(transfer: KVTransferConfig | None) -> ConnectorPlan | None:
-    """The connector plan of `kv_transfer_config` (its class found, or a ValueError)."""
+    """The connector plan of `kv_transfer_config`: its class found and its settings
+    checked (a ValueError otherwise) before any weight is loaded."""
     if transfer is None:
         return None
     from kvrecover.kv_transfer.registry import connector_class
 
-    return ConnectorPlan(transfer, connector_class(transfer))
+    cls = connector_class(transfer)
+    cls.check_settings(transfer)
+    return ConnectorPlan(transfer, cls)

@@ -106,15 +106,21 @@ class KVConnectorBase:
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
-        accepted = self.accepted_settings(config)
-        if accepted is not None:
-            reject_unknown(config.kv_connector_extra_config, accepted,
-                           f"kv_connector_extra_config key of {type(self).__name__}")
         self.config = config
         self.role = role
         self.layout = layout
-        self.settings: Any = self.own_settings(config)
+        self.settings: Any = self.check_settings(config)
         self._metadata: KVConnectorMetadata | None = None
+
+    @classmethod
+    def check_settings(cls, config: KVTransferConfig) -> Any:
+        """`own_settings(config)` after refusing every key nobody accepts (with a "did you
+        mean"); the resolver calls it before the engine is built, `__init__` again."""
+        accepted = cls.accepted_settings(config)
+        if accepted is not None:
+            reject_unknown(config.kv_connector_extra_config, accepted,
+                           f"kv_connector_extra_config key of {cls.__name__}")
+        return cls.own_settings(config)
 
     @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
