@@ -193,6 +193,11 @@ class EngineArgs:
         "auto", "which kernels run: auto, torch (the reference) or triton (off CUDA only "
         f"under TRITON_INTERPRET=1) {default_help('attention_backend', 'auto')}", str,
         choices=ATTENTION_BACKENDS)
+    native_kernels: bool | None = option(
+        None, "whether our C kernels (CPU attention, norms and rotary) may be compiled with "
+        "the system C compiler and run; off, slower torch kernels with the same numerics "
+        "promise run (default: on, unless the environment sets KVRECOVER_NATIVE_KERNELS=0)",
+        bool, nullable=True)
 
     def __post_init__(self) -> None:
         self.model = path_or_none(self.model)

@@ -238,7 +238,9 @@ def add_flags(
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kwargs["required"] = f.name not in defaults
         if spec.kind is bool:
-            action = argparse.BooleanOptionalAction if default else "store_true"
+            # A nullable bool (None: decided elsewhere) needs both --flag and --no-flag.
+            action = (argparse.BooleanOptionalAction if default or spec.nullable
+                      else "store_true")
             parser.add_argument(flag_name(f.name), action=action, help=help_text, **kwargs)
             continue
         if default is not None and spec.choices is None:

@@ -15,13 +15,13 @@ from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.resolve import ResolvedConfig, resolve_config
 from kvrecover.engine.scheduler import Scheduler
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.model_runner import ModelRunner
 
@@ -61,7 +61,7 @@ class Engine:
         self.model_runner = ModelRunner(
             self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
             self.layout, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
-            attention_backend=config.attention_backend,
+            attention_backend=config.attention_backend, native_kernels=args.native_kernels,
         )
         # After the weights: a GPU's budget is what they left free.
         self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
@@ -220,8 +220,8 @@ class Engine:
         return failed
 
     def _check_progress(self) -> None:
-        """An idle step is fine only while async loads are in flight."""
-        if self.scheduler.loads_in_flight():
+        """An idle step is fine only while KV transfers (async loads, sends) are in flight."""
+        if self.scheduler.transfers_in_flight():
             time.sleep(0.0005)  # let the loader threads run instead of spinning
         elif self.scheduler.waiting:
             # The scheduler fails a request it cannot place; reaching this is a bug.

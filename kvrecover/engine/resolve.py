@@ -23,6 +23,7 @@ from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.fingerprint import checkpoint_fingerprint
+from kvrecover.models.registry import load_model_config
 from kvrecover.worker.kv_cache import available_kv_cache_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,7 +97,7 @@ class ResolvedConfig:
 def resolve_config(args: EngineArgs) -> ResolvedConfig:
     """Take every decision `args` leaves open; a ValueError says what to change."""
     model_dir = resolve_model_dir(args.model)
-    model_config = ModelConfig.from_pretrained(model_dir)
+    model_config = load_model_config(model_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, model_config)
     scheduler_config = SchedulerConfig(

@@ -12,11 +12,12 @@ per layer (`wait_for_layer_load` before attention reads the cache,
 `save_kv_layer` after it wrote it) -> `wait_for_save` ->
 `get_finished` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
 
-What every method may assume about a `Request`: `request.block_hashes` already
-holds the chain hash (`kv_layout.hash_block_tokens`) of every full block of the
-prompt; the engine computes it, a connector only reads it (and never extends or
-edits the list, which the prefix cache shares). Those hashes are the keys of
-stored KV.
+The scheduler-role methods see a request as a read-only `KVRequestView`
+(`request_view.py`: id, prompt tokens, block hashes, computed tokens, sampling
+parameters), never the engine's own `Request`. What every method may assume:
+`request.block_hashes` already holds the chain hash (`kv_layout.hash_block_tokens`)
+of every full block of the prompt; the engine computes them. Those hashes are the
+keys of stored KV.
 
 Seams for wrappers (a connector that delegates to inner connectors, such as
 `FaultInjectionConnector`): `load_timeout_s`, `set_read_filter` and
@@ -46,8 +47,8 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.options import from_dict, option_names, reject_unknown
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 
@@ -142,7 +143,7 @@ class KVConnectorBase:
 
     # ----- scheduler role -----------------------------------------------------
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: KVRequestView, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Scheduler calls this when it first schedules a request (and again, a
         bounded number of times, after a failed load). `num_computed_tokens` are
@@ -155,7 +156,7 @@ class KVConnectorBase:
         return 0, False
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: KVRequestView, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Scheduler calls this after allocating blocks for the request:
         `block_ids` is its whole block table and the external tokens start at
@@ -166,7 +167,7 @@ class KVConnectorBase:
         handed to the worker role for that step. Resets per-step state."""
         return KVConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         """Scheduler calls this when a request ends. Return True to keep its blocks
         until the worker reports the request in `finished_sending`."""
         return False

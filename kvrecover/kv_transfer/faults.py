@@ -34,8 +34,8 @@ from kvrecover.kv_transfer.base import (
 from kvrecover.options import from_dict, option, option_names, validate
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")
 BLOCK_SELECTORS = ("all", "first", "last", "middle")
@@ -221,10 +221,10 @@ class FaultInjectionConnector(KVConnectorBase):
         self._filters_reads = self.inner.set_read_filter(self._filter_read)
 
     # ----- scheduler role -------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequestView, num_computed_tokens: int) -> tuple[int, bool]:
         return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int], num_external_tokens: int) -> None:
         self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
         if num_external_tokens <= 0:
             return
@@ -245,7 +245,7 @@ class FaultInjectionConnector(KVConnectorBase):
         self._step_faults = {}
         return metadata
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         return self.inner.request_finished(request, block_ids)
 
     # ----- worker role ----------------------------------------------------------------

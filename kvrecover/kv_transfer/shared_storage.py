@@ -53,7 +53,7 @@ from kvrecover.kv_transfer.store_base import (
 from kvrecover.options import option, path_or_none
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
+    from kvrecover.kv_transfer.request_view import KVRequestView
 
 __all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "SharedStorageSettings",
            "StorageConnectorMetadata"]
@@ -106,7 +106,7 @@ class SharedStorageConnector(StoreConnectorBase):
         return BlockStore(path, self.layout)
 
     # ----- scheduler role -----------------------------------------------------------
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
         # One stat per block, stopping at the first miss: a folder has no batched lookup.
         return next((i for i, key in enumerate(keys) if not self.store.exists(key)), len(keys))
 

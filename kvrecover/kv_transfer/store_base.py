@@ -38,8 +38,8 @@ from kvrecover.kv_transfer.base import (
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class StoreConnectorBase(KVConnectorBase):
         self.block_size = layout.block_size
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         # Scheduler role state.
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, KVRequestView] = {}
         self._pending_loads: list[BlockTransfer] = []
         # Worker role state.
         self._kv_caches: list[torch.Tensor] = []
@@ -146,7 +146,7 @@ class StoreConnectorBase(KVConnectorBase):
         return 30.0
 
     # ----- scheduler role -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequestView, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.config.is_consumer:
             return 0, False
         keys = request.block_hashes  # the engine hashed every full prompt block
@@ -156,18 +156,18 @@ class StoreConnectorBase(KVConnectorBase):
         num_tokens = max(0, end * self.block_size - num_computed_tokens)
         return num_tokens, self.async_load and num_tokens > 0
 
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
         """How many leading `keys` the store holds (one batched call)."""
         if not keys:
             return 0
         present = self.store.exists_many(keys)
         return next((i for i, found in enumerate(present) if not found), len(keys))
 
-    def _new_load(self, request: Request, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+    def _new_load(self, request: KVRequestView, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
         """The transfer that loads `keys` into `block_ids` for `request`."""
         return BlockTransfer(request.request_id, block_ids, keys, is_async=self.async_load)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int], num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         if num_external_tokens <= 0:
             return
@@ -196,7 +196,7 @@ class StoreConnectorBase(KVConnectorBase):
             ))
         return metadata
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._requests.pop(request.request_id, None)
         return False
 

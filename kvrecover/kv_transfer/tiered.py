@@ -51,7 +51,7 @@ from kvrecover.kv_transfer.store_connector import (
 from kvrecover.options import REQUIRED, from_dict, option
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
+    from kvrecover.kv_transfer.request_view import KVRequestView
 
 COUNTERS = ("hit", "loaded", "failed", "fallen_through", "saved", "save_failed")
 
@@ -164,7 +164,7 @@ class TieredConnector(BlockStoreConnector):
         self._counts[f"kv_tier{tier}_{name}_blocks"] += amount
 
     # ----- scheduler role -------------------------------------------------------------
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
         first_tiers: list[int | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -181,7 +181,7 @@ class TieredConnector(BlockStoreConnector):
         self._lookups[request.request_id] = first_tiers[:count]
         return count
 
-    def _new_load(self, request: Request, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+    def _new_load(self, request: KVRequestView, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
         first_tiers = self._lookups.pop(request.request_id, [])[: len(keys)]
         first_tiers += [self._first_load_tier()] * (len(keys) - len(first_tiers))
         for tier in first_tiers:
@@ -192,7 +192,7 @@ class TieredConnector(BlockStoreConnector):
     def _first_load_tier(self) -> int:
         return next((tier.index for tier in self.tiers if tier.loads), 0)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._lookups.pop(request.request_id, None)
         return super().request_finished(request, block_ids)
 

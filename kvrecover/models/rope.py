@@ -1,7 +1,8 @@
 """Rotary position embedding tables, including Llama 3's frequency scaling.
 
 The model owns the tables; the kernels that rotate by them live in `kvrecover.ops`
-(`rotary.apply_rotary`, `triton_ops.rotary_`).
+(`ops.reference.rotary`, `ops.triton.fused_ops.rotary_`), which see the
+tables through `ops.interface.RotaryTables`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A decode step of B requests replays the graph of the smallest bucket >= B,
 padded with dummy requests that write only into the null block. A bucket's
 graph is captured the first time a step of its size runs. Inputs live in one
-static device buffer (see `StepInputBuilder`); the block table's width is read
+static device buffer (the backend's `ops.interface.GraphStepInputs`); the block table's width is read
 by the kernel from that buffer, so one graph serves every context length.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrecover.engine.scheduler_output import ScheduledRequest
-from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs
+from kvrecover.ops.interface import GraphStepInputs, StepInputs
+from kvrecover.step_messages import ScheduledRequest
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -33,7 +33,7 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor]],
-        builder: StepInputBuilder,
+        builder: GraphStepInputs,
         max_blocks_per_seq: int,
         device: torch.device,
     ) -> None:

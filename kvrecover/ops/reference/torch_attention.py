@@ -15,16 +15,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrecover.ops.attention_metadata import AttentionMetadata, ContextGather, PrefillGroup
+from kvrecover.ops.interface import RotaryKernel
+from kvrecover.ops.reference.attention_metadata import (
+    AttentionMetadata,
+    ContextGather,
+    PrefillGroup,
+)
+from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 
-class TorchPagedAttention:
-    """Reference paged attention in plain torch (CPU and GPU)."""
+class TorchPagedAttention(RotateThenAttend):
+    """Reference paged attention in plain torch (CPU and GPU); `attend` rotates with
+    `rotate` (the backend's rotary op) first."""
 
     name = "torch"
-    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
 
-    def __init__(self) -> None:
+    def __init__(self, rotate: RotaryKernel = reference_rotary) -> None:
+        super().__init__(rotate)
         self._workspace = _GatherWorkspace()
 
     def forward(
