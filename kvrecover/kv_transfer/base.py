@@ -44,7 +44,7 @@ import torch
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.options import reject_unknown
+from kvrecover.options import from_dict, option_names, reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
@@ -82,15 +82,22 @@ class KVConnectorMetadata:
         return 0
 
 
+# How messages name a connector setting: a key of `kv_connector_extra_config`.
+SETTING_LABEL = "kv_connector_extra_config[{name!r}]"
+
+
 class KVConnectorBase:
     """Base class of every KV connector; subclasses override what they support.
 
-    `extra_config_keys` declares the `kv_connector_extra_config` keys a connector
-    reads; any other key is a ValueError at construction (with a "did you mean"),
-    so a typo never passes silently. None (the default) accepts every key.
+    `settings_class` declares the `kv_connector_extra_config` keys a connector reads:
+    a frozen dataclass of `options.option` fields whose `__post_init__` calls
+    `validate(self, SETTING_LABEL)`. The base class builds it at construction
+    (`self.settings`); any other key is a ValueError with a "did you mean", so a typo
+    never passes silently. Adding a setting is one field. None (the default, for a
+    user's connector that reads its extra config itself) accepts every key.
     """
 
-    extra_config_keys: ClassVar[tuple[str, ...] | None] = None
+    settings_class: ClassVar[type | None] = None
 
     # Seconds a load may run before all its blocks count as failed. Connectors that
     # load set it from their config (extra key `load_timeout_s`) and bound their sync
@@ -101,20 +108,39 @@ class KVConnectorBase:
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
-        accepted = self.accepted_extra_config_keys(config)
-        if accepted is not None:
-            reject_unknown(config.kv_connector_extra_config, accepted,
-                           f"kv_connector_extra_config key of {type(self).__name__}")
         self.config = config
         self.role = role
         self.layout = layout
+        self.settings: Any = self.check_settings(config)
         self._metadata: KVConnectorMetadata | None = None
 
     @classmethod
-    def accepted_extra_config_keys(cls, config: KVTransferConfig) -> tuple[str, ...] | None:
-        """The extra-config keys `config` may hold for this class (default:
-        `extra_config_keys`); a wrapper adds those of the connector it wraps."""
-        return cls.extra_config_keys
+    def check_settings(cls, config: KVTransferConfig) -> Any:
+        """`own_settings(config)` after refusing every key nobody accepts (with a "did you
+        mean"); the resolver calls it before the engine is built, `__init__` again."""
+        accepted = cls.accepted_settings(config)
+        if accepted is not None:
+            reject_unknown(config.kv_connector_extra_config, accepted,
+                           f"kv_connector_extra_config key of {cls.__name__}")
+        return cls.own_settings(config)
+
+    @classmethod
+    def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
+        """The extra-config keys `config` may hold for this class (default: those of
+        `settings_class`); a wrapper adds those of the connector it wraps."""
+        return None if cls.settings_class is None else option_names(cls.settings_class)
+
+    @classmethod
+    def own_settings(cls, config: KVTransferConfig) -> Any:
+        """This class's `settings_class` record built from `config`'s extra config (keys
+        that are not its own, a wrapped connector's, are left to that one); None when
+        the class declares none."""
+        if cls.settings_class is None:
+            return None
+        names = option_names(cls.settings_class)
+        own = {k: v for k, v in config.kv_connector_extra_config.items() if k in names}
+        return from_dict(cls.settings_class, own,
+                         f"kv_connector_extra_config key of {cls.__name__}")
 
     # ----- scheduler role -----------------------------------------------------
     def get_num_new_matched_tokens(

@@ -38,7 +38,7 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvrecover.options import reject_unknown
+from kvrecover.options import from_dict, option, option_names, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
@@ -47,38 +47,50 @@ if TYPE_CHECKING:
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")
 BLOCK_SELECTORS = ("all", "first", "last", "middle")
 DEFAULT_FAULTS = [{"requests": "first", "blocks": "all", "kind": "missing"}]
-WRAPPER_KEYS = ("inner_connector", "faults", "seed")
-FAULT_KEYS = ("requests", "blocks", "kind")
+FAULT_LABEL = "fault {name!r}"
 
 
 class InjectedFault(OSError):
     """Raised by an injected `error` fault."""
 
 
+def _requests_problem(value: Any) -> str | None:
+    ok = value in ("first", "all") or _is_int(value) or _is_fraction(value)
+    return None if ok else "bad"
+
+
+def _blocks_problem(value: Any) -> str | None:
+    ok = (value in BLOCK_SELECTORS or _is_fraction(value)
+          or (isinstance(value, list) and all(_is_int(b) for b in value)))
+    return None if ok else "bad"
+
+
 @dataclass(frozen=True)
 class FaultRule:
-    """One validated entry of the `faults` list."""
+    """One entry of the `faults` list."""
 
-    requests: Any
-    blocks: Any
-    kind: str
+    requests: Any = option(
+        "first", "which loading requests break: 'first', 'all', the k-th (an int) or each "
+        "with probability p (a float)", object, check=_requests_problem,
+        describe="'first', 'all', an int or a float in [0, 1]")
+    blocks: Any = option(
+        "all", "which of their loaded blocks: 'all', 'first', 'last', 'middle', a list of "
+        "positions or a fraction", object, check=_blocks_problem,
+        describe=f"one of {BLOCK_SELECTORS}, a list of ints or a float in [0, 1]")
+    kind: str = option("missing", "how they fail: " + ", ".join(FAULT_KINDS), str,
+                       choices=FAULT_KINDS, describe=f"one of {FAULT_KINDS}")
+
+    def __post_init__(self) -> None:
+        validate(self, FAULT_LABEL)
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> FaultRule:
+        """A rule from one dict of the `faults` list."""
+        if isinstance(raw, FaultRule):
+            return raw
         if not isinstance(raw, dict):
             raise ValueError(f"each fault must be a dict, got {raw!r}")
-        reject_unknown(raw, FAULT_KEYS, "fault key")
-        requests, blocks = raw.get("requests", "first"), raw.get("blocks", "all")
-        kind = raw.get("kind", "missing")
-        if not (requests in ("first", "all") or _is_int(requests) or _is_fraction(requests)):
-            raise ValueError(f"fault 'requests' must be 'first', 'all', an int or a float in [0, 1], got {requests!r}")
-        if not (blocks in BLOCK_SELECTORS or _is_fraction(blocks)
-                or (isinstance(blocks, list) and all(_is_int(b) for b in blocks))):
-            raise ValueError(f"fault 'blocks' must be one of {BLOCK_SELECTORS}, a list of ints "
-                             f"or a float in [0, 1], got {blocks!r}")
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"fault 'kind' must be one of {FAULT_KINDS}, got {kind!r}")
-        return cls(requests, blocks, kind)
+        return from_dict(cls, raw, "fault key")
 
     def selects_request(self, load_index: int, rng: random.Random) -> bool:
         if self.requests == "first":
@@ -113,6 +125,36 @@ def _is_fraction(value: Any) -> bool:
     return isinstance(value, float) and 0.0 <= value <= 1.0
 
 
+def _fault_rules(faults: Any) -> tuple[FaultRule, ...]:
+    if isinstance(faults, tuple):
+        return faults
+    if not isinstance(faults, list):
+        raise ValueError(f"'faults' must be a list of fault dicts, got {faults!r}")
+    return tuple(FaultRule.parse(f) for f in faults)
+
+
+def _not_itself(name: str) -> str | None:
+    return "another connector" if name == "FaultInjectionConnector" else None
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """FaultInjectionConnector's own settings; every other key of
+    `kv_connector_extra_config` is the inner connector's."""
+
+    inner_connector: str = option(
+        "SharedStorageConnector", "the wrapped connector (a registered name)", str,
+        check=_not_itself)
+    faults: tuple[FaultRule, ...] = option(
+        DEFAULT_FAULTS, "the fault rules: a list of {'requests', 'blocks', 'kind'} dicts", tuple,
+        convert=_fault_rules)
+    seed: int = option(0, "seed of the random choices (fractions, probabilities)", int,
+                       minimum=0)
+
+    def __post_init__(self) -> None:
+        validate(self, FAULT_LABEL)
+
+
 @dataclass
 class FaultMetadata(KVConnectorMetadata):
     """The inner connector's metadata plus this step's faults: request -> {block id: kind}."""
@@ -127,42 +169,45 @@ class FaultMetadata(KVConnectorMetadata):
         return self.inner.num_save_blocks()
 
 
+def _inner_name(config: KVTransferConfig) -> Any:
+    name = config.get_extra("inner_connector", "SharedStorageConnector")
+    if name == "FaultInjectionConnector":
+        raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
+    return name
+
+
 class FaultInjectionConnector(KVConnectorBase):
     """Delegates to an inner connector and injects the configured load faults."""
 
+    settings_class = FaultSettings
+
     @classmethod
-    def accepted_extra_config_keys(cls, config: KVTransferConfig) -> tuple[str, ...] | None:
+    def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
+        """Its own settings and those of the inner connector (None: it takes any)."""
         from kvrecover.kv_transfer.registry import connector_class
 
-        inner_name = config.get_extra("inner_connector", "SharedStorageConnector")
-        if inner_name == "FaultInjectionConnector":
-            raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
+        inner_name = _inner_name(config)
         try:
             inner = connector_class(KVTransferConfig(inner_name, config.kv_role))
         except ValueError as error:
             raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
-        inner_keys = inner.accepted_extra_config_keys(config)
-        return None if inner_keys is None else WRAPPER_KEYS + tuple(inner_keys)
+        inner_keys = inner.accepted_settings(config)
+        return None if inner_keys is None else option_names(FaultSettings) + inner_keys
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
         from kvrecover.kv_transfer.registry import create_connector
 
-        extra = dict(config.kv_connector_extra_config)
-        inner_name = extra.get("inner_connector", "SharedStorageConnector")
-        if inner_name == "FaultInjectionConnector":
-            raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
-        faults = extra.get("faults", DEFAULT_FAULTS)
-        if not isinstance(faults, list):
-            raise ValueError(f"'faults' must be a list of fault dicts, got {faults!r}")
-        self.rules = [FaultRule.parse(f) for f in faults]
-        self.seed = extra.get("seed", 0)
-        if not _is_int(self.seed):
-            raise ValueError(f"fault 'seed' must be an integer >= 0, got {self.seed!r}")
+        settings: FaultSettings = self.settings
+        self.rules = list(settings.faults)
+        self.seed = settings.seed
+        inner_name = settings.inner_connector
+        own = option_names(FaultSettings)
         inner_config = KVTransferConfig(
             kv_connector=inner_name,
             kv_role=config.kv_role,
-            kv_connector_extra_config={k: v for k, v in extra.items() if k not in WRAPPER_KEYS},
+            kv_connector_extra_config={k: v for k, v in config.kv_connector_extra_config.items()
+                                       if k not in own},
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_load_retry_limit=config.kv_load_retry_limit,
         )

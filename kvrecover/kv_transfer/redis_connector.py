@@ -4,7 +4,7 @@
 loads, verification, recovery reporting) over a `RedisBlockStore`, so prefill
 and decode on different machines share KV through one server.
 
-Extra config (`kv_connector_extra_config`):
+Settings (`RedisConnectorSettings`, keys of `kv_connector_extra_config`):
   url              redis://[user:password@]host:port/db, rediss://..., unix:///path.sock
                    (valkey:// and valkeys:// are accepted as aliases); default
                    redis://127.0.0.1:6379/0
@@ -25,23 +25,26 @@ variable KVRECOVER_REDIS_PASSWORD; it is never logged nor shown in `repr`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvrecover.kv_transfer.redis_store import RedisBlockStore, RedisSettings
+from kvrecover.kv_transfer.store_base import StoreSettings
 from kvrecover.kv_transfer.store_connector import BlockStoreConnector
 
-SETTING_KEYS = ("url", "key_prefix", "ttl_s", "timeout_s", "max_connections")
+
+@dataclass(frozen=True, repr=False)  # RedisSettings' repr: the URL without its password
+class RedisConnectorSettings(RedisSettings, StoreSettings):
+    """RedisConnector's settings: the server's and every store connector's."""
 
 
 class RedisConnector(BlockStoreConnector):
     """Saves and loads KV blocks through Redis (see module docstring)."""
 
-    extra_config_keys = (*SETTING_KEYS, *BlockStoreConnector.extra_config_keys)
+    settings_class = RedisConnectorSettings
 
     def _open_store(self) -> RedisBlockStore:
-        extra = self.config.kv_connector_extra_config
-        settings = RedisSettings(**{key: extra[key] for key in SETTING_KEYS if key in extra})
-        return RedisBlockStore(self.layout, settings)
+        return RedisBlockStore(self.layout, self.settings)
 
     def _default_load_timeout_s(self) -> float:
         # One read call (bounded by timeout_s as a whole), its verification, and room to spare.

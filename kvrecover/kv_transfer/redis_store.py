@@ -48,7 +48,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import SETTING_LABEL
 from kvrecover.kv_transfer.block_store import BlockCodec, BlockLoadError
+from kvrecover.options import option, validate
 
 logger = logging.getLogger(__name__)
 
@@ -82,44 +84,36 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def _url_problem(url: str) -> str | None:
+    return None if urlsplit(url).scheme in URL_SCHEMES else "a URL"
+
+
+def _shown_url(url: object) -> str:
+    return repr(redact_url(str(url)))
+
+
 @dataclass(frozen=True)
 class RedisSettings:
-    """Where and how to reach the server; no password appears in `repr`."""
+    """Where and how to reach the server (keys of `kv_connector_extra_config`); no
+    password appears in `repr` nor in an error message."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "kvrecover:"
-    ttl_s: float | None = None
-    timeout_s: float = 5.0
-    max_connections: int = 16
-    password: str | None = field(default=None, repr=False)
+    url: str = option(
+        "redis://127.0.0.1:6379/0", "redis://[user:password@]host:port/db, rediss://..., "
+        "unix:///path.sock (valkey:// and valkeys:// are aliases)", str, check=_url_problem,
+        shown=_shown_url, describe="a redis://, rediss://, unix://, valkey:// or valkeys:// URL")
+    key_prefix: str = option("kvrecover:", "prepended to every key", str)
+    ttl_s: float | None = option(
+        None, "expiry of stored blocks in seconds (None: never expire)", float, nullable=True,
+        above=0, maximum=1e9, describe="None or a number of seconds > 0")
+    timeout_s: float = option(
+        5.0, "bound on connecting, on each round trip and on waiting for a pooled "
+        "connection", float, above=0, maximum=1e9, describe="a number of seconds > 0")
+    max_connections: int = option(16, "connection pool size per connector instance", int,
+                                  minimum=1)
+    password: str | None = field(default=None, repr=False)  # not a setting: from the URL or env
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme if isinstance(self.url, str) else None
-        if scheme not in URL_SCHEMES:
-            raise ValueError(
-                f"kv_connector_extra_config['url'] must be a redis://, rediss://, unix://, "
-                f"valkey:// or valkeys:// URL, got {redact_url(str(self.url))!r}"
-            )
-        if not isinstance(self.key_prefix, str):
-            raise ValueError(
-                f"kv_connector_extra_config['key_prefix'] must be a string, got {self.key_prefix!r}"
-            )
-        if self.ttl_s is not None and not _positive_number(self.ttl_s):
-            raise ValueError(
-                f"kv_connector_extra_config['ttl_s'] must be None or a number of seconds > 0, "
-                f"got {self.ttl_s!r}"
-            )
-        if not _positive_number(self.timeout_s):
-            raise ValueError(
-                f"kv_connector_extra_config['timeout_s'] must be a number of seconds > 0, "
-                f"got {self.timeout_s!r}"
-            )
-        if (isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
-                or self.max_connections < 1):
-            raise ValueError(
-                f"kv_connector_extra_config['max_connections'] must be an integer >= 1, "
-                f"got {self.max_connections!r}"
-            )
+        validate(self, SETTING_LABEL)
 
     @property
     def redacted_url(self) -> str:
@@ -130,10 +124,6 @@ class RedisSettings:
         return (f"RedisSettings(url={self.redacted_url!r}, key_prefix={self.key_prefix!r}, "
                 f"ttl_s={self.ttl_s!r}, timeout_s={self.timeout_s!r}, "
                 f"max_connections={self.max_connections!r})")
-
-
-def _positive_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < 1e9
 
 
 class RedisBlockStore(BlockCodec):

@@ -6,10 +6,11 @@ it. Loads cover the longest stored run of blocks after the locally cached ones,
 never the prompt's last token. `kv_role` decides what happens: producers save,
 consumers load, `kv_both` does both.
 
-Extra config (`kv_connector_extra_config`): `shared_storage_path`, the folder of the
-store (required); `io_threads`, how many threads read a staged load's entries or
-write a gathered save's (min(8, CPU count)); plus `async_load`, `load_timeout_s`
-(30) and `verify_after_load` as for every store connector (`store_base`, which also holds the scheduler role,
+Settings (`SharedStorageSettings`, keys of `kv_connector_extra_config`):
+`shared_storage_path`, the folder of the store (required); `io_threads`, how many
+threads read a staged load's entries or write a gathered save's (min(8, CPU
+count)); plus `async_load`, `load_timeout_s` (30) and `verify_after_load` as for
+every store connector (`store_base`, which also holds the scheduler role,
 the async-load bookkeeping and shutdown; this module keeps only the folder's own
 load and save path).
 
@@ -48,13 +49,15 @@ from kvrecover.kv_transfer.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,
-    extra_count,
+    StoreSettings,
 )
+from kvrecover.options import option, path_or_none
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
 
-__all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "StorageConnectorMetadata"]
+__all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "SharedStorageSettings",
+           "StorageConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +74,35 @@ class LoadedBlock:
     position: int
 
 
+@dataclass(frozen=True)
+class SharedStorageSettings(StoreSettings):
+    """SharedStorageConnector's settings (keys of `kv_connector_extra_config`)."""
+
+    shared_storage_path: str | None = option(
+        None, "the folder of the store (required)", str, nullable=True, convert=path_or_none,
+        describe="a folder path (a string)")
+    io_threads: int | None = option(
+        None, "threads that read a staged load's entries or write a gathered save's "
+        f"(default: min({MAX_IO_THREADS}, CPU count))", int, nullable=True, minimum=1,
+        maximum=64, describe="a whole number from 1 to 64")
+
+
 class SharedStorageConnector(StoreConnectorBase):
     """Saves and loads KV blocks through a shared folder (see module docstring)."""
 
-    extra_config_keys = ("shared_storage_path", "io_threads", *StoreConnectorBase.extra_config_keys)
+    settings_class = SharedStorageSettings
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
         self._paged: PagedBlocks | None = None  # set by register_kv_caches
-        self.io_threads = extra_count(config, "io_threads", min(MAX_IO_THREADS, os.cpu_count() or 1))
+        io_threads = self.settings.io_threads
+        self.io_threads = min(MAX_IO_THREADS, os.cpu_count() or 1) if io_threads is None else io_threads
 
     def _open_store(self) -> BlockStore:
-        path = self.config.get_extra("shared_storage_path")
+        path = self.settings.shared_storage_path
         if not path:
             raise ValueError(
                 f"{type(self).__name__} needs kv_connector_extra_config['shared_storage_path']"
-            )
-        if not isinstance(path, (str, os.PathLike)):
-            raise ValueError(
-                "kv_connector_extra_config['shared_storage_path'] must be a folder path "
-                f"(a string), got {path!r}"
             )
         return BlockStore(path, self.layout)
 

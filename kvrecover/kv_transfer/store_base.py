@@ -10,13 +10,14 @@ batched connector over any store (`store_connector`: Redis, tiers) build on
 `StoreConnectorBase`; each keeps its own load and save path (`start_load_kv`,
 `wait_for_save`, `_read_async`, `_install`), the only part where they differ.
 
-Extra config shared by all of them (`kv_connector_extra_config`):
+Settings shared by all of them (`StoreSettings`, keys of `kv_connector_extra_config`):
   async_load           load in a background thread while the request waits (False)
   load_timeout_s       bound on each load as a whole, sync or async (30, or the
                        subclass's `_default_load_timeout_s`): the blocks of a load
                        unfinished after this long are invalid and recomputed
   verify_after_load    re-check the engine's cache blocks after a load (True; each
                        connector says how)
+Each connector's own settings record extends `StoreSettings`.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ import torch
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import (
+    SETTING_LABEL,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
     ReadFilter,
 )
 from kvrecover.kv_transfer.reader_threads import ReaderThreads, ReadTimedOut, StoreRead, StoreStuck
+from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
@@ -52,31 +55,31 @@ SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
 SyncRead = Callable[[list["BlockTransfer"], threading.Event], list[Any]]
 
 
-def extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
-    """A True/False extra-config value (a ValueError naming the key otherwise)."""
-    value = config.get_extra(key, default)
-    if not isinstance(value, bool):  # bool("false") is True: never guess
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be True or False, got {value!r}")
-    return value
+# Bounds of a duration setting in seconds (an upper bound keeps timers sane).
+MAX_SECONDS = 1e9
 
 
-def extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
-    """A duration extra-config value in seconds, > 0 (a ValueError naming the key otherwise)."""
-    value = config.get_extra(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise ValueError(
-            f"kv_connector_extra_config[{key!r}] must be a number of seconds > 0, got {value!r}"
-        )
-    return float(value)
+def seconds(default: float | None, help: str, nullable: bool = False) -> Any:
+    """A duration setting in seconds, > 0."""
+    return option(default, help, float, nullable=nullable, above=0, maximum=MAX_SECONDS,
+                  describe="a number of seconds > 0")
 
 
-def extra_count(config: KVTransferConfig, key: str, default: int) -> int:
-    """A whole-number extra-config value from 1 to 64 (a ValueError naming the key otherwise)."""
-    value = config.get_extra(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a whole number from 1 to 64, "
-                         f"got {value!r}")
-    return value
+@dataclass(frozen=True)
+class StoreSettings:
+    """The settings every block-store connector shares (`kv_connector_extra_config`)."""
+
+    async_load: bool = option(
+        False, "load in a background thread while the request waits", bool)
+    load_timeout_s: float | None = seconds(
+        None, "bound on each load as a whole, sync or async: the blocks of a load unfinished "
+        "after this long are invalid and recomputed (default: the connector's; 30 for a folder)", nullable=True)
+    verify_after_load: bool = option(
+        True, "re-check the engine's cache blocks after a load (each connector says how)",
+        bool)
+
+    def __post_init__(self) -> None:
+        validate(self, SETTING_LABEL)
 
 
 @dataclass
@@ -120,15 +123,16 @@ class StoreConnectorBase(KVConnectorBase):
     the prefix-chain hash. Subclasses say where (`_open_store`) and how blocks move
     (`start_load_kv`, `wait_for_save`, `_read_async`, `_install`)."""
 
-    extra_config_keys = ("async_load", "load_timeout_s", "verify_after_load")
+    settings_class = StoreSettings
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
+        settings: StoreSettings = self.settings
         self.store = self._open_store()
-        self.async_load = extra_flag(config, "async_load", False)
-        self.load_timeout_s = extra_seconds(config, "load_timeout_s",
-                                           self._default_load_timeout_s())
-        self.verify_after_load = extra_flag(config, "verify_after_load", True)
+        self.async_load = settings.async_load
+        self.load_timeout_s = (self._default_load_timeout_s() if settings.load_timeout_s is None
+                               else settings.load_timeout_s)
+        self.verify_after_load = settings.verify_after_load
         self.block_size = layout.block_size
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         # Scheduler role state.

@@ -43,14 +43,61 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockStore, StoredBlock
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.store_base import StoreSettings
 from kvrecover.kv_transfer.store_connector import BlockStoreConnector, BlockTransfer
+from kvrecover.options import REQUIRED, from_dict, option
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
 
-TIER_KEYS = ("kv_connector", "kv_connector_extra_config", "kv_role", "kv_connector_module_path",
-             "save")
 COUNTERS = ("hit", "loaded", "failed", "fallen_through", "saved", "save_failed")
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One entry of `connectors`: a block-store connector, as a `KVTransferConfig` would
+    name it (`kv_role` defaulting to the outer one), and whether it saves."""
+
+    kv_connector: str = option(REQUIRED, "the tier's block-store connector", str)
+    kv_connector_extra_config: dict[str, Any] = option(
+        {}, "the tier connector's own settings", dict)
+    kv_role: str | None = option(None, "the tier's role (default: the outer kv_role)", str,
+                                 nullable=True)
+    kv_connector_module_path: str | None = option(
+        None, "module of a user's block-store connector", str, nullable=True)
+    save: bool | None = option(
+        None, "save into this tier; when any tier sets it, only tiers with true save", bool,
+        nullable=True, describe="True or False")
+
+
+def _tier_entries(entries: Any) -> tuple[TierEntry, ...]:
+    """The `connectors` setting as records (each entry's mistakes named by its index)."""
+    if isinstance(entries, tuple) and all(isinstance(e, TierEntry) for e in entries):
+        return entries
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(
+            "TieredConnector needs kv_connector_extra_config['connectors']: a non-empty list of "
+            "{'kv_connector': ..., 'kv_connector_extra_config': {...}} dicts, got "
+            f"{entries!r}")
+    records = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "kv_connector" not in entry:
+            raise ValueError(f"connectors[{index}] must be a dict with a 'kv_connector' name, "
+                             f"got {entry!r}")
+        records.append(from_dict(TierEntry, entry, f"connectors[{index}] key",
+                                 label=f"connectors[{index}][{{name!r}}]"))
+    return tuple(records)
+
+
+@dataclass(frozen=True)
+class TieredSettings(StoreSettings):
+    """TieredConnector's settings: its tiers, and the load settings set once, outside
+    (`load_timeout_s` defaults to the tiers' deadlines summed)."""
+
+    connectors: tuple[TierEntry, ...] | None = option(
+        None, "the tiers, in order: a non-empty list of {'kv_connector': ..., "
+        "'kv_connector_extra_config': {...}, 'kv_role': ..., 'save': ...} dicts", tuple,
+        convert=_tier_entries)
 
 
 @dataclass
@@ -77,20 +124,20 @@ class TieredTransfer(BlockTransfer):
 class TieredConnector(BlockStoreConnector):
     """Loads each block from the first tier that has it, falling through on failure."""
 
-    extra_config_keys = ("connectors", *BlockStoreConnector.extra_config_keys)
+    settings_class = TieredSettings
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []
         self._lookups: dict[str, list[int]] = {}
-        self._counts = {f"kv_tier{i}_{name}_blocks": 0
-                        for i in range(len(_tier_entries(config))) for name in COUNTERS}
         super().__init__(config, role, layout)
+        self._counts = {f"kv_tier{i}_{name}_blocks": 0
+                        for i in range(len(self.tiers)) for name in COUNTERS}
 
     def _open_store(self) -> BlockStore:
         from kvrecover.kv_transfer.registry import connector_class
 
-        entries = _tier_entries(self.config)
-        marked = any("save" in entry for entry in entries)
+        entries = self.settings.connectors
+        marked = any(entry.save is not None for entry in entries)
         for index, entry in enumerate(entries):
             inner = _tier_config(self.config, index, entry)
             try:
@@ -103,7 +150,7 @@ class TieredConnector(BlockStoreConnector):
                 connector = cls(inner, self.role, self.layout)
             except ValueError as error:
                 raise ValueError(f"connectors[{index}] ({inner.kv_connector}): {error}") from error
-            saves = inner.is_producer and (entry.get("save", False) if marked else True)
+            saves = inner.is_producer and (bool(entry.save) if marked else True)
             self.tiers.append(Tier(index, connector, inner.is_consumer, saves))
         return self.tiers[0].store  # the codec every tier shares (one engine layout)
 
@@ -215,38 +262,13 @@ def _first_tier(transfer: BlockTransfer, position: int) -> int:
     return transfer.first_tiers[position] if isinstance(transfer, TieredTransfer) else 0
 
 
-def _tier_entries(config: KVTransferConfig) -> list[dict[str, Any]]:
-    entries = config.get_extra("connectors")
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(
-            "TieredConnector needs kv_connector_extra_config['connectors']: a non-empty list of "
-            "{'kv_connector': ..., 'kv_connector_extra_config': {...}} dicts, got "
-            f"{entries!r}")
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or "kv_connector" not in entry:
-            raise ValueError(f"connectors[{index}] must be a dict with a 'kv_connector' name, "
-                             f"got {entry!r}")
-        unknown = sorted(set(entry) - set(TIER_KEYS))
-        if unknown:
-            raise ValueError(f"connectors[{index}] has unknown keys {unknown}; allowed: "
-                             f"{list(TIER_KEYS)}")
-        if "save" in entry and not isinstance(entry["save"], bool):
-            raise ValueError(f"connectors[{index}]['save'] must be True or False, "
-                             f"got {entry['save']!r}")
-    return entries
-
-
-def _tier_config(outer: KVTransferConfig, index: int, entry: dict[str, Any]) -> KVTransferConfig:
-    extra = entry.get("kv_connector_extra_config", {})
-    if not isinstance(extra, dict):
-        raise ValueError(f"connectors[{index}]['kv_connector_extra_config'] must be a dict, "
-                         f"got {extra!r}")
+def _tier_config(outer: KVTransferConfig, index: int, entry: TierEntry) -> KVTransferConfig:
     try:
         return KVTransferConfig(
-            kv_connector=entry["kv_connector"],
-            kv_role=entry.get("kv_role", outer.kv_role),
-            kv_connector_extra_config=extra,
-            kv_connector_module_path=entry.get("kv_connector_module_path"),
+            kv_connector=entry.kv_connector,
+            kv_role=outer.kv_role if entry.kv_role is None else entry.kv_role,
+            kv_connector_extra_config=entry.kv_connector_extra_config,
+            kv_connector_module_path=entry.kv_connector_module_path,
             kv_load_failure_policy=outer.kv_load_failure_policy,
             kv_load_retry_limit=outer.kv_load_retry_limit,
         )

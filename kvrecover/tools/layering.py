@@ -39,8 +39,8 @@ HOUSE: dict[str, int] = {
     "kvrecover.models": 2,
     "kvrecover.ops": 1,
     **{f"kvrecover.{name}": 0 for name in (
-        "config", "options", "sampling", "outputs", "kv_layout", "step_messages",
-        "tokenizer", "model_source", "default_model", "cache_dir")},
+        "config", "options", "device_defaults", "sampling", "outputs", "kv_layout",
+        "step_messages", "tokenizer", "model_source", "default_model", "cache_dir")},
 }
 # (importer, imported) pairs on one floor that must not meet.
 SIDEWAYS_FORBIDDEN = (("kvrecover.kv_transfer", "kvrecover.worker"),)
