@@ -122,3 +122,11 @@ def test_full_attention_families_refuse_sliding_windows(tmp_path, architecture):
     fields = {**FAMILIES[architecture][0], "use_sliding_window": True, "sliding_window": 32}
     with pytest.raises(ValueError, match="sliding-window attention"):
         load_model_config(checkpoint_config(tmp_path, architecture, **fields))
+
+
+def test_a_model_without_decoder_layers_is_refused_by_name(tmp_path):
+    config = load_model_config(checkpoint_config(tmp_path, "LlamaForCausalLM",
+                                                 num_hidden_layers=0))
+    model = build_model(config, select_backend("torch", torch.device("cpu")), max_positions=64)
+    with pytest.raises(ValueError, match="no decoder layers.*num_hidden_layers"):
+        model(torch.tensor([3, 4]), torch.tensor([0, 1]), [], None)

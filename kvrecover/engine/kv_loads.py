@@ -77,7 +77,7 @@ class KVLoads:
     def external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
         """The connector's validated claim; a connector error is a failure of `request`
         (under policy `fail` it ends the request)."""
-        if not self.can_load or request.connector_consulted:
+        if not self.can_load or self.connector is None or request.connector_consulted:
             return 0, False
         if not self.recovery.may_consult_connector(request):
             return 0, False
@@ -199,7 +199,7 @@ class KVLoads:
     def account_loaded(self, loaded: list[Request]) -> None:
         """Count what the loads that ended in this step really supplied, and cache it."""
         for request in loaded:
-            start, end = request.pending_external
+            start, end = request.pending_range
             self.stats.prompt_tokens_external += max(0, min(request.num_computed_tokens, end) - start)
             request.pending_external = None
             self.kv_manager.cache_computed_blocks(request)
@@ -214,7 +214,7 @@ class KVLoads:
 
     def external_block_ids(self, request: Request) -> list[int]:
         """The blocks the request's pending external tokens are loaded into."""
-        start, end = request.pending_external
+        start, end = request.pending_range
         return request.block_ids[start // self.block_size : blocks_needed(end, self.block_size)]
 
     # ----- applying recovery's decisions ---------------------------------------------------

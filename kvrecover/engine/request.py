@@ -90,6 +90,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def pending_range(self) -> tuple[int, int]:
+        """The token range of the KV load in flight; only for a request with one."""
+        if self.pending_external is None:
+            raise RuntimeError(f"request {self.request_id} has no KV load in flight")
+        return self.pending_external
+
     def restart(self) -> None:
         """Start over once the scheduler released all the request's blocks (preemption,
         or making room for another request): nothing is computed any more and the

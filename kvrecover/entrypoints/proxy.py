@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +159,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         first = await proxied.open_decode()
         formatter = ClientFormat(path, bool(body.get("return_token_ids")),
                                  body.get("model") or first.model or "", *usage)
-        headers = {"x-kvrecover-decode-instance": proxied.stream.instance.url}
+        headers = {"x-kvrecover-decode-instance": proxied.decode_stream.instance.url}
         pieces = _chain(first, proxied.pieces(first))
         if body.get("stream"):
             return StreamingResponse(formatter.sse(pieces, proxied), headers=headers,
@@ -191,7 +191,9 @@ def _internal_error(error: Exception) -> ApiError:
                     code="internal_error")
 
 
-async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+async def _chain(
+    first: Piece, rest: AsyncGenerator[Piece, None]
+) -> AsyncGenerator[Piece, None]:
     try:
         yield first
         async for piece in rest:
@@ -243,7 +245,9 @@ class ClientFormat:
             body["usage"] = self._usage(proxied)
         return body
 
-    async def sse(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest):
+    async def sse(
+        self, pieces: AsyncGenerator[Piece, None], proxied: ProxiedRequest
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events; an unrecoverable failure ends with an error, no [DONE]."""
         first = True
         try:
@@ -266,7 +270,9 @@ class ClientFormat:
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def whole(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest) -> dict:
+    async def whole(
+        self, pieces: AsyncGenerator[Piece, None], proxied: ProxiedRequest
+    ) -> dict[str, Any]:
         """The non-streamed response body."""
         text, finish = [], None
         async for piece in pieces:

@@ -21,7 +21,7 @@ step 1 it is skipped, at step 2 failed over, at step 3 migrated away from.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,16 +116,23 @@ class ProxiedRequest:
         self._absorb(first)
         return first
 
-    async def pieces(self, first: Piece) -> AsyncIterator[Piece]:
+    @property
+    def decode_stream(self) -> UpstreamStream:
+        """The open decode stream (`open_decode` opened it; a migration reopens it)."""
+        if self.stream is None:
+            raise RuntimeError("no decode stream is open: call open_decode first")
+        return self.stream
+
+    async def pieces(self, first: Piece) -> AsyncGenerator[Piece, None]:
         """The pieces for the client after `first`, migrating when the instance dies."""
         migrations = 0
         piece = first
         try:
             while piece.finish_reason is None:
                 try:
-                    piece = await self.stream.next_piece()
+                    piece = await self.decode_stream.next_piece()
                 except StreamBroken:
-                    dead = self.stream.instance
+                    dead = self.decode_stream.instance
                     await self._release()
                     self.context.pool.mark(dead, False)
                     self.context.metrics.count(self.context.metrics.migrations, dead)

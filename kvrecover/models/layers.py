@@ -9,12 +9,13 @@ parameter names follow Hugging Face Llama, so checkpoints load by name
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from kvrecover.models.config import ModelConfig
+from kvrecover.models.loader import attach_shard_loader
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.interface import BackendFeatures
 
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                   "v": (self.q_size + self.kv_size, self.kv_size)}
         for param in self.qkv_proj.parameters():
-            param.weight_loader = lambda p, w, shard: load_shard(p, w, *shards[shard])
+            attach_shard_loader(param, lambda p, w, shard: load_shard(p, w, *shards[shard]))
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
@@ -102,7 +103,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         shards = {"gate": (0, intermediate_size), "up": (intermediate_size, intermediate_size)}
-        self.gate_up_proj.weight.weight_loader = lambda p, w, shard: load_shard(p, w, *shards[shard])
+        attach_shard_loader(self.gate_up_proj.weight,
+                            lambda p, w, shard: load_shard(p, w, *shards[shard]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
@@ -144,17 +146,20 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class CausalLM(nn.Module):
+ConfigT = TypeVar("ConfigT", bound=ModelConfig)
+
+
+class CausalLM(nn.Module, Generic[ConfigT]):
     """The decoder stack plus LM head; `forward` returns hidden states, `logits` projects them.
 
-    A family subclasses it: `config_class` (its `ModelConfig`) and `make_layer` (its
-    decoder layer at a given index). `before_layer(layer_index)` (optional) runs
+    A family subclasses it as `CausalLM[ItsConfig]`: `config_class` (that `ModelConfig`
+    subclass) and `make_layer` (its decoder layer at a given index). `before_layer(layer_index)` (optional) runs
     before each layer's attention reads the KV cache and `after_layer(layer_index)`
     after the layer wrote it: that is where a KV connector waits for a layer's load
     and saves a layer's KV.
     """
 
-    config_class: type[ModelConfig] = ModelConfig
+    config_class: type[ConfigT]  # set by each family
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -162,7 +167,7 @@ class CausalLM(nn.Module):
         with sliding windows, soft-capping, sinks or experts overrides this)."""
         return BackendFeatures()
 
-    def __init__(self, config: ModelConfig, backend: KernelBackend, max_positions: int) -> None:
+    def __init__(self, config: ConfigT, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.ops = ops = backend.ops
@@ -181,7 +186,7 @@ class CausalLM(nn.Module):
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
 
-    def make_layer(self, config: ModelConfig, index: int, attention: Any,
+    def make_layer(self, config: ConfigT, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
         """Decoder layer `index` (called once per layer, in order, by `__init__`)."""
         raise NotImplementedError(f"{type(self).__name__} must say how its layers are built")
@@ -196,13 +201,16 @@ class CausalLM(nn.Module):
         after_layer: Any = None,
     ) -> torch.Tensor:
         hidden = self.ops.embedding(input_ids, self.embed_tokens.weight)
-        residual = None
+        residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(index)
             hidden, residual = layer(positions, hidden, residual, kv_caches[index], attn_meta)
             if after_layer is not None:
                 after_layer(index)
+        if residual is None:
+            raise ValueError("the model has no decoder layers: config.json's num_hidden_layers "
+                             "must be at least 1")
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

@@ -33,7 +33,7 @@ class LlamaConfig(ModelConfig):
                 "attention_bias": bool(raw.get("attention_bias", False))}
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(CausalLM[LlamaConfig]):
     """Llama-family decoder over a paged KV cache: pre-norm layers of GQA attention
     (optionally biased, optionally with q/k norms) and a SwiGLU MLP."""
 

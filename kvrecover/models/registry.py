@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvrecover.models.config import ModelConfig, architecture_of, read_hf_config
 
@@ -31,7 +31,7 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(MODELS)
 
 
-def model_class(architecture: str, source: str = "config.json") -> type[CausalLM]:
+def model_class(architecture: str, source: str = "config.json") -> type[CausalLM[Any]]:
     """The model class registered for `architecture`; ValueError (naming `source` and
     every supported architecture) for an unknown one."""
     entry = MODELS.get(architecture)
@@ -52,7 +52,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return cls.config_class.from_hf_config(raw, Path(model_dir))
 
 
-def build_model(config: ModelConfig, backend: KernelBackend, max_positions: int) -> CausalLM:
+def build_model(config: ModelConfig, backend: KernelBackend, max_positions: int) -> CausalLM[Any]:
     """The (uninitialised) model of `config`'s family, its kernels from `backend`."""
     cls = model_class(config.architecture)
     if not isinstance(config, cls.config_class):

@@ -16,7 +16,8 @@ from torch import nn
 
 def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in ("default", None):
         return inv_freq
     if rope_type == "linear":
@@ -39,6 +40,10 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | 
 
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin tables by position (rotate-half layout, as in Hugging Face Llama)."""
+
+    cos_cache: torch.Tensor  # buffers, registered in __init__
+    sin_cache: torch.Tensor
+    cos_sin_cache: torch.Tensor
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None

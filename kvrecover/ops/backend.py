@@ -105,8 +105,8 @@ def select_backend(
         from kvrecover.ops.triton.fused_ops import BatchInvariantOps, TritonOps
         from kvrecover.ops.triton.sampling import TritonSampling
 
-        ops = BatchInvariantOps() if batch_invariant else TritonOps()
-        return KernelBackend("triton", TritonPagedAttention(batch_invariant), ops,
+        triton_ops = BatchInvariantOps() if batch_invariant else TritonOps()
+        return KernelBackend("triton", TritonPagedAttention(batch_invariant), triton_ops,
                              step_input_builder, TritonSampling(),
                              batch_invariant=batch_invariant)
     if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES

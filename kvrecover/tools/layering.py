@@ -165,7 +165,9 @@ def _public_names(package: _Package, name: str) -> set[str]:
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            if node.value is not None and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in targets
+            ):
                 return set(ast.literal_eval(node.value))
     return set()
 
@@ -250,7 +252,7 @@ def _cycle_through(graph: dict[str, set[str]], component: set[str]) -> tuple[str
     while frontier:
         following = []
         for node in frontier:
-            for successor in sorted(graph.get(node, ()) & component):
+            for successor in sorted(graph.get(node, set()) & component):
                 if successor == start:
                     path = [node]
                     while path[-1] != start:

@@ -32,7 +32,8 @@ from kvrecover.worker.sampler import SampledRows, Sampler
 
 if TYPE_CHECKING:
     from kvrecover.step_messages import ScheduledRequest
-    from kvrecover.worker.overlap import PendingDecode
+    from kvrecover.worker.cuda_graphs import DecodeGraphs
+    from kvrecover.worker.overlap import PendingDecode, TokenBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
         self.kv_connector: WorkerConnector | None = None
-        self.graphs = None
-        self._token_buffers = None  # host buffers for overlapped decode tokens
+        self.graphs: DecodeGraphs | None = None
+        self._token_buffers: TokenBuffers | None = None  # host buffers for overlapped decode tokens
         # Overlap decode steps without CUDA graphs too (an eager forward). It hides
         # nothing on the CPU, so it is off unless asked for: tests run the real overlapped
         # path on the CPU with it.
@@ -133,7 +134,7 @@ class ModelRunner:
             try:
                 sampling = [s for s in scheduled if s.sample]
                 logits, greedy = self._forward(scheduler_output)
-                if sampling:
+                if logits is not None:  # None exactly when no row samples
                     tokens, errors = self._sample(logits, sampling, greedy).to_host()
                     for row, message in errors.items():
                         output.failed_requests[sampling[row].request_id] = message
@@ -180,6 +181,9 @@ class ModelRunner:
             source = (previous.device_tokens, [rows[s.request_id] for s in scheduled])
         try:
             logits, greedy = self._forward(scheduler_output, source)
+            if logits is None:
+                raise ValueError("launch_decode needs a step in which every request samples "
+                                 "(see can_overlap)")
             sampled = self._sample(logits, scheduled, greedy)
         except Exception as error:  # as in `execute`: these requests end, the engine goes on
             self._fail_step(scheduler_output, error, output)
@@ -216,7 +220,7 @@ class ModelRunner:
         the device, row per request), the input tokens are gathered there.
         """
         scheduled = scheduler_output.scheduled
-        if self._can_replay(scheduler_output):
+        if self.graphs is not None and self._can_replay(scheduler_output):
             logits, greedy = self.graphs.run(scheduled, source)
             if not all(s.sample for s in scheduled):
                 rows = [i for i, s in enumerate(scheduled) if s.sample]

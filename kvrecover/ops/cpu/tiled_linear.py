@@ -65,7 +65,7 @@ class TiledLinears:
         if torch.backends.mkldnn.is_available():
             for layer in linears:
                 _pack_linear(layer, self.tile_rows)
-        large = self._wanted_large_tile_rows
+        large: int | None = self._wanted_large_tile_rows
         smalls = [t for t in SMALL_TILE_CANDIDATES if t < self.tile_rows]
         checked = set()
         for layer, dtype in zip(linears, dtypes):

@@ -166,7 +166,7 @@ def _context(
         common_len = seq_lens[0]
     else:
         stale_rows, common_len = flat[stale].to(device), None
-    mask = key_pos[None, None, :] <= query_positions[:, :, None]
+    mask: torch.Tensor | None = key_pos[None, None, :] <= query_positions[:, :, None]
     if common_len is not None and query_positions.shape[1] == 1:
         mask = None  # decodes of equal length: each sees exactly the kept keys
     return ContextGather(

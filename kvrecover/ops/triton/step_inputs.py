@@ -76,7 +76,7 @@ class StepInputBuilder:
         self._device = torch.empty(0, dtype=torch.int32, device=device)
         self._uploaded: torch.cuda.Event | None = None
         # Block-table rows left in the host buffer by the last decode pack, by row.
-        self._table_rows: list[tuple] = []
+        self._table_rows: list[tuple[str, int, int, int] | None] = []  # per row: what it holds
         self._table_shape: tuple[int, int, int] | None = None
 
     def build(self, scheduled: Sequence[ScheduledTokens]) -> StepInputs:

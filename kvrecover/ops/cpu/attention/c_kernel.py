@@ -120,7 +120,7 @@ class NativeInvariantAttention(RotateThenAttend):
 
     def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int) -> StepPlan:
         """The step's plan; every layer of a step shares `meta`, so it is built once."""
-        if self._plan_meta is not meta:
+        if self._plan is None or self._plan_meta is not meta:
             threads = self.num_threads or torch.get_num_threads()
             self._plan = build_step_plan(meta, num_kv_heads, threads)
             self._plan_meta = meta

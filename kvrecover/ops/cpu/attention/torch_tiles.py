@@ -93,7 +93,7 @@ class CpuInvariantAttention(RotateThenAttend):
             .reshape(num_tiles, num_kv_heads, rows, head_dim)
         )
         scores = []
-        row_max = None
+        row_max: torch.Tensor | None = None
         for active, slots, mask in zip(plan.active_tiles, plan.chunk_slots, plan.chunk_masks):
             keys = _as_float_heads(key_cache.index_select(0, slots), active, chunk)
             chunk_scores = torch.matmul(queries[:active], keys.transpose(-1, -2))
@@ -104,6 +104,8 @@ class CpuInvariantAttention(RotateThenAttend):
             else:
                 row_max[:active] = torch.maximum(row_max[:active], chunk_max)
             scores.append(chunk_scores)
+        if row_max is None:
+            raise ValueError("a tile plan with no key chunks: every query attends to itself")
 
         out = queries.new_zeros(num_tiles, num_kv_heads, rows, head_dim)
         denominator = queries.new_zeros(num_tiles, num_kv_heads, rows)
@@ -119,7 +121,7 @@ class CpuInvariantAttention(RotateThenAttend):
 
     def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> TilePlan:
         """The step's plan; every layer of a step shares `meta`, so it is built once."""
-        if self._plan_meta is not meta:
+        if self._plan is None or self._plan_meta is not meta:
             self._plan = build_tile_plan(meta, group, block_size, self.query_tile,
                                          self.key_chunk)
             self._plan_meta = meta
