@@ -194,14 +194,14 @@ def profile_steps(model_dir: Path, batch: int, prompt_len: int, batch_invariant:
 @torch.inference_mode()
 def _attention_microbench(engine) -> None:
     """Attention alone over the running requests' caches (decode, and prefill of the prompts)."""
-    from kvrecover.engine.scheduler_output import ScheduledRequest
-    from kvrecover.ops.triton_attention import (
+    from kvrecover.ops.triton.attention import (
         FAST_DECODE,
         INVARIANT_DECODE,
         paged_attention,
         tile_tokens,
     )
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
+    from kvrecover.step_messages import ScheduledRequest
 
     runner = engine.model_runner
     running = engine.scheduler.running
@@ -243,7 +243,7 @@ def _attention_microbench(engine) -> None:
 @torch.inference_mode()
 def matmul_configs() -> None:
     """Time batch-invariant matmul tile configs on prefill shapes; check each against decode rows."""
-    from kvrecover.ops.batch_invariant import linear
+    from kvrecover.ops.triton.batch_invariant_matmul import linear
 
     configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
                (128, 256, 8, 4), (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4)]
@@ -284,7 +284,7 @@ def _time_cycling(weights: list[torch.Tensor], call) -> float:
 def decode_linears(batch: int = 16) -> None:
     """cuBLAS against the split-K Triton matmul on the decode linears (graph-timed, weights
     cycled through more than the L2 cache so every call streams its weight)."""
-    from kvrecover.ops.batch_invariant import linear
+    from kvrecover.ops.triton.batch_invariant_matmul import linear
 
     shapes = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
               "down": (2048, 8192), "lm_head": (128256, 2048)}

@@ -119,7 +119,7 @@ def eager_table(engine, batch: int, steps: int) -> list[dict]:
 
 def decode_step(engine) -> list:
     """A one-token step of every running request (what the next decode step reads)."""
-    from kvrecover.engine.scheduler_output import ScheduledRequest
+    from kvrecover.step_messages import ScheduledRequest
 
     return [ScheduledRequest(r.request_id, [0], r.num_tokens - 1, list(r.block_ids), True, None, 0)
             for r in engine.scheduler.running]
@@ -175,13 +175,13 @@ def linears(runner, batch: int, copy_bw: float) -> list[dict]:
 
 @torch.inference_mode()
 def attention(engine, batch: int, copy_bw: float) -> list[dict]:
-    from kvrecover.ops.triton_attention import (
+    from kvrecover.ops.triton.attention import (
         FAST_DECODE,
         INVARIANT_DECODE,
         paged_attention,
         tile_tokens,
     )
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     runner = engine.model_runner
     caches = runner.kv_caches
@@ -224,7 +224,8 @@ def small_ops(runner, batch: int) -> list[dict]:
     """The small ops alone (16 calls per graph), with other warp counts for the row kernels."""
     import triton
 
-    from kvrecover.ops import triton_ops as t
+    from kvrecover.ops.triton import fused_ops as t
+    from kvrecover.ops.triton import sampling
 
     model = runner.model
     hidden = model.config.hidden_size
@@ -240,8 +241,8 @@ def small_ops(runner, batch: int) -> list[dict]:
     ops = {
         "embedding (F.embedding)": lambda: F.embedding(ids, emb),
         "embedding (triton)": lambda: t.embedding(ids, emb),
-        "logits.float() + greedy": lambda: t.greedy_tokens(logits.float()),
-        "upcast_greedy_tokens": lambda: t.upcast_greedy_tokens(logits),
+        "logits.float() + greedy": lambda: sampling.greedy_tokens(logits.float()),
+        "upcast_greedy_tokens": lambda: sampling.upcast_greedy_tokens(logits),
     }
     for warps in (2, 4, 8, 16):
         ops[f"add_rms_norm warps={warps}"] = lambda wp=warps: t._rms_norm_kernel[(batch,)](

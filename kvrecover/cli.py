@@ -1,7 +1,8 @@
 """The `kvrecover` command line.
 
 Engine flags come from `EngineArgs` (`add_engine_flags`), sampling flags from
-`SamplingParams`: each option is declared once, with its help and validation.
+`SamplingParams`, the scenario's from `scenario.ScenarioArgs` / `DecodeArgs`:
+each option is declared once (`kvrecover.options`), with its help and validation.
 Errors the user can fix (bad values, missing files, OS errors such as a
 read-only folder) print one `kvrecover: error: ...` line and exit 2.
 """
@@ -13,10 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
-from kvrecover.config import add_engine_flags, engine_args_from_namespace
+from kvrecover.config import EngineArgs, add_engine_flags, engine_args_from_namespace
 from kvrecover.default_model import DefaultModelError
-from kvrecover.options import add_flags, from_namespace
+from kvrecover.options import add_flags, add_record_flags, from_namespace
 from kvrecover.sampling import SamplingParams
+from kvrecover.scenario import DecodeArgs, ScenarioArgs
 
 DESCRIPTION = """\
 kvrecover: LLM inference for disaggregated serving that recovers exactly from
@@ -29,14 +31,8 @@ GENERATE_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 SCENARIO_SKIPPED_FLAGS = ("kv_transfer_config",)
 
 
-def _scenario_flags(parser: argparse.ArgumentParser) -> None:
-    add_engine_flags(parser, skip=SCENARIO_SKIPPED_FLAGS)
-    parser.add_argument("--workdir", type=Path, default=Path("kvrecover_scenario"),
-                        help="folder for the KV store and the output files "
-                             "(default: ./kvrecover_scenario)")
-    parser.add_argument("--store", default=None, metavar="URL",
-                        help="keep the KV in Redis (redis://[:password@]host:port/db, "
-                             "unix:///path.sock) instead of <workdir>/local_storage")
+def _scenario_flags(parser: argparse.ArgumentParser, *records: type) -> None:
+    add_record_flags(parser, EngineArgs, ScenarioArgs, *records, skip=SCENARIO_SKIPPED_FLAGS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     decode = commands.add_parser(
         "decode", help="scenario phases 2-4: decode the stored prompts, loading their KV")
-    _scenario_flags(decode)
-    decode.add_argument("--simulate-failure", action="store_true",
-                        help="make every block of the first KV load fail")
-    decode.add_argument("--async-load", action="store_true", help="load KV asynchronously")
+    _scenario_flags(decode, DecodeArgs)
 
     scenario = commands.add_parser(
         "scenario", help="run prefill, decode, and decode with sync and async load failures "
@@ -113,18 +106,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _generate(args, engine_args)
     from kvrecover import scenario
 
-    if args.workdir.exists() and not args.workdir.is_dir():
-        raise ValueError(f"--workdir {args.workdir} is not a folder")
+    where = from_namespace(ScenarioArgs, args)
+    if where.workdir.exists() and not where.workdir.is_dir():
+        raise ValueError(f"--workdir {where.workdir} is not a folder")
     if args.command == "prefill":
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        for prompt in scenario.run_prefill(engine_args, args.workdir, args.store):
+        where.workdir.mkdir(parents=True, exist_ok=True)
+        for prompt in scenario.run_prefill(engine_args, where.workdir, where.store):
             print(repr("..." + prompt[-57:]))
         return 0
     if args.command == "decode":
-        scenario.run_decode(engine_args, args.workdir, args.simulate_failure, args.async_load,
-                            args.store)
+        decode = from_namespace(DecodeArgs, args)
+        scenario.run_decode(engine_args, where.workdir, decode.simulate_failure,
+                            decode.async_load, where.store)
         return 0
-    return scenario.run_scenario(engine_args, args.workdir, args.store)
+    return scenario.run_scenario(engine_args, where.workdir, where.store)
 
 
 def _generate(args: argparse.Namespace, engine_args) -> int:

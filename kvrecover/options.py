@@ -1,16 +1,22 @@
 """Options declared once: a dataclass field's metadata drives validation and CLI flags.
 
-A config record (`EngineArgs`, `SamplingParams`) declares each option as
-`field_name: type = option(default, "help", kind, minimum=..., ...)`. From that line:
+Every config record (`EngineArgs`, `SamplingParams`, `KVTransferConfig`, each
+connector's settings, the scenario's and `serve-demo`'s flags) declares each option as
+`field_name: type = option(default, "help", kind, minimum=..., ...)` (`REQUIRED` for
+an option without a default). From that line:
 `validate(record)` checks every value (a `ValueError` naming the field, the value
-and what is allowed), `add_flags(parser, cls)` adds `--field-name` to an argparse
-parser, `from_namespace(cls, ns)` builds the record from the parsed flags, and
-`to_argv(record)` turns a record back into flags (to start another process).
+and what is allowed), `from_dict(cls, values, what)` builds a record from a plain
+dict (JSON) with a "did you mean" for an unknown key, `add_flags(parser, cls)` adds
+`--field-name` to an argparse parser (`add_record_flags` the flags of several
+records, refusing two options of one name), `from_namespace(cls, ns)` builds the
+record from the parsed flags, and `to_argv(record)` turns a record back into flags
+(to start another process).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import math
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _SPEC = "kvrecover_option"
+REQUIRED: Any = dataclasses.MISSING  # `option(REQUIRED, ...)`: the option has no default
 
 
 @dataclass(frozen=True)
@@ -29,9 +36,13 @@ class OptionSpec:
     `kind` is int, float, bool, str or any class (an isinstance check). `minimum` /
     `maximum` are inclusive bounds, `above` an exclusive lower bound. `check` is an
     extra test run after the generic ones, returning what is allowed (in words) when
-    the value fails, else None. `parse` turns a flag's string into a value (default:
+    the value fails, else None. `convert` runs first on any given value (a path-like
+    to str, a list of dicts to records; it may raise a ValueError of its own) and must
+    accept what it returns. `parse` turns a flag's string into a value (default:
     `kind`), `format` a value back into a flag's string. `describe` replaces the
-    generated "what is allowed" text. `flag=False` keeps an option off the CLI.
+    generated "what is allowed" text; `shown` writes the rejected value into the
+    message (default: repr; a secret-bearing value shows itself redacted).
+    `flag=False` keeps an option off the CLI.
     """
 
     help: str
@@ -42,6 +53,8 @@ class OptionSpec:
     maximum: float | None = None
     above: float | None = None
     check: Callable[[Any], str | None] | None = None
+    convert: Callable[[Any], Any] | None = None
+    shown: Callable[[Any], str] = repr
     parse: Callable[[str], Any] | None = None
     format: Callable[[Any], str] = str
     metavar: str | None = None
@@ -71,8 +84,12 @@ class OptionSpec:
 
 
 def option(default: Any, help: str, kind: type, *, repr: bool = True, **spec: Any) -> Any:
-    """A dataclass field carrying its `OptionSpec` (see the module docstring)."""
+    """A dataclass field carrying its `OptionSpec` (see the module docstring). A dict or
+    list default is copied for each record; `REQUIRED` makes a field without one."""
     metadata = {_SPEC: OptionSpec(help=help, kind=kind, **spec)}
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default),
+                                 metadata=metadata, repr=repr)
     return dataclasses.field(default=default, metadata=metadata, repr=repr)
 
 
@@ -81,16 +98,23 @@ def option_fields(cls: type) -> list[tuple[dataclasses.Field, OptionSpec]]:
     return [(f, f.metadata[_SPEC]) for f in dataclasses.fields(cls) if _SPEC in f.metadata]
 
 
+def option_names(cls: type) -> list[str]:
+    """The names of the declared options of a dataclass, in declaration order."""
+    return [f.name for f, _ in option_fields(cls)]
+
+
 def check_value(name: str, value: Any, spec: OptionSpec) -> Any:
-    """`value` if `spec` allows it (ints are widened to float for float options);
-    otherwise a ValueError naming `name`, the value and what is allowed."""
+    """`value` (after `spec.convert`) if `spec` allows it (ints are widened to float for
+    float options); otherwise a ValueError naming `name`, the value and what is allowed."""
+    if spec.convert is not None:
+        value = spec.convert(value)
     if value is None and spec.nullable:
         return None
     problem = _problem(value, spec)
     if problem is None and spec.check is not None:
         problem = spec.check(value)
     if problem is not None:
-        raise ValueError(f"{name} must be {spec.describe or problem}, got {value!r}")
+        raise ValueError(f"{name} must be {spec.describe or problem}, got {spec.shown(value)}")
     return float(value) if spec.kind is float else value
 
 
@@ -114,10 +138,33 @@ def _problem(value: Any, spec: OptionSpec) -> str | None:
     return None if ok else spec.allowed()
 
 
-def validate(record: Any) -> None:
-    """Check (and normalize in place) every declared option of a dataclass instance."""
+def validate(record: Any, label: str = "{name}") -> None:
+    """Check (and normalize in place, frozen records too) every declared option of a
+    dataclass instance; `label` is how messages name an option (e.g.
+    "kv_connector_extra_config[{name!r}]" for a key of a JSON object)."""
     for f, spec in option_fields(type(record)):
-        setattr(record, f.name, check_value(f.name, getattr(record, f.name), spec))
+        value = check_value(label.format(name=f.name), getattr(record, f.name), spec)
+        object.__setattr__(record, f.name, value)
+
+
+def from_dict(cls: type, values: Any, what: str, label: str | None = None) -> Any:
+    """`cls` built from a plain dict of its options (parsed JSON): an unknown key is an
+    `UnknownOptionError` "unknown <what> 'key'" with a "did you mean", a missing
+    required one a ValueError. `label`, when given, names the options in the
+    messages of a validation run after construction (see `validate`)."""
+    if not isinstance(values, dict):
+        raise ValueError(f"expected a dict of {what}s, got {values!r}")
+    names = option_names(cls)
+    reject_unknown(values, names, what)
+    required = [f.name for f, _ in option_fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values]
+    if missing:
+        raise ValueError(f"missing {what} {missing[0]!r}")
+    record = cls(**values)
+    if label is not None:
+        validate(record, label)
+    return record
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -144,8 +191,31 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(
+def add_record_flags(
     parser: argparse.ArgumentParser,
+    *classes: type,
+    skip: Iterable[str] = (),
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """The flags of several records on one parser (a command taking engine options and
+    its own): each record's flags in an argument group named after it. Two records
+    declaring an option of one name is a ValueError (one flag cannot feed both);
+    `from_namespace` then builds each record from the same namespace."""
+    seen: dict[str, str] = {}
+    skip = set(skip)
+    for cls in classes:
+        for name in option_names(cls):
+            if name in seen and name not in skip:
+                raise ValueError(f"option {name!r} is declared by both {seen[name]} and "
+                                 f"{cls.__name__}; one flag cannot set both")
+            seen[name] = cls.__name__
+    for cls in classes:
+        add_flags(parser.add_argument_group(f"{cls.__name__} options"), cls, skip=skip,
+                  defaults=defaults)
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     only: Iterable[str] | None = None,
     skip: Iterable[str] = (),
@@ -165,8 +235,12 @@ def add_flags(
         default = defaults.get(f.name, _field_default(f))
         help_text = spec.help
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs["required"] = f.name not in defaults
         if spec.kind is bool:
-            action = argparse.BooleanOptionalAction if default else "store_true"
+            # A nullable bool (None: decided elsewhere) needs both --flag and --no-flag.
+            action = (argparse.BooleanOptionalAction if default or spec.nullable
+                      else "store_true")
             parser.add_argument(flag_name(f.name), action=action, help=help_text, **kwargs)
             continue
         if default is not None and spec.choices is None:

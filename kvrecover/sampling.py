@@ -1,4 +1,4 @@
-"""Sampling parameters of one request."""
+"""Sampling parameters of one request, and the per-token sampling seeds derived from its seed."""
 
 from __future__ import annotations
 
@@ -65,3 +65,23 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the next token is always the argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, hence invertible modulo 2**63
+_SEED_MODULUS = 1 << 63
+
+
+def sample_seed(request_seed: int, output_index: int) -> int:
+    """The sampler's seed for output token `output_index` of a request seeded
+    `request_seed`: a pure function of the two (see `engine.request.Request.next_sample_seed`)."""
+    return (request_seed * _SEED_STRIDE + output_index) % _SEED_MODULUS
+
+
+def resumed_request_seed(request_seed: int, num_output_tokens: int) -> int:
+    """The seed of a continuation whose prompt ends with the first
+    `num_output_tokens` outputs of a request seeded `request_seed`: the
+    continuation's output j draws from the seed of the original's output
+    `num_output_tokens + j`, so a migrated seeded request samples what the
+    undisturbed one would have (given the same logits)."""
+    inverse = pow(_SEED_STRIDE, -1, _SEED_MODULUS)
+    return (request_seed + num_output_tokens * inverse) % _SEED_MODULUS

@@ -16,10 +16,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from kvrecover.config import EngineArgs, KVTransferConfig
+from kvrecover.options import option, to_argv, validate
 from kvrecover.sampling import SamplingParams
 
 STORAGE_DIR = "local_storage"
@@ -32,6 +34,36 @@ SEPARATOR = "-" * 30
 MAX_NUM_BATCHED_TOKENS = 64
 MAX_NUM_SEQS = 16
 DECODE_MAX_TOKENS = 10
+
+
+def _as_path(value: Any) -> Any:
+    return Path(value) if isinstance(value, (str, os.PathLike)) else value
+
+
+@dataclass
+class ScenarioArgs:
+    """The flags of `kvrecover prefill`, `decode` and `scenario` besides the engine's."""
+
+    workdir: Path = option(
+        Path("kvrecover_scenario"), "folder for the KV store and the output files", Path,
+        convert=_as_path, metavar="DIR")
+    store: str | None = option(
+        None, "keep the KV in Redis (redis://[:password@]host:port/db, unix:///path.sock) "
+        "instead of <workdir>/local_storage", str, nullable=True, metavar="URL")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass
+class DecodeArgs:
+    """The flags of `kvrecover decode` (phases 2-4) besides the scenario's."""
+
+    simulate_failure: bool = option(False, "make every block of the first KV load fail", bool)
+    async_load: bool = option(False, "load KV asynchronously", bool)
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def reference_prompts(long_words: int = 1000, short_words: int = 500) -> list[str]:
@@ -135,9 +167,10 @@ def _write_phase_stats(workdir: Path, phase: str, stats: dict[str, int]) -> None
 
 PHASES = (
     ("prefill", ["prefill"]),
-    ("decode (baseline)", ["decode"]),
-    ("decode, sync failure", ["decode", "--simulate-failure"]),
-    ("decode, async failure", ["decode", "--simulate-failure", "--async-load"]),
+    ("decode (baseline)", ["decode", *to_argv(DecodeArgs())]),
+    ("decode, sync failure", ["decode", *to_argv(DecodeArgs(simulate_failure=True))]),
+    ("decode, async failure",
+     ["decode", *to_argv(DecodeArgs(simulate_failure=True, async_load=True))]),
 )
 
 
@@ -153,7 +186,7 @@ def run_scenario(args: EngineArgs, workdir: Path, store: str | None = None) -> i
         print(f"==> {label}", flush=True)
         started = time.perf_counter()
         command = [sys.executable, "-m", "kvrecover", *phase_args, "--workdir", str(workdir),
-                   *engine_flags, *(["--store", store] if store else [])]
+                   *engine_flags, *to_argv(ScenarioArgs(workdir, store), skip=("workdir",))]
         result = subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         timings.append(time.perf_counter() - started)
         if result.returncode != 0:

@@ -1,5 +1,5 @@
 """Redis test helpers: a private redis-server, and the network faults the tests inject
-(a proxy that breaks a load, a server that never answers)."""
+(a proxy that breaks a load, one that trickles its replies, a server that never answers)."""
 
 from __future__ import annotations
 
@@ -203,6 +203,71 @@ class FaultyProxy(_LoopbackListener):
         if not self.blackholed:
             for sock in (source, target):
                 _close(sock)
+
+
+class TricklingProxy(_LoopbackListener):
+    """Forwards TCP between clients and a redis-server on 127.0.0.1; once a client has
+    sent GETRANGE (a block load) on a connection, the server's replies on it come one
+    byte every `delay_s`: each socket read stays inside any socket timeout while the
+    whole reply takes hours. Counts the trickled connections and how many of them the
+    client has closed."""
+
+    def __init__(self, upstream_port: int, delay_s: float = 0.3) -> None:
+        self.upstream_port = upstream_port
+        self.delay_s = delay_s
+        self.trickled = 0  # connections whose replies trickle
+        self.closed_by_client = 0  # of those, how many the client closed
+        super().__init__()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+        except OSError:
+            client.close()
+            return
+        self._track(client, upstream)
+        trickling = threading.Event()
+        threading.Thread(target=self._requests, args=(client, upstream, trickling),
+                         daemon=True).start()
+        threading.Thread(target=self._replies, args=(upstream, client, trickling),
+                         daemon=True).start()
+
+    def _requests(self, client: socket.socket, upstream: socket.socket,
+                  trickling: threading.Event) -> None:
+        try:
+            while not self._stopping.is_set():
+                data = client.recv(1 << 16)
+                if not data:
+                    break
+                if b"GETRANGE" in data and not trickling.is_set():
+                    with self._lock:
+                        self.trickled += 1
+                    trickling.set()  # before the request goes on: its reply trickles
+                upstream.sendall(data)
+        except OSError:
+            pass
+        if trickling.is_set() and not self._stopping.is_set():
+            with self._lock:
+                self.closed_by_client += 1
+        for sock in (client, upstream):
+            _close(sock)
+
+    def _replies(self, upstream: socket.socket, client: socket.socket,
+                 trickling: threading.Event) -> None:
+        try:
+            while not self._stopping.is_set():
+                data = upstream.recv(1 << 16)
+                if not data:
+                    break
+                if not trickling.is_set():
+                    client.sendall(data)
+                    continue
+                for index in range(len(data)):
+                    if self._stopping.wait(self.delay_s):
+                        return
+                    client.sendall(data[index : index + 1])
+        except OSError:
+            pass
 
 
 class SilentServer(_LoopbackListener):

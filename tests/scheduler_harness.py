@@ -10,10 +10,10 @@ from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request
 from kvrecover.engine.scheduler import Scheduler
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from kvrecover.sampling import SamplingParams
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 
 BLOCK = 4
 TOKEN = 7  # every fabricated sample

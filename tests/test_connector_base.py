@@ -10,12 +10,12 @@ from conftest import greedy_token_ids
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.engine.request import Request
-from kvrecover.engine.scheduler_output import SchedulerOutput
 from kvrecover.kv_layout import KVCacheLayout, update_block_hashes
 from kvrecover.kv_transfer.base import DEFAULT_LOAD_TIMEOUT_S, KVConnectorBase, KVConnectorRole
 from kvrecover.kv_transfer.faults import FaultInjectionConnector
 from kvrecover.kv_transfer.registry import register_connector
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.step_messages import SchedulerOutput
 
 BLOCK = 4
 LAYOUT = KVCacheLayout("seams-test", torch.float32, BLOCK, 2, 2, 8)

@@ -19,12 +19,11 @@ from conftest import random_prompts
 from torch import nn
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.ops.attention_metadata import AttentionMetadata
 from kvrecover.ops.backend import select_backend
-from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
-from kvrecover.ops.cpu_invariant_linear import InvariantCpuOps
-from kvrecover.ops.native_attention import NativeInvariantAttention
-from kvrecover.ops.torch_ops import TorchOps
+from kvrecover.ops.cpu.attention import CpuInvariantAttention, NativeInvariantAttention
+from kvrecover.ops.cpu.invariant_ops import InvariantCpuOps
+from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+from kvrecover.ops.reference.torch_ops import TorchOps
 from kvrecover.worker.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -183,7 +182,7 @@ def test_backend_selection_on_the_cpu():
 
 
 def test_backend_falls_back_to_torch_attention_without_the_c_kernel(monkeypatch):
-    from kvrecover.ops import native_build
+    from kvrecover.ops.cpu import native_build
 
     monkeypatch.setattr(native_build, "_loaded", {"paged_attention": None})
     invariant = select_backend("auto", CPU, dtype=torch.bfloat16, batch_invariant=True)
@@ -192,22 +191,22 @@ def test_backend_falls_back_to_torch_attention_without_the_c_kernel(monkeypatch)
 
 
 def test_large_tiles_are_used_only_where_they_match_small_ones(monkeypatch):
-    from kvrecover.ops import cpu_invariant_linear
+    from kvrecover.ops.cpu import tiled_linear
 
     model = nn.Sequential(_linear(64, 96, torch.bfloat16, False))
     ops = InvariantCpuOps(tile_rows=16, large_tile_rows=64)
     ops.prepare_weights(model)
-    assert ops.large_tile_rows == 64  # proven equal on this machine
-    real = cpu_invariant_linear._matmul
+    assert ops.linears.large_tile_rows == 64  # proven equal on this machine
+    real = tiled_linear._matmul
 
     def large_rows_differ(x, layer):  # a library whose large-M kernel sums differently
         out = real(x, layer)
         return out * 1.01 if x.shape[0] == 64 else out
 
-    monkeypatch.setattr(cpu_invariant_linear, "_matmul", large_rows_differ)
+    monkeypatch.setattr(tiled_linear, "_matmul", large_rows_differ)
     ops = InvariantCpuOps(tile_rows=16, large_tile_rows=64)
     ops.prepare_weights(nn.Sequential(_linear(64, 96, torch.bfloat16, False)))
-    assert ops.large_tile_rows is None
+    assert ops.linears.large_tile_rows is None
     x = torch.randn(200, 64).bfloat16()
     assert torch.equal(ops.linear(x, model[0])[:16], ops.linear(x[:16], model[0]))
     with pytest.raises(ValueError, match="large_tile_rows must be a multiple of tile_rows"):
@@ -215,9 +214,9 @@ def test_large_tiles_are_used_only_where_they_match_small_ones(monkeypatch):
 
 
 def test_small_tiles_are_proven_per_size_and_pad_to_the_smallest(monkeypatch):
-    from kvrecover.ops import cpu_invariant_linear
+    from kvrecover.ops.cpu import tiled_linear
 
-    real = cpu_invariant_linear._matmul
+    real = tiled_linear._matmul
     shapes: list[int] = []
 
     def four_rows_differ(x, layer):  # a library whose 4-row kernel sums differently
@@ -225,12 +224,12 @@ def test_small_tiles_are_proven_per_size_and_pad_to_the_smallest(monkeypatch):
         out = real(x, layer)
         return out * 1.01 if x.shape[0] == 4 else out
 
-    monkeypatch.setattr(cpu_invariant_linear, "_matmul", four_rows_differ)
+    monkeypatch.setattr(tiled_linear, "_matmul", four_rows_differ)
     layer = _linear(64, 96, torch.bfloat16, False)
     ops = InvariantCpuOps(tile_rows=16, large_tile_rows=64)
     ops.prepare_weights(nn.Sequential(layer))
-    assert 4 not in ops.small_tiles and ops.small_tiles[-1] == 16
-    assert 8 in ops.small_tiles  # proven equal on this machine
+    assert 4 not in ops.linears.small_tiles and ops.linears.small_tiles[-1] == 16
+    assert 8 in ops.linears.small_tiles  # proven equal on this machine
     x = torch.randn(40, 64).bfloat16()
     reference = torch.cat([real(x[s : s + 16], layer) for s in range(0, 48, 16)])[:40]
     for rows, runs in ((3, [8]), (8, [8]), (16, [16]), (19, [16, 8]), (40, [16, 16, 8])):
@@ -280,7 +279,7 @@ def test_engine_bf16_bits_do_not_depend_on_chunking_batch_or_prefix_cache(
     kernel is unavailable (the torch attention)."""
     flags = {}
     if not native:
-        from kvrecover.ops import native_build
+        from kvrecover.ops.cpu import native_build
 
         monkeypatch.setattr(native_build, "_loaded", {"paged_attention": None})
         flags = {"batch_invariant": True}

@@ -6,6 +6,7 @@ finish): tests/test_connector_faults.py."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,58 @@ def test_a_corrupted_read_is_caught_by_the_checksum(tiny_llama, pristine_store, 
         assert stats["prompt_tokens_external"] == KV_BLOCK * 2 * len(KV_PROMPTS)
     # The store itself is intact: the damage was in flight.
     assert all(check_entry(p) is None for p in block_files(tmp_path / "store"))
+
+
+@pytest.mark.parametrize("kind", ["missing", "error", "corrupt"])
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_every_failed_block_is_nan_even_where_the_cache_held_the_right_kv(tmp_path, kind,
+                                                                           async_load):
+    # The luck a skipped recompute could ride on: the cache blocks a load fails into
+    # already hold exactly the stored KV (say, left there by an earlier request).
+    import torch
+    from conftest import make_layout
+
+    from kvrecover import KVTransferConfig
+    from kvrecover.kv_transfer.base import KVConnectorRole
+    from kvrecover.kv_transfer.block_store import BlockStore
+    from kvrecover.kv_transfer.faults import FaultMetadata
+    from kvrecover.kv_transfer.shared_storage import BlockTransfer, StorageConnectorMetadata
+
+    layout = make_layout()
+    store = BlockStore(tmp_path, layout)
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn((2, 8, layout.block_size, layout.num_kv_heads, layout.head_dim),
+                          generator=generator) for _ in range(layout.num_layers)]
+    block_ids, keys = [2, 3, 5], [bytes([i]) * 16 for i in range(3)]
+    for block_id, key in zip(block_ids, keys):
+        store.write(key, torch.stack([cache[:, block_id] for cache in caches]))
+    expected = [cache.clone() for cache in caches]
+    config = KVTransferConfig("FaultInjectionConnector", "kv_consumer", {
+        "shared_storage_path": str(tmp_path), "async_load": async_load})
+    worker = FaultInjectionConnector(config, KVConnectorRole.WORKER, layout)
+    worker.register_kv_caches(caches)
+    transfer = BlockTransfer("r", block_ids, keys, is_async=async_load)
+    worker.bind_connector_metadata(FaultMetadata(StorageConnectorMetadata(loads=[transfer]),
+                                                 {"r": {3: kind}}))
+    worker.start_load_kv(caches)
+    invalid: set[int] = set()
+    if async_load:
+        for _ in range(500):  # bounded: a local load of three blocks ends at once
+            _, done = worker.get_finished(set())
+            invalid |= worker.get_block_ids_with_load_errors()
+            if done:
+                break
+            time.sleep(0.01)
+    else:
+        # Poisoned before the forward pass reads the cache: check before the step ends.
+        for cache in caches:
+            assert cache[:, 3].isnan().all() and cache[:, 5].isnan().all()
+        worker.get_finished(set())
+        invalid = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    worker.shutdown()
+    assert invalid == {3, 5}  # the faulted block and the one after it
+    for cache, before in zip(caches, expected):
+        assert torch.equal(cache[:, 2], before[:, 2])  # loaded before the fault
+        assert cache[:, 3].isnan().all() and cache[:, 5].isnan().all()
+        assert torch.equal(cache[:, [0, 1, 4, 6, 7]], before[:, [0, 1, 4, 6, 7]])

@@ -14,7 +14,7 @@ import torch
 from conftest import build_tiny_model, random_prompts
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.engine.scheduler_output import ScheduledRequest
+from kvrecover.step_messages import ScheduledRequest
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,8 +41,8 @@ def _make_llm(model_dir, **kwargs) -> LLM:
 # ----- small ops ----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_residual_match_reference(dtype):
-    from kvrecover.ops.torch_ops import TorchOps
-    from kvrecover.ops.triton_ops import TritonOps
+    from kvrecover.ops.reference.torch_ops import TorchOps
+    from kvrecover.ops.triton.fused_ops import TritonOps
 
     gen = torch.Generator().manual_seed(0)
     x, residual, weight = _randn(37, 320, dtype=dtype, generator=gen), _randn(37, 320, dtype=dtype, generator=gen), _randn(320, dtype=dtype, generator=gen)
@@ -59,8 +59,8 @@ def test_rms_norm_and_residual_match_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_and_silu_match_reference(dtype):
     from kvrecover.models.rope import RotaryEmbedding
-    from kvrecover.ops.torch_ops import TorchOps
-    from kvrecover.ops.triton_ops import TritonOps
+    from kvrecover.ops.reference.torch_ops import TorchOps
+    from kvrecover.ops.triton.fused_ops import TritonOps
 
     gen = torch.Generator().manual_seed(1)
     rotary = RotaryEmbedding(32, 512, 500000.0, None).to(DEVICE)
@@ -89,8 +89,8 @@ def test_fused_rotary_store_matches_rotary_then_store(dtype, heads, kv_heads):
     """One kernel for rotary + KV store gives the two kernels' bits: query, cache, and
     the unrotated key left alone."""
     from kvrecover.models.rope import RotaryEmbedding
-    from kvrecover.ops.triton_attention import store_kv
-    from kvrecover.ops.triton_ops import rotary_, rotary_store_
+    from kvrecover.ops.triton.attention import store_kv
+    from kvrecover.ops.triton.fused_ops import rotary_, rotary_store_
 
     gen = torch.Generator().manual_seed(2)
     head_dim, tokens, block_size = 64, 21, 16
@@ -127,8 +127,8 @@ def _schedule(requests, block_tables):
 
 
 def _triton_attention(q, k, v, cache, scheduled, block_size, batch_invariant=False):
-    from kvrecover.ops.triton_attention import TritonPagedAttention, tile_tokens
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.triton.attention import TritonPagedAttention, tile_tokens
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     group = q.shape[1] // k.shape[1]
     builder = StepInputBuilder(block_size, tile_tokens(group), torch.device(DEVICE))
@@ -168,8 +168,8 @@ DECODE_STEP = [(37, 1), (0, 1), (700, 1), (255, 1), (256, 1), (1000, 1)]  # spli
 def test_paged_attention_matches_reference(
     dtype, requests, block_size, heads, kv_heads, head_dim, batch_invariant
 ):
-    from kvrecover.ops.attention_metadata import AttentionMetadata
-    from kvrecover.ops.torch_attention import TorchPagedAttention
+    from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+    from kvrecover.ops.reference.torch_attention import TorchPagedAttention
 
     q, k, v, cache, scheduled = _random_step(requests, block_size, heads, kv_heads, head_dim, dtype, 0)
     ref_meta = AttentionMetadata.build(
@@ -217,7 +217,7 @@ def test_paged_attention_is_batch_and_chunk_invariant(dtype):
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(2048, 8192), (3072, 2048), (384, 64)])
 def test_batch_invariant_linear(n, k):
-    from kvrecover.ops.batch_invariant import linear
+    from kvrecover.ops.triton.batch_invariant_matmul import linear
 
     gen = torch.Generator().manual_seed(0)
     x = _randn(1500, k, dtype=torch.bfloat16, generator=gen)
@@ -306,7 +306,7 @@ def _decode_logits(llm: LLM, prompts, target: int) -> list[torch.Tensor]:
 
 @needs_cuda
 def test_greedy_tokens_match_argmax():
-    from kvrecover.ops.triton_ops import greedy_tokens
+    from kvrecover.ops.triton.sampling import greedy_tokens
 
     logits = torch.randn(37, 128256, device=DEVICE)
     logits[3, 5000] = logits[3, 70000] = 1e4  # a tie: the first index wins, as in torch
@@ -315,7 +315,7 @@ def test_greedy_tokens_match_argmax():
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_cuda)])
 def test_upcast_greedy_tokens_match_cast_then_argmax(dtype):
-    from kvrecover.ops.triton_ops import upcast_greedy_tokens
+    from kvrecover.ops.triton.sampling import upcast_greedy_tokens
 
     logits = _randn(5, 9000, dtype=dtype, generator=torch.Generator().manual_seed(1))
     logits[2, 100] = logits[2, 8000] = 50.0  # a tie: the first index wins
@@ -326,7 +326,7 @@ def test_upcast_greedy_tokens_match_cast_then_argmax(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding_matches_reference(dtype):
-    from kvrecover.ops.triton_ops import TritonOps
+    from kvrecover.ops.triton.fused_ops import TritonOps
 
     weight = _randn(300, 1100, dtype=dtype, generator=torch.Generator().manual_seed(2))
     ids = torch.tensor([5, 0, 299, 5, 17], device=DEVICE)
@@ -341,9 +341,9 @@ def test_decode_combine_in_kernel_is_bit_identical(dtype, batch_invariant):
     every arrival counter at zero for the next launch (two launches, same bits)."""
     import dataclasses
 
-    from kvrecover.ops import triton_attention as ta
-    from kvrecover.ops.arrival import all_counters_zero
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.triton import attention as ta
+    from kvrecover.ops.triton.arrival import all_counters_zero
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     q, k, v, cache, scheduled = _random_step(DECODE_STEP, 16, 12, 4, 64, dtype, 5)
     builder = StepInputBuilder(16, ta.tile_tokens(3), torch.device(DEVICE))
@@ -365,10 +365,10 @@ def test_decode_segment_sizes_match_reference(segment, block_n, fused):
     """Other decode segment sizes (default mode only) compute the same attention."""
     import dataclasses
 
-    from kvrecover.ops import triton_attention as ta
-    from kvrecover.ops.attention_metadata import AttentionMetadata
-    from kvrecover.ops.torch_attention import TorchPagedAttention
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+    from kvrecover.ops.reference.torch_attention import TorchPagedAttention
+    from kvrecover.ops.triton import attention as ta
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     q, k, v, cache, scheduled = _random_step(DECODE_STEP, 16, 8, 2, 32, torch.float32, 6)
     ref_meta = AttentionMetadata.build(
@@ -390,7 +390,7 @@ def test_decode_pack_matches_generic_pack():
     """The graph path's cached decode packing writes what the generic packing writes."""
     import random
 
-    from kvrecover.worker.step_inputs import StepInputBuilder
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     rng = random.Random(0)
     fast, ref = (StepInputBuilder(16, 32, torch.device("cpu"), 1168) for _ in range(2))

@@ -1,11 +1,11 @@
-"""ops.native_attention / ops.native_build: the fused C paged-attention kernel.
+"""ops.cpu.attention / ops.cpu.native_build: the fused C paged-attention kernel.
 
 Bitwise: every position of a long prompt computed in a prefill equals the same
 query as a decode step, inside chunks of 16..512 tokens and inside batches of
 1..64 requests, for random shapes (head_dim 64/128, GQA groups 1/3/4, block
 sizes 16/32) and thread splits 1/2/3; close to float32 SDPA. The build: cached
 per source and machine, one warning and the torch fallback without a compiler
-or with `KVRECOVER_NATIVE_KERNELS=0`.
+or with `native_kernels=False` (`KVRECOVER_NATIVE_KERNELS=0`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrecover.ops import native_build
-from kvrecover.ops.attention_metadata import AttentionMetadata
-from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
-from kvrecover.ops.native_attention import NativeInvariantAttention, invariant_cpu_attention
+from kvrecover.ops.backend import select_backend
+from kvrecover.ops.cpu import native_build
+from kvrecover.ops.cpu.attention import (
+    CpuInvariantAttention,
+    NativeInvariantAttention,
+    invariant_cpu_attention,
+)
+from kvrecover.ops.reference.attention_metadata import AttentionMetadata
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -189,9 +193,15 @@ def test_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
     assert not list((tmp_path / "kernels").glob("*.so"))  # no partial build left behind
     monkeypatch.setattr(native_build, "_loaded", {})
     monkeypatch.delenv("CC")
+    with pytest.warns(RuntimeWarning, match="native_kernels=False"):
+        assert isinstance(invariant_cpu_attention(native_kernels=False), CpuInvariantAttention)
+    assert not list((tmp_path / "kernels").glob("*.so"))  # not allowed: nothing was built
+    # KVRECOVER_NATIVE_KERNELS=0 is the default of the engine option (`select_backend`).
     monkeypatch.setenv("KVRECOVER_NATIVE_KERNELS", "0")
     with pytest.warns(RuntimeWarning, match="KVRECOVER_NATIVE_KERNELS=0"):
-        assert isinstance(invariant_cpu_attention(), CpuInvariantAttention)
+        backend = select_backend("auto", CPU, dtype=torch.bfloat16)
+    assert isinstance(backend.attention, CpuInvariantAttention)
+    assert isinstance(invariant_cpu_attention(), NativeInvariantAttention)  # the option decides
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")

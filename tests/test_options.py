@@ -89,3 +89,191 @@ def test_sampling_params_keep_their_positional_order():
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed,
             params.stop_token_ids, params.ignore_eos) == (0.5, 0.9, 5, 7, 1, [3], True)
     assert isinstance(SamplingParams(temperature=1).temperature, float)
+
+
+# ----- one mechanism for every record -------------------------------------------------------
+def connector_settings_classes() -> dict[str, type]:
+    from kvrecover.kv_transfer.registry import _REGISTRY, connector_class
+
+    # The package's own connectors (tests register others, without settings records).
+    return {name: connector_class(KVTransferConfig(name)).settings_class
+            for name, target in _REGISTRY.items() if target.startswith("kvrecover.")}
+
+
+def every_record() -> list[type]:
+    from kvrecover.config import SchedulerConfig
+    from kvrecover.entrypoints.demo import DemoArgs
+    from kvrecover.kv_transfer.faults import FaultRule
+    from kvrecover.kv_transfer.tiered import TierEntry
+    from kvrecover.scenario import DecodeArgs, ScenarioArgs
+
+    return [EngineArgs, SamplingParams, KVTransferConfig, SchedulerConfig, ScenarioArgs,
+            DecodeArgs, DemoArgs, FaultRule, TierEntry, *connector_settings_classes().values()]
+
+
+def test_every_field_of_every_record_is_a_declared_option_with_help():
+    for record in every_record():
+        declared = [f.name for f, spec in option_fields(record) if spec.help.strip()]
+        undeclared = [f.name for f in dataclasses.fields(record)
+                      if f.name not in declared and f.name != "password"]  # Redis: env, not a key
+        assert undeclared == [], (record.__name__, undeclared)
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    from kvrecover.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    return commands.choices
+
+
+@pytest.mark.parametrize("command, records, skipped", [
+    ("generate", ["EngineArgs"], ()),
+    ("prefill", ["EngineArgs", "ScenarioArgs"], ("kv_transfer_config",)),
+    ("decode", ["EngineArgs", "ScenarioArgs", "DecodeArgs"], ("kv_transfer_config",)),
+    ("scenario", ["EngineArgs", "ScenarioArgs"], ("kv_transfer_config",)),
+    ("serve-demo", ["EngineArgs", "DemoArgs"], ("kv_transfer_config",)),
+])
+def test_every_command_line_option_has_its_flag_and_help(command, records, skipped):
+    by_name = {r.__name__: r for r in every_record()}
+    parser = subcommand_parsers()[command]
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    for record in records:
+        for f, spec in option_fields(by_name[record]):
+            if not spec.flag or f.name in skipped:
+                continue
+            assert helps.get(flag_name(f.name), "").startswith(spec.help), (command, f.name)
+    assert {flag_name(n) for n in skipped}.isdisjoint(helps)
+
+
+def test_a_misspelt_kv_transfer_config_key_says_did_you_mean():
+    with pytest.raises(ValueError, match=r"unknown kv_transfer_config key "
+                                         r"'kv_load_retry_limt'; did you mean "
+                                         r"'kv_load_retry_limit'\?"):
+        KVTransferConfig.from_dict({"kv_connector": "SharedStorageConnector",
+                                    "kv_load_retry_limt": 2})
+
+
+@pytest.mark.parametrize("connector, extra, near", [
+    ("SharedStorageConnector", {"shared_storage_pth": "/kv"}, "shared_storage_path"),
+    ("SharedStorageConnector", {"io_thread": 2}, "io_threads"),
+    ("RedisConnector", {"max_connection": 2}, "max_connections"),
+    ("RedisConnector", {"verify_after_lod": True}, "verify_after_load"),
+    ("TieredConnector", {"connector": []}, "connectors"),
+    ("FaultInjectionConnector", {"sed": 1}, "seed"),
+    # A wrapper accepts, and checks, the settings of the connector it wraps.
+    ("FaultInjectionConnector", {"inner_connector": "RedisConnector", "urll": "x"}, "url"),
+])
+def test_a_misspelt_connector_setting_says_did_you_mean(connector, extra, near):
+    from kvrecover.kv_transfer.registry import connector_class
+
+    config = KVTransferConfig(connector, "kv_both", extra)
+    with pytest.raises(ValueError, match=rf"unknown kv_connector_extra_config key of "
+                                         rf"{connector} '{next(iter(extra.keys() - {'inner_connector'}))}'"
+                                         rf"; did you mean '{near}'\?"):
+        connector_class(config).check_settings(config)
+
+
+def test_a_wrapper_takes_its_inner_connectors_settings():
+    from kvrecover.kv_transfer.faults import FaultInjectionConnector, FaultRule
+
+    config = KVTransferConfig("FaultInjectionConnector", "kv_both",
+                              {"inner_connector": "RedisConnector", "url": "redis://h:1/0",
+                               "seed": 3, "faults": [{"kind": "corrupt"}]})
+    settings = FaultInjectionConnector.check_settings(config)
+    assert settings.seed == 3 and settings.faults == (FaultRule(kind="corrupt"),)
+
+
+def test_a_misspelt_tier_key_says_did_you_mean():
+    from kvrecover.kv_transfer.tiered import TieredConnector
+
+    config = KVTransferConfig("TieredConnector", "kv_both",
+                              {"connectors": [{"kv_connector": "RedisConnector", "kv_rle": "x"}]})
+    with pytest.raises(ValueError, match=r"unknown connectors\[0\] key 'kv_rle'; did you mean "
+                                         r"'kv_role'\?"):
+        TieredConnector.check_settings(config)
+
+
+def test_from_dict_names_a_missing_required_option():
+    from kvrecover.config import SchedulerConfig
+    from kvrecover.options import from_dict
+
+    with pytest.raises(ValueError, match="missing scheduler option 'block_size'"):
+        from_dict(SchedulerConfig, {"max_num_batched_tokens": 8, "max_num_seqs": 2,
+                                    "max_model_len": 64}, "scheduler option")
+
+
+def test_a_parser_from_several_records_refuses_a_shared_name():
+    from kvrecover.options import add_record_flags
+
+    @dataclasses.dataclass
+    class Server:
+        port: int = option(8000, "port", int)
+        seed: int = option(1, "clashes with EngineArgs.seed", int)
+
+    with pytest.raises(ValueError, match="'seed' is declared by both EngineArgs and Server"):
+        add_record_flags(argparse.ArgumentParser(), EngineArgs, Server)
+    parser = argparse.ArgumentParser()
+    add_record_flags(parser, EngineArgs, Server, skip=("seed",))
+    namespace = parser.parse_args(["--port", "9", "--max-num-seqs", "3"])
+    from kvrecover.options import from_namespace
+
+    assert from_namespace(Server, namespace) == Server(port=9)
+    assert from_namespace(EngineArgs, namespace) == EngineArgs(max_num_seqs=3)
+
+
+# ----- device-dependent defaults: one table for the help and the engine ---------------------
+def test_the_help_of_a_device_dependent_default_states_the_table():
+    from kvrecover.device_defaults import DEVICE_DEFAULTS, default_help
+
+    helps = {f.name: spec.help for f, spec in option_fields(EngineArgs)}
+    for name, entry in DEVICE_DEFAULTS.items():
+        assert default_help(name, "auto") in helps[name] or default_help(name) in helps[name]
+        assert f"on a GPU: {entry.gpu}" in helps[name] and f"on the CPU: {entry.cpu}" in helps[name]
+
+
+def test_the_resolver_takes_the_device_defaults_from_the_same_table(tiny_llama, monkeypatch):
+    import torch
+
+    from kvrecover.device_defaults import DEVICE_DEFAULTS, GIB, DeviceDefault
+    from kvrecover.engine.resolve import resolve_config
+    from kvrecover.worker.kv_cache import available_kv_cache_bytes
+
+    resolved = resolve_config(EngineArgs(model=str(tiny_llama), device="cpu"))
+    cpu = {name: entry.cpu for name, entry in DEVICE_DEFAULTS.items()}
+    assert resolved.dtype == getattr(torch, cpu["dtype"])
+    assert resolved.attention_backend == cpu["attention_backend"]
+    assert resolved.scheduler_config.max_num_batched_tokens == cpu["max_num_batched_tokens"]
+    assert resolved.scheduler_config.max_num_seqs == cpu["max_num_seqs"]
+    assert resolved.kv_sizing.budget_bytes == available_kv_cache_bytes(torch.device("cpu"), 0.85)
+    assert resolved.kv_sizing.budget_bytes <= cpu["kv_cache_memory_gb"] * GIB
+    # The resolver reads the table (not a copy of its numbers).
+    monkeypatch.setitem(DEVICE_DEFAULTS, "max_num_seqs", DeviceDefault(256, 5))
+    resolved = resolve_config(EngineArgs(model=str(tiny_llama), device="cpu"))
+    assert resolved.scheduler_config.max_num_seqs == 5
+    assert resolve_config(EngineArgs(model=str(tiny_llama), device="cpu",
+                                     max_num_seqs=7)).scheduler_config.max_num_seqs == 7
+
+
+def test_the_engine_assembles_from_a_resolved_config(tiny_llama):
+    from kvrecover.engine.engine import Engine
+    from kvrecover.engine.resolve import resolve_config
+
+    resolved = resolve_config(EngineArgs(model=str(tiny_llama), device="cpu", num_kv_blocks=9))
+    engine = Engine(resolved)
+    assert engine.config is resolved and engine.num_blocks == 9
+    assert engine.scheduler_config is resolved.scheduler_config
+    engine.close()
+
+
+def test_a_bad_connector_setting_fails_before_the_weights_load(tiny_llama, monkeypatch):
+    from kvrecover.engine import engine as engine_module
+
+    def no_runner(*args, **kwargs):
+        raise AssertionError("the model runner was built before the settings were checked")
+
+    monkeypatch.setattr(engine_module, "ModelRunner", no_runner)
+    transfer = KVTransferConfig("SharedStorageConnector", "kv_both",
+                                {"shared_storage_path": "/kv", "asyn_load": True})
+    with pytest.raises(ValueError, match="did you mean 'async_load'"):
+        LLM(str(tiny_llama), device="cpu", kv_transfer_config=transfer)

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.engine.scheduler_output import PENDING_TOKEN, ModelRunnerOutput
+from kvrecover.step_messages import PENDING_TOKEN, ModelRunnerOutput
 
 VOCAB = 384
 PROMPTS = random_prompts(6, [9, 40, 3, 75, 17, 1], VOCAB, seed=33)

@@ -428,3 +428,64 @@ def test_bad_serve_engine_flags_are_argparse_errors(capsys):
     err = capsys.readouterr().err
     assert "kvrecover serve: error: argument --kv-transfer-config" in err
     assert "not valid JSON" in err and "Traceback" not in err
+
+
+def corrupting_relay(real: Process, keep: int, corrupt, vocab_size: int):
+    """A decode instance that relays `real` (its /health too, so it reports the real
+    vocab_size) but replaces the stream's event number `keep` by
+    `corrupt(event, vocab_size)`."""
+    from fake_upstream import FakeUpstream, Reply, sse
+
+    def handler(method: str, path: str, body):
+        if method == "GET":
+            response = httpx.get(f"{real.url}{path}", timeout=WAIT_S)
+            return Reply(response.status_code, response.content)
+        events = []
+        with httpx.stream("POST", f"{real.url}{path}", json=body, timeout=WAIT_S) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) > keep:
+                    break
+        return sse(events[:keep] + [corrupt(json.loads(events[keep]), vocab_size)])
+
+    return FakeUpstream(handler)
+
+
+def with_first_choice(event: dict, key: str, value) -> str:
+    event["choices"][0][key] = value
+    return json.dumps(event)
+
+
+@pytest.mark.parametrize("keep,corrupt", [
+    (0, lambda event, vocab: "[1, 2]"),
+    (3, lambda event, vocab: "null"),
+    (0, lambda event, vocab: with_first_choice(event, "token_ids", [10**30])),
+    (3, lambda event, vocab: with_first_choice(event, "token_ids", [vocab])),
+    (3, lambda event, vocab: with_first_choice(event, "finish_reason", "length")),
+], ids=["wrong shape first", "null mid-stream", "10**30 first", "vocab_size mid-stream",
+        "early length"])
+def test_an_instance_sending_invalid_events_is_failed_over_or_migrated(cluster, reference,
+                                                                       model_dir, tmp_path,
+                                                                       keep, corrupt):
+    """Real instances behind the proxy, the first decode instance corrupting one event
+    of a real stream: the client still gets the undisturbed output, streamed or not.
+    `vocab_size` as a token id is caught only through the real server's /health."""
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    relay = corrupting_relay(cluster.decode[0], keep, corrupt, vocab_size)
+    port = free_port()
+    proxy = Process(["proxy", "--prefill", cluster.prefill.url, "--decode", relay.url,
+                     *[d.url for d in cluster.decode], "--port", str(port),
+                     "--health-check-interval", "0.2"], port, tmp_path / "proxy.log")
+    try:
+        proxy.wait_healthy()
+        for stream in (False, True):
+            wait_for(lambda: metric(proxy.url, "kvrecover_proxy_instance_up",
+                                    f'instance="{relay.url}",role="decode"') == 1,
+                     "the relay to be up")
+            text, token_ids, _ = completion(proxy.url, 8, stream)
+            assert (text, token_ids) == expected(reference, 8)
+        assert relay.requests  # the relay was tried first, both times
+    finally:
+        proxy.kill()
+        relay.close()

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 from conftest import greedy_token_ids
 from redis_helpers import FaultyProxy, SilentServer
 
@@ -192,7 +193,9 @@ class EvictingRedisConnector(RedisConnector):
         if num_external_tokens > 0 and not self.evicted:
             first = request.num_computed_tokens // self.block_size
             keys = request.block_hashes[first : first + num_external_tokens // self.block_size]
-            self.store.client.delete(*[self.store.redis_key(key) for key in keys])
+            admin = redis.Redis.from_url(self.store.settings.url)  # the store's client is async
+            admin.delete(*[self.store.redis_key(key) for key in keys])
+            admin.close()
             self.evicted.append(request.request_id)
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
 

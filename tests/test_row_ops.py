@@ -1,4 +1,4 @@
-"""The C row kernels (`ops/native_row_ops`, `csrc/row_ops.c`) of the bf16/fp16 CPU path:
+"""The C row kernels (`ops/cpu/row_ops.py`, `ops/cpu/csrc/row_ops.c`) of the bf16/fp16 CPU path:
 a row's bits never depend on its batch or the thread count, results match torch's
 within half rounding (residual sums and rotary exactly), bad input is refused."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvrecover.models.rope import RotaryEmbedding
-from kvrecover.ops import native_build
-from kvrecover.ops.cpu_invariant_linear import InvariantCpuOps
-from kvrecover.ops.native_row_ops import NativeRowOps, native_row_ops
-from kvrecover.ops.rotary import apply_rotary
-from kvrecover.ops.torch_ops import TorchOps
+from kvrecover.ops.cpu import native_build
+from kvrecover.ops.cpu.invariant_ops import InvariantCpuOps
+from kvrecover.ops.cpu.row_ops import NativeRowOps, native_row_ops
+from kvrecover.ops.reference.rotary import apply_rotary
+from kvrecover.ops.reference.torch_ops import TorchOps
 
 HALF = (torch.bfloat16, torch.float16)
 HIDDEN_SIZES = (24, 576, 2048 + 8)

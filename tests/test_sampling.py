@@ -130,7 +130,7 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
 def test_a_continuation_with_the_resumed_seed_samples_the_undisturbed_tokens(llm):
     """A seeded request continued from its prompt + first k outputs (a migration)
     under `resumed_request_seed(seed, k)` draws the original's tokens k, k+1, ..."""
-    from kvrecover.engine.request import resumed_request_seed
+    from kvrecover.sampling import resumed_request_seed
 
     prompt_ids = list(PROMPTS[2])
 

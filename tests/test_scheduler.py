@@ -27,7 +27,7 @@ from scheduler_harness import (
 )
 
 from kvrecover.engine.request import RequestStatus
-from kvrecover.engine.scheduler_output import ModelRunnerOutput
+from kvrecover.step_messages import ModelRunnerOutput
 
 
 # ----- rule 1: sync loads -------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_a_chunked_prefill_takes_the_blocks_a_parked_load_holds():
             break
         finished = {"l"} if parked.status is RequestStatus.WAITING_FOR_REMOTE_KVS else set()
         output, progressed = step(scheduler, finished_recving=finished)
-        assert output.scheduled or progressed or finished or scheduler.loads_in_flight()
+        assert output.scheduled or progressed or finished or scheduler.transfers_in_flight()
     assert head.output_token_ids == [TOKEN] * 2 and parked.output_token_ids == [TOKEN] * 3
     assert head.num_preemptions == 0
     assert all_blocks_free(scheduler)
@@ -316,7 +316,7 @@ def test_async_loads_on_a_tiny_cache_degrade_to_slower_never_to_an_error(seed):
                     waited[request.request_id] = 0
         output, progressed = step(scheduler, finished_recving=finished)
         # The engine's check: a step that does nothing is fine only while loads are pending.
-        assert output.scheduled or progressed or finished or scheduler.loads_in_flight()
+        assert output.scheduled or progressed or finished or scheduler.transfers_in_flight()
         # Rule 7: blocks an in-flight load writes belong to its request alone.
         for request in requests:
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:

@@ -7,10 +7,12 @@ the requests it touches, handled by the policy and logged once (item 6).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 from scheduler_harness import (
+    BLOCK,
     PROMPT,
     TOKEN,
     FakeClock,
@@ -24,6 +26,8 @@ from scheduler_harness import (
 )
 
 from kvrecover.engine.request import RequestStatus
+from kvrecover.kv_layout import update_block_hashes
+from kvrecover.kv_transfer.request_view import KVRequestView
 
 
 # ----- issue 15 item 7: claims are validated ------------------------------------------------
@@ -179,3 +183,47 @@ def test_a_connector_counter_never_hides_an_engine_counter():
     add(scheduler, "a", PROMPT)
     run_to_completion(scheduler)
     assert scheduler.stats.snapshot()["prompt_tokens_computed"] == len(PROMPT)
+
+
+# ----- issue 20 item 3: connectors see a read-only view, not the engine's Request -------------
+class ViewRecordingConnector(FakeConnector):
+    """Keeps every request object the scheduler hands it, and tries to change each."""
+
+    def __init__(self, claims):
+        super().__init__(claims)
+        self.seen: list = []
+
+    def _record(self, request):
+        self.seen.append(request)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            request.num_computed_tokens = 0
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self._record(request)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self._record(request)
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._record(request)
+        return super().request_finished(request, block_ids)
+
+
+def test_connector_sees_a_read_only_request_view():
+    connector = ViewRecordingConnector({"a": [(8, False)]})
+    scheduler = make_scheduler(connector)
+    a = add(scheduler, "a", PROMPT, max_tokens=2)
+    update_block_hashes(a.block_hashes, a.prompt_token_ids, BLOCK)  # the engine's job
+    run_to_completion(scheduler)
+    assert len(connector.seen) == 3  # lookup, allocation, end
+    assert all(type(view) is KVRequestView for view in connector.seen)
+    lookup, alloc, finished = connector.seen
+    assert lookup.request_id == "a" and lookup.prompt_token_ids == tuple(PROMPT)
+    assert lookup.num_prompt_tokens == len(PROMPT)
+    assert lookup.block_hashes == tuple(a.block_hashes[: len(PROMPT) // BLOCK])
+    assert lookup.sampling_params is a.sampling_params
+    assert (lookup.num_computed_tokens, alloc.num_computed_tokens) == (0, 0)
+    assert a.output_token_ids == [TOKEN, TOKEN]  # the view's failed write changed nothing
+    assert finished.request_id == "a"

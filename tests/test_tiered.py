@@ -191,7 +191,7 @@ BAD_CONFIGS = {
     "not-a-dict": ({"connectors": ["RedisConnector"]},
                    r"connectors\[0\] must be a dict with a 'kv_connector' name"),
     "unknown-key": ({"connectors": [{"kv_connector": "RedisConnector", "svae": True}]},
-                    r"connectors\[0\] has unknown keys \['svae'\]"),
+                    r"unknown connectors\[0\] key 'svae'; did you mean 'save'\?"),
     "save-not-bool": ({"connectors": [{"kv_connector": "RedisConnector", "save": "yes"}]},
                       r"connectors\[0\]\['save'\] must be True or False"),
     "not-a-store": ({"connectors": [{"kv_connector": "FaultInjectionConnector"}]},

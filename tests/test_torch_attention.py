@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvrecover.models.rope import RotaryEmbedding
-from kvrecover.ops import onednn
-from kvrecover.ops.attention_metadata import AttentionMetadata
-from kvrecover.ops.torch_attention import TorchPagedAttention
-from kvrecover.ops.torch_ops import TorchOps
+from kvrecover.ops.cpu import onednn
+from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+from kvrecover.ops.reference.torch_attention import TorchPagedAttention
+from kvrecover.ops.reference.torch_ops import TorchOps
 
 # (tokens already cached, new tokens) per request.
 CASES = {
@@ -66,7 +66,7 @@ def test_stale_nan_blocks_never_reach_the_output(case):
 def test_decode_in_slices_matches_reference(monkeypatch, case, gather_bytes):
     """Decodes gathered a few requests at a time (as long contexts are on the CPU)
     give the same result, stale NaNs still kept out."""
-    from kvrecover.ops import torch_attention
+    from kvrecover.ops.reference import torch_attention
 
     monkeypatch.setattr(torch_attention, "_GATHER_BYTES", gather_bytes)
     _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1)

@@ -9,29 +9,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.config import EngineArgs, SchedulerConfig
-from kvrecover.engine.inputs import (
-    check_request,
-    or_default,
-    prompt_tokens,
-    resolve_device,
-    resolve_dtype,
-)
+from kvrecover.config import EngineArgs
+from kvrecover.engine.inputs import check_request, prompt_tokens
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
+from kvrecover.engine.resolve import ResolvedConfig, resolve_config
 from kvrecover.engine.scheduler import Scheduler
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_layout import KVCacheLayout, blocks_needed, update_block_hashes
+from kvrecover.kv_layout import update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.model_source import resolve_model_dir
-from kvrecover.models.config import ModelConfig
-from kvrecover.models.fingerprint import checkpoint_fingerprint
 from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.tokenizer import Tokenizer
-from kvrecover.worker.kv_cache import available_kv_cache_bytes
 from kvrecover.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -47,60 +38,42 @@ class Engine:
     requests that produced a token or finished in that step.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.model_dir = resolve_model_dir(args.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
+    def __init__(self, args: EngineArgs | ResolvedConfig) -> None:
+        """Assemble the engine from `args` resolved (`engine/resolve.py`), or from a
+        `ResolvedConfig` built before: tokenizer, model runner and KV cache, block
+        manager, connector roles, scheduler."""
+        config = args if isinstance(args, ResolvedConfig) else resolve_config(args)
+        self.config = config
+        self.args = args = config.args
+        self.model_dir, self.model_config = config.model_dir, config.model_config
+        self.device, self.dtype = config.device, config.dtype
+        self.max_model_len = config.max_model_len
+        self.scheduler_config = config.scheduler_config
+        self.layout = config.layout
         self.tokenizer = Tokenizer(self.model_dir)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        cuda = self.device.type == "cuda"
-        model_limit = self.model_config.max_position_embeddings
-        if args.max_model_len is not None and args.max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len must be <= {model_limit} (the model's "
-                f"max_position_embeddings), got {args.max_model_len}"
-            )
-        self.max_model_len = args.max_model_len or min(model_limit, 32768)
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=or_default(args.max_num_batched_tokens, 8192 if cuda else 2048),
-            max_num_seqs=or_default(args.max_num_seqs, 256 if cuda else 64),
-            max_model_len=self.max_model_len,
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
-        self.layout = KVCacheLayout(
-            model_identity=f"{self.model_config.identity}-{checkpoint_fingerprint(self.model_dir)}",
-            dtype=self.dtype,
-            block_size=args.block_size,
-            num_layers=self.model_config.num_hidden_layers,
-            num_kv_heads=self.model_config.num_key_value_heads,
-            head_dim=self.model_config.head_dim,
-        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(args.seed)
         self.model_runner = ModelRunner(
             self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
             self.layout, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
-            attention_backend=args.attention_backend,
+            attention_backend=config.attention_backend, native_kernels=args.native_kernels,
         )
-        self.model_runner.allocate_kv_cache(self._num_blocks())
+        # After the weights: a GPU's budget is what they left free.
+        self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
         self.stats = EngineStats()
         kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         connector = None
-        transfer = args.kv_transfer_config
-        if transfer is not None:
-            from kvrecover.kv_transfer.registry import create_connector
-
-            connector = create_connector(transfer, KVConnectorRole.SCHEDULER, self.layout)
-            worker_connector = create_connector(transfer, KVConnectorRole.WORKER, self.layout)
-            self.model_runner.attach_connector(worker_connector)
+        plan = config.connector
+        if plan is not None:
+            connector = plan.create(KVConnectorRole.SCHEDULER, self.layout)
+            self.model_runner.attach_connector(plan.create(KVConnectorRole.WORKER, self.layout))
+        transfer = plan.transfer if plan is not None else None
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
         # Prefix caching and connectors key blocks by their chain hash: hash the
@@ -114,24 +87,6 @@ class Engine:
         # torch while the interpreter tears down (that aborts the process).
         connectors = [c for c in (self.model_runner.connector, connector) if c is not None]
         self._shutdown_connectors = weakref.finalize(self, _shutdown, connectors)
-
-    def _num_blocks(self) -> int:
-        if self.args.num_kv_blocks is not None:
-            return self.args.num_kv_blocks
-        if self.args.kv_cache_memory_gb is not None:
-            budget = int(self.args.kv_cache_memory_gb * (1 << 30))
-        else:
-            budget = available_kv_cache_bytes(self.device, self.args.gpu_memory_utilization)
-        num_blocks = budget // self.layout.block_nbytes
-        # No point in more blocks than every sequence slot at full length needs.
-        cap = self.scheduler_config.max_num_seqs * blocks_needed(self.max_model_len, self.args.block_size)
-        num_blocks = min(num_blocks, cap + 1)
-        if num_blocks < 2:
-            raise ValueError(
-                f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of "
-                f"{self.layout.block_nbytes} bytes; raise kv_cache_memory_gb or num_kv_blocks"
-            )
-        return num_blocks
 
     # ----- requests ------------------------------------------------------------------
     def add_request(
@@ -265,8 +220,8 @@ class Engine:
         return failed
 
     def _check_progress(self) -> None:
-        """An idle step is fine only while async loads are in flight."""
-        if self.scheduler.loads_in_flight():
+        """An idle step is fine only while KV transfers (async loads, sends) are in flight."""
+        if self.scheduler.transfers_in_flight():
             time.sleep(0.0005)  # let the loader threads run instead of spinning
         elif self.scheduler.waiting:
             # The scheduler fails a request it cannot place; reaching this is a bug.

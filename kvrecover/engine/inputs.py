@@ -1,24 +1,18 @@
 """What callers hand the engine, checked and turned into engine inputs.
 
 Prompts become token ids (never coerced: 5.7, "123" and True are errors; text with a
-lone surrogate or a NUL is an error naming the prompt), a
-request is checked against the model and the KV cache before it is queued, and
-the `device` / `dtype` options resolve to torch objects. Everything here raises
-a ValueError that says what to change.
+lone surrogate or a NUL is an error naming the prompt), a request is checked against
+the model and the KV cache before it is queued. Everything here raises a ValueError
+that says what to change (the engine's options are resolved in `engine/resolve.py`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from kvrecover.kv_layout import blocks_needed
-from kvrecover.models.config import ModelConfig
 from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import check_text
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def prompt_tokens(prompt: Any, tokenizer) -> tuple[str | None, list[int]]:
@@ -77,36 +71,3 @@ def check_request(
             f"KV blocks but the cache has {num_blocks - 1}; raise num_kv_blocks or "
             "kv_cache_memory_gb, or shorten the request"
         )
-
-
-def or_default(value: int | None, default: int) -> int:
-    """`value`, or `default` when it is None (0 is a value, not a default)."""
-    return default if value is None else value
-
-
-def resolve_device(device: str) -> torch.device:
-    """The torch device of the `device` option ("auto" picks CUDA when there is one)."""
-    if device == "auto":
-        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
-    if resolved.type not in ("cpu", "cuda"):  # torch knows more types than we run on
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available")
-        if resolved.index is None:  # torch.cuda.set_device needs an index
-            resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """The torch dtype of the `dtype` option ("auto": float32 on the CPU, the
-    checkpoint's fp16 or else bf16 on a GPU)."""
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type != "cuda":
-        return torch.float32
-    return torch.float16 if config.checkpoint_dtype == torch.float16 else torch.bfloat16

@@ -6,7 +6,7 @@ Only block operations live here; what to do about a failed block is decided in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvrecover.engine.block_pool import BlockPool, KVCacheBlock
 from kvrecover.engine.request import Request
@@ -41,14 +41,14 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, request: Request, num_tokens: int, hits: list[KVCacheBlock]) -> bool:
+    def can_allocate(self, request: Request, num_tokens: int, hits: Sequence[KVCacheBlock]) -> bool:
         """Whether `request` (holding its blocks plus `hits`) can grow to `num_tokens`."""
         held = len(request.block_ids) + len(hits)
         free_hits = sum(1 for b in hits if b.ref_count == 0)
         needed = blocks_needed(num_tokens, self.block_size) - held
         return needed <= self.pool.num_free_blocks - free_hits
 
-    def allocate(self, request: Request, num_tokens: int, hits: list[KVCacheBlock] = ()) -> bool:
+    def allocate(self, request: Request, num_tokens: int, hits: Sequence[KVCacheBlock] = ()) -> bool:
         """Take the hit blocks, then enough fresh blocks to hold `num_tokens` tokens."""
         if not self.can_allocate(request, num_tokens, hits):
             return False

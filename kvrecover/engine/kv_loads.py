@@ -6,7 +6,8 @@ external KV it calls this object: what the connector may supply for a request
 own deadline (`async_loads.py`), collecting each step's failed blocks (from the
 worker and from connector bugs contained here) and carrying out the plan that
 `recovery.py` decides. A request that recovery fails is handed back to the
-scheduler through `end_with_error`.
+scheduler through `end_with_error`. It also holds the blocks of ended requests
+whose connector still sends them (`pending_sends.py`) until the worker reports them.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from collections.abc import Callable, Iterable
 from kvrecover.config import KVTransferConfig
 from kvrecover.engine.async_loads import AsyncLoadTracker
 from kvrecover.engine.kv_cache_manager import KVCacheManager
+from kvrecover.engine.pending_sends import PendingSends
 from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecovery
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnector
-from kvrecover.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import blocks_needed
 from kvrecover.kv_transfer.base import DEFAULT_LOAD_TIMEOUT_S, KVConnectorBase, KVConnectorMetadata
+from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class KVLoads:
             transfer.kv_load_retry_limit if transfer else 0,
         )
         self.tracker = AsyncLoadTracker(load_deadline_s(connector), clock)
+        self.sends = PendingSends(self.tracker.timeout_s, clock)
         self._end_with_error = end_with_error
         self._claimed: list[Request] = []  # claimed external tokens in this step
         # Blocks a contained connector bug made untrustworthy; judged with the step's output.
@@ -74,7 +77,7 @@ class KVLoads:
     def external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
         """The connector's validated claim; a connector error is a failure of `request`
         (under policy `fail` it ends the request)."""
-        if not self.can_load or request.connector_consulted:
+        if not self.can_load or self.connector is None or request.connector_consulted:
             return 0, False
         if not self.recovery.may_consult_connector(request):
             return 0, False
@@ -147,9 +150,13 @@ class KVLoads:
             self.tracker.orphan(request.request_id, self.kv_manager.take_blocks(request, 0))
 
     def request_finished(self, request: Request) -> None:
-        """A request ended (any reason): tell the connector, forget its failures."""
+        """A request ended (any reason): tell the connector, forget its failures. If the
+        connector keeps the blocks, they leave the request and are held until it reports
+        the request sent (`finish_sends`)."""
         if self.connector is not None:
-            self.connector.request_finished(request, list(request.block_ids))
+            keep = self.connector.request_finished(request, list(request.block_ids))
+            if keep and request.block_ids:
+                self.sends.hold(request.request_id, self.kv_manager.take_blocks(request, 0))
         self.recovery.forget(request.request_id)
 
     # ----- with the step's output -----------------------------------------------------------
@@ -169,6 +176,11 @@ class KVLoads:
                 ready.append(request)
         return ready
 
+    def finish_sends(self, finished_sending: Iterable[str]) -> None:
+        """Release the blocks of the ended requests the worker reported sent."""
+        if self.sends.sends:
+            self.kv_manager.release_blocks(self.sends.confirm(finished_sending))
+
     def recover(self, output: ModelRunnerOutput, loaded: list[Request],
                 queues: Iterable[Iterable[Request]], requests: dict[str, Request]) -> set[str]:
         """Judge the step's failed blocks against every request in `queues` that holds
@@ -187,7 +199,7 @@ class KVLoads:
     def account_loaded(self, loaded: list[Request]) -> None:
         """Count what the loads that ended in this step really supplied, and cache it."""
         for request in loaded:
-            start, end = request.pending_external
+            start, end = request.pending_range
             self.stats.prompt_tokens_external += max(0, min(request.num_computed_tokens, end) - start)
             request.pending_external = None
             self.kv_manager.cache_computed_blocks(request)
@@ -202,7 +214,7 @@ class KVLoads:
 
     def external_block_ids(self, request: Request) -> list[int]:
         """The blocks the request's pending external tokens are loaded into."""
-        start, end = request.pending_external
+        start, end = request.pending_range
         return request.block_ids[start // self.block_size : blocks_needed(end, self.block_size)]
 
     # ----- applying recovery's decisions ---------------------------------------------------

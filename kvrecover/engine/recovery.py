@@ -92,7 +92,7 @@ class KVLoadRecovery:
         plan = RecoveryPlan()
         for request in requests:
             self._deferred.pop(request.request_id, None)
-            start, end = request.pending_external
+            start, end = request.pending_range
             first = start // self.block_size
             block_ids = request.block_ids[first : blocks_needed(end, self.block_size)]
             plan.uncache_block_ids.update(block_ids)

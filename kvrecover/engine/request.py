@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvrecover.sampling import SamplingParams
+from kvrecover.sampling import SamplingParams, sample_seed
 
 
 class RequestStatus(enum.Enum):
@@ -90,6 +90,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def pending_range(self) -> tuple[int, int]:
+        """The token range of the KV load in flight; only for a request with one."""
+        if self.pending_external is None:
+            raise RuntimeError(f"request {self.request_id} has no KV load in flight")
+        return self.pending_external
+
     def restart(self) -> None:
         """Start over once the scheduler released all the request's blocks (preemption,
         or making room for another request): nothing is computed any more and the
@@ -119,23 +126,3 @@ class Request:
         if output_index is None:
             output_index = len(self.output_token_ids)
         return sample_seed(self.sampling_seed, output_index)
-
-
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, hence invertible modulo 2**63
-_SEED_MODULUS = 1 << 63
-
-
-def sample_seed(request_seed: int, output_index: int) -> int:
-    """The sampler's seed for output token `output_index` of a request seeded
-    `request_seed`: a pure function of the two (see `Request.next_sample_seed`)."""
-    return (request_seed * _SEED_STRIDE + output_index) % _SEED_MODULUS
-
-
-def resumed_request_seed(request_seed: int, num_output_tokens: int) -> int:
-    """The seed of a continuation whose prompt ends with the first
-    `num_output_tokens` outputs of a request seeded `request_seed`: the
-    continuation's output j draws from the seed of the original's output
-    `num_output_tokens + j`, so a migrated seeded request samples what the
-    undisturbed one would have (given the same logits)."""
-    inverse = pow(_SEED_STRIDE, -1, _SEED_MODULUS)
-    return (request_seed + num_output_tokens * inverse) % _SEED_MODULUS

@@ -9,7 +9,8 @@ its blocks, until the worker reports the load finished or the engine's deadline
 for it passes (`async_loads.py`).
 
 Everything about external KV (claims, async loads, failed blocks and their
-recovery) goes through `kv_loads.py`.
+recovery, the blocks a connector still sends after a request ended) goes through
+`kv_loads.py`.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.kv_loads import KVLoads
 from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.engine.scheduler_output import (
+from kvrecover.engine.stats import EngineStats
+from kvrecover.kv_transfer.base import KVConnectorBase
+from kvrecover.step_messages import (
     PENDING_TOKEN,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class Scheduler:
             # The connector could not tell the old load's report from a new one's.
             raise ValueError(f"request id {request.request_id!r} is still in use by an "
                              "async KV load that the connector has not confirmed")
+        if self.kv_loads.sends.is_pending(request.request_id):
+            raise ValueError(f"request id {request.request_id!r} is still in use by a KV "
+                             "send that the connector has not reported finished")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -87,14 +91,19 @@ class Scheduler:
         return request
 
     def has_unfinished(self) -> bool:
-        """Whether any request still needs steps (or an aborted load its confirmation)."""
-        return bool(self.waiting or self.running) or self.loads.awaiting_confirmation()
+        """Whether any request still needs steps (or an aborted load or an ended
+        request's send its confirmation, within the deadline)."""
+        return bool(self.waiting or self.running) or self._awaiting_confirmation()
 
-    def loads_in_flight(self) -> bool:
-        """Whether a step may end with nothing done because async loads are pending."""
-        return self.loads.awaiting_confirmation() or any(
+    def transfers_in_flight(self) -> bool:
+        """Whether a step may end with nothing done because async loads (or sends of
+        ended requests' blocks) are pending."""
+        return self._awaiting_confirmation() or any(
             r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting
         )
+
+    def _awaiting_confirmation(self) -> bool:
+        return self.loads.awaiting_confirmation() or self.kv_loads.sends.awaiting_confirmation()
 
     def pop_finished(self, request_id: str) -> Request | None:
         """Forget a finished request once its output has been handed out."""
@@ -257,12 +266,12 @@ class Scheduler:
 
     def _fail_stalled(self, request: Request) -> None:
         """Nothing runs, nothing is in flight and `request` still finds no blocks: they
-        are held for loads the connector never confirmed. End it rather than spin."""
-        if self.loads_in_flight():
-            return  # a load will finish (or expire) and free blocks
+        are held for loads or sends the connector never confirmed. End it rather than spin."""
+        if self.transfers_in_flight():
+            return  # a load or send will finish (or pass its deadline) and free blocks
         self.waiting.remove(request)
         self._end_with_error(request, "the KV cache blocks it needs are held by async KV "
-                                      "loads that the connector never confirmed")
+                                      "loads or sends that the connector never confirmed")
 
     def _claim(self, request: Request, num_local: int, num_hit_blocks: int, num_external: int) -> None:
         """Count local hits and claim the external tokens."""
@@ -303,6 +312,7 @@ class Scheduler:
             stepped.append(request)
         loaded = [r for r in stepped if r.pending_external is not None]
         loaded += self.kv_loads.finish_loads(output.finished_recving, self.requests)
+        self.kv_loads.finish_sends(output.finished_sending)
         queues = (self.running, self.waiting)
         recovered = self.kv_loads.recover(output, loaded, queues, self.requests)
         self.kv_loads.account_loaded(loaded)

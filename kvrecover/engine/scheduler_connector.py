@@ -6,6 +6,9 @@ is contained and every answer validated here, so a connector bug never escapes
 `ConnectorError`, which the scheduler treats as a KV failure of the request
 concerned (handled by the failure policy). Each kind of failure is logged once.
 
+The connector never sees the engine's mutable `Request`: each call gets a fresh
+read-only `KVRequestView` (`request_view`), the fields the contract promises.
+
 Claims from `get_num_new_matched_tokens` are validated: a count that is not an
 int or is negative is a miss; a count is capped so at least the last prompt
 token is computed here and rounded down to whole blocks, so what the connector
@@ -20,11 +23,23 @@ from typing import TYPE_CHECKING
 from kvrecover.engine.request import Request
 from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from kvrecover.kv_transfer.errors import ConnectorErrorLog, checked_counters
+from kvrecover.kv_transfer.request_view import KVRequestView
 
 if TYPE_CHECKING:
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def request_view(request: Request) -> KVRequestView:
+    """The read-only view of `request` that the connector contract promises."""
+    return KVRequestView(
+        request_id=request.request_id,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        block_hashes=tuple(request.block_hashes),
+        num_computed_tokens=request.num_computed_tokens,
+        sampling_params=request.sampling_params,
+    )
 
 
 class ConnectorError(Exception):
@@ -46,8 +61,8 @@ class SchedulerConnector:
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """The validated claim (tokens after `num_computed_tokens`, load asynchronously)."""
         kind = "get_num_new_matched_tokens"
-        answer = self._call(kind, self.connector.get_num_new_matched_tokens, request,
-                            num_computed_tokens)
+        answer = self._call(kind, self.connector.get_num_new_matched_tokens,
+                            request_view(request), num_computed_tokens)
         try:
             num_tokens, load_async = answer
         except (TypeError, ValueError):
@@ -81,20 +96,29 @@ class SchedulerConnector:
     ) -> None:
         """Tell the connector where the request's external tokens go."""
         self._call("update_state_after_alloc", self.connector.update_state_after_alloc,
-                   request, block_ids, num_external_tokens)
+                   request_view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's metadata for the worker role."""
         return self._call("build_connector_meta", self.connector.build_connector_meta,
                           scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> None:
-        """Tell the connector a request ended; a failure here affects nobody else."""
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Tell the connector a request ended. True: it keeps reading the blocks until
+        it reports the request in `finished_sending` (hold them). A failure, or an
+        answer that is not a bool, frees them now and affects nobody else."""
+        kind = "request_finished"
         try:
-            self._call("request_finished", self.connector.request_finished, request, block_ids,
-                       effect="the request had ended; nothing else is affected")
+            answer = self._call(kind, self.connector.request_finished, request_view(request),
+                                block_ids, effect="the request had ended; its blocks are freed")
         except ConnectorError:
-            pass
+            return False
+        if answer is None or answer is False:
+            return False
+        if answer is not True:
+            self.errors.report(kind, f"returned {answer!r}, not a bool; the blocks are freed")
+            return False
+        return True
 
     def connector_stats(self) -> dict[str, int]:
         """The connector's own counter increments since the last call ({} on failure)."""

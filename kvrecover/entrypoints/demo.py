@@ -17,25 +17,39 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvrecover.options import option, validate
 
 START_TIMEOUT_S = 600.0
 DEMO_PROMPT = "The capital of France is"
 
 
+@dataclass
+class DemoArgs:
+    """The flags of `kvrecover serve-demo` besides the engine's (which every server gets)."""
+
+    port: int = option(8000, "the proxy's port", int, minimum=0, maximum=65535)
+    workdir: Path | None = option(
+        None, "folder for the KV store and the server logs (default: a temp dir)", Path,
+        nullable=True, metavar="DIR")
+    once: bool = option(
+        False, "exit after the demo request instead of serving until Ctrl-C", bool)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
 def add_demo_parser(commands: Any) -> None:
     """Register `kvrecover serve-demo` on the CLI's subparsers."""
-    from kvrecover.config import add_engine_flags
+    from kvrecover.config import EngineArgs
+    from kvrecover.options import add_record_flags
 
     demo = commands.add_parser(
         "serve-demo", help="start one prefill, two decode servers and the proxy on loopback")
-    add_engine_flags(demo, skip=("kv_transfer_config",))
-    demo.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000)")
-    demo.add_argument("--workdir", type=Path, default=None,
-                      help="folder for the KV store and the server logs (default: a temp dir)")
-    demo.add_argument("--once", action="store_true",
-                      help="exit after the demo request instead of serving until Ctrl-C")
+    add_record_flags(demo, EngineArgs, DemoArgs, skip=("kv_transfer_config",))
 
 
 def _free_port() -> int:
@@ -54,8 +68,10 @@ def run_demo(args: argparse.Namespace) -> int:
     import httpx
 
     from kvrecover.config import engine_args_from_namespace
+    from kvrecover.options import from_namespace
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvrecover-demo-"))
+    demo = from_namespace(DemoArgs, args)
+    workdir = demo.workdir or Path(tempfile.mkdtemp(prefix="kvrecover-demo-"))
     store = workdir / "kv"
     store.mkdir(parents=True, exist_ok=True)
     engine = engine_args_from_namespace(args).to_argv()  # every server gets the same engine
@@ -79,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"kvrecover serve-demo: starting 3 servers (logs in {workdir}) ...", flush=True)
         _wait_healthy(children, httpx)
         proxy_url = spawn("proxy", ["proxy", "--prefill", urls["prefill"], "--decode",
-                                    urls["decode-1"], urls["decode-2"]], args.port)
+                                    urls["decode-1"], urls["decode-2"]], demo.port)
         _wait_healthy(children, httpx)
         for name, _, url in children:
             print(f"  {name:9s} {url}")
@@ -88,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
         answer.raise_for_status()
         print(f"\n{DEMO_PROMPT!r} -> {answer.json()['choices'][0]['text']!r} "
               f"(decoded by {answer.headers['x-kvrecover-decode-instance']})")
-        if args.once:
+        if demo.once:
             return 0
         print(f"\nTry:\n  curl {proxy_url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{json.dumps(body)}'\n  curl {proxy_url}/metrics")

@@ -24,7 +24,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvrecover.engine.request import resumed_request_seed
 from kvrecover.entrypoints.chat_template import ChatTemplate
 from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.engine_loop import EngineLoop
@@ -37,6 +36,7 @@ from kvrecover.entrypoints.protocol import (
     CompletionRequest,
     parse_request,
 )
+from kvrecover.sampling import resumed_request_seed
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,9 @@ Routing, failover and migration live in `proxy_request.py`; this module is the
 HTTP side: it parses the client's request, answers in the client's format
 (streamed or not, completions or chat) whatever instance produced the tokens,
 and sends no status line before the first token is known, so a request no
-instance could serve is a plain 503, never a 200 that ends badly. A client that
+instance could serve is a plain 503, never a 200 that ends badly. Everything it
+forwards was checked first (`proxy_checks.py`); even a bug of its own is an
+OpenAI-format 500 (or an error event in a started stream), never plain text. A client that
 leaves (streamed or not) has its upstream request closed, so the instance aborts
 it; with `stream_options.include_usage` the stream ends with a usage chunk.
 """
@@ -14,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +30,15 @@ from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
 from kvrecover.entrypoints.http_errors import install_error_handlers
+from kvrecover.entrypoints.openai_shapes import ModelList, ShapeError, load_json, parse_shape
 from kvrecover.entrypoints.protocol import ApiError, parse_stream_usage
+from kvrecover.entrypoints.proxy_checks import Piece
 from kvrecover.entrypoints.proxy_instances import InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy_request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
-from kvrecover.entrypoints.proxy_upstream import Piece, Rejected
+from kvrecover.entrypoints.proxy_upstream import Rejected, classify_error
 from kvrecover.entrypoints.server import MAX_BODY_BYTES, read_json_body
+
+logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization",)
 DISCONNECT_POLL_S = 0.5  # how often a request not yet answered checks for its client
@@ -85,6 +92,11 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     async def rejected(_request: Request, error: Rejected):
         return Response(error.body, status_code=error.status, media_type="application/json")
 
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, error: Exception):
+        logger.exception("the proxy failed on a request", exc_info=error)
+        return JSONResponse(_internal_error(error).body(), status_code=500)
+
     @app.get("/health")
     async def health():
         states = {i.url: ("up" if i.up else "down") for i in pool.all}
@@ -106,8 +118,16 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                                             headers=_forwarded(request))
             except httpx.HTTPError:
                 continue
-            return Response(response.content, status_code=response.status_code,
-                            media_type="application/json")
+            if response.status_code != 200:
+                error = classify_error(instance, response.status_code, response.content)
+                if isinstance(error, Rejected):  # e.g. a wrong API key
+                    raise error
+                continue
+            try:
+                parse_shape(ModelList, load_json(response.content))
+            except ShapeError:
+                continue
+            return Response(response.content, media_type="application/json")
         raise ApiError(503, "no instance is up", "service_unavailable", code=503)
 
     async def generate(request: Request, path: str):
@@ -139,7 +159,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         first = await proxied.open_decode()
         formatter = ClientFormat(path, bool(body.get("return_token_ids")),
                                  body.get("model") or first.model or "", *usage)
-        headers = {"x-kvrecover-decode-instance": proxied.stream.instance.url}
+        headers = {"x-kvrecover-decode-instance": proxied.decode_stream.instance.url}
         pieces = _chain(first, proxied.pieces(first))
         if body.get("stream"):
             return StreamingResponse(formatter.sse(pieces, proxied), headers=headers,
@@ -166,7 +186,14 @@ def _forwarded(request: Request) -> dict[str, str]:
     return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
-async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+def _internal_error(error: Exception) -> ApiError:
+    return ApiError(500, f"the proxy failed: {type(error).__name__}", "internal_error",
+                    code="internal_error")
+
+
+async def _chain(
+    first: Piece, rest: AsyncGenerator[Piece, None]
+) -> AsyncGenerator[Piece, None]:
     try:
         yield first
         async for piece in rest:
@@ -218,7 +245,9 @@ class ClientFormat:
             body["usage"] = self._usage(proxied)
         return body
 
-    async def sse(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest):
+    async def sse(
+        self, pieces: AsyncGenerator[Piece, None], proxied: ProxiedRequest
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events; an unrecoverable failure ends with an error, no [DONE]."""
         first = True
         try:
@@ -227,6 +256,10 @@ class ClientFormat:
                 first = False
         except ApiError as error:
             yield f"data: {json.dumps(error.body())}\n\n"
+            return
+        except Exception as error:  # a bug of the proxy: still an error event, never a cut
+            logger.exception("the proxy failed mid-stream", exc_info=error)
+            yield f"data: {json.dumps(_internal_error(error).body())}\n\n"
             return
         finally:
             await pieces.aclose()
@@ -237,7 +270,9 @@ class ClientFormat:
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def whole(self, pieces: AsyncIterator[Piece], proxied: ProxiedRequest) -> dict:
+    async def whole(
+        self, pieces: AsyncGenerator[Piece, None], proxied: ProxiedRequest
+    ) -> dict[str, Any]:
         """The non-streamed response body."""
         text, finish = [], None
         async for piece in pieces:

@@ -2,7 +2,9 @@
 
 A background task asks every instance's `/health` each interval and marks it up
 or down; a request that cannot even connect marks its instance down at once, so
-the next request skips it until a health check brings it back.
+the next request skips it until a health check brings it back. A healthy
+instance's `/health` also says its `vocab_size` and `max_model_len`, which the
+proxy checks its answers against (`proxy_checks.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvrecover.entrypoints.openai_shapes import ShapeError, load_json
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +30,8 @@ class Instance:
     index: int
     up: bool = True
     in_flight: int = 0  # requests the proxy has open on it
+    vocab_size: int | None = None  # from its /health: token ids are below this
+    max_model_len: int | None = None  # from its /health: prompt + output tokens at most
 
 
 class ProxyMetrics:
@@ -95,6 +101,8 @@ class InstancePool:
         async def check(instance: Instance) -> None:
             try:
                 response = await client.get(f"{instance.url}/health", timeout=timeout)
+                if response.status_code == 200:
+                    _learn_limits(instance, response.content)
                 self.mark(instance, response.status_code == 200)
             except httpx.HTTPError:
                 self.mark(instance, False)
@@ -106,6 +114,20 @@ class InstancePool:
         while True:
             await self.check_all(client, timeout=min(interval, 5.0))
             await asyncio.sleep(interval)
+
+
+def _learn_limits(instance: Instance, content: bytes) -> None:
+    """Take `vocab_size` and `max_model_len` from a /health answer (kept when absent)."""
+    try:
+        report = load_json(content)
+    except ShapeError:
+        return
+    if not isinstance(report, dict):
+        return
+    for name in ("vocab_size", "max_model_len"):
+        value = report.get(name)
+        if type(value) is int and value > 0:
+            setattr(instance, name, value)
 
 
 def _least_loaded(instances: list[Instance]) -> list[Instance]:

@@ -14,21 +14,28 @@
    continues the first one's). Greedy and seeded requests continue token for
    token as if undisturbed (the instance resumes a seeded request's per-token
    seeds at `resumed_output_tokens`); unseeded sampling continues afresh.
-Every step is bounded by `max_retries`.
+Every step is bounded by `max_retries`. An instance whose answer is of the wrong
+shape or impossible for the request (`proxy_checks.py`) counts as failed: at
+step 1 it is skipped, at step 2 failed over, at step 3 migrated away from.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from kvrecover.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
+from kvrecover.entrypoints.proxy_checks import (
+    Piece,
+    RequestLimits,
+    StreamCheck,
+    prefill_prompt_ids,
+)
 from kvrecover.entrypoints.proxy_instances import Instance, InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy_upstream import (
-    Piece,
     Retryable,
     StreamBroken,
     UpstreamStream,
@@ -68,6 +75,7 @@ class ProxiedRequest:
         self.sent_text: list[str] = []  # what reached the client (for a continuation)
         self.stream: UpstreamStream | None = None
         self.max_tokens = self._max_tokens()
+        self.limits = RequestLimits.of(body, self.max_tokens)
 
     def _max_tokens(self) -> int | None:
         body = self.body
@@ -88,12 +96,16 @@ class ProxiedRequest:
             instance.in_flight += 1
             try:
                 answer = await post_json(context.client, instance, self.path, body, self.headers)
+                self.prompt_token_ids = prefill_prompt_ids(answer, self.path == CHAT, instance)
+            except ValueError as error:  # an answer of the wrong shape
+                self._failed(instance, Retryable(f"{instance.url}: {error}"),
+                             context.metrics.retries)
+                continue
             except Retryable as error:
                 self._failed(instance, error, context.metrics.retries)
                 continue
             finally:
                 instance.in_flight -= 1
-            self.prompt_token_ids = _prompt_ids(answer, self.path)
             return
 
     async def open_decode(self) -> Piece:
@@ -104,16 +116,23 @@ class ProxiedRequest:
         self._absorb(first)
         return first
 
-    async def pieces(self, first: Piece) -> AsyncIterator[Piece]:
+    @property
+    def decode_stream(self) -> UpstreamStream:
+        """The open decode stream (`open_decode` opened it; a migration reopens it)."""
+        if self.stream is None:
+            raise RuntimeError("no decode stream is open: call open_decode first")
+        return self.stream
+
+    async def pieces(self, first: Piece) -> AsyncGenerator[Piece, None]:
         """The pieces for the client after `first`, migrating when the instance dies."""
         migrations = 0
         piece = first
         try:
             while piece.finish_reason is None:
                 try:
-                    piece = await self.stream.next_piece()
+                    piece = await self.decode_stream.next_piece()
                 except StreamBroken:
-                    dead = self.stream.instance
+                    dead = self.decode_stream.instance
                     await self._release()
                     self.context.pool.mark(dead, False)
                     self.context.metrics.count(self.context.metrics.migrations, dead)
@@ -141,19 +160,21 @@ class ProxiedRequest:
                     stream=True, return_token_ids=True,
                     resumed_output_tokens=len(self.generated),
                     resumed_output_text="".join(self.sent_text))
-        piece = await self._open(COMPLETIONS, body)
+        piece = await self._open(COMPLETIONS, body, continuation=True)
         piece.prompt_token_ids = None  # the continuation's prompt is not the client's
         return piece
 
-    async def _open(self, path: str, body: dict[str, Any]) -> Piece:
+    async def _open(self, path: str, body: dict[str, Any], continuation: bool = False) -> Piece:
         context = self.context
         errors = []
         for instance in context.pool.decode_candidates()[:context.max_retries + 1]:
             context.metrics.count(context.metrics.requests, instance)
             instance.in_flight += 1
+            check = StreamCheck(self.limits, instance, self.prompt_token_ids, self.generated,
+                                continuation)
             try:
                 self.stream, first = await open_stream(context.client, instance, path, body,
-                                                       self.headers)
+                                                       self.headers, check)
             except Retryable as error:
                 instance.in_flight -= 1
                 errors.append(str(error))
@@ -190,9 +211,3 @@ class ProxiedRequest:
             stream.instance.in_flight -= 1
             await stream.close()
 
-
-def _prompt_ids(answer: dict[str, Any], path: str) -> list[int] | None:
-    if path == CHAT:
-        return answer.get("prompt_token_ids")
-    choices = answer.get("choices") or [{}]
-    return choices[0].get("prompt_token_ids")

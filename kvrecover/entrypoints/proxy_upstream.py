@@ -2,33 +2,26 @@
 
 `open_stream` returns only once the instance sent its first piece, so every way
 an instance can fail before that (refused, timed out, 5xx, `kv_load_failed`, a
-stream that ends at once) is a `Retryable` the proxy fails over on, and a 4xx
-about the request itself is a `Rejected` that goes back to the client unchanged.
-After the first piece, a broken stream raises `StreamBroken` (the proxy
-migrates the request).
+stream that ends at once, an event that is not a valid chunk or fails the
+request's `StreamCheck`) is a `Retryable` the proxy fails over on, and a 4xx
+about the request itself, with an OpenAI error body, is a `Rejected` that goes
+back to the client. After the first piece, a broken stream or an invalid event
+raises `StreamBroken` (the proxy migrates the request). Nothing an instance sends
+reaches the client before it was parsed and checked here.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 
+from kvrecover.entrypoints.openai_shapes import ErrorAnswer, ShapeError, load_json, parse_shape
+from kvrecover.entrypoints.proxy_checks import Piece, piece_from_event
 from kvrecover.entrypoints.proxy_instances import Instance
 
-
-@dataclass
-class Piece:
-    """What one upstream chunk added."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = None  # on the first chunk
-    model: str | None = None
+PieceCheck = Callable[[Piece], None]  # raises ValueError for a piece the proxy must not take
 
 
 class Retryable(Exception):
@@ -49,20 +42,23 @@ class Rejected(Exception):
 
 
 class StreamBroken(Exception):
-    """The stream ended, errored or stalled after its first piece."""
+    """The stream ended, errored, stalled or sent an invalid event after its first piece."""
 
 
 class UpstreamStream:
-    """An open streamed generation on one instance."""
+    """An open streamed generation on one instance; `check` vets every piece."""
 
-    def __init__(self, instance: Instance, response: httpx.Response, chat: bool) -> None:
+    def __init__(self, instance: Instance, response: httpx.Response, chat: bool,
+                 check: PieceCheck) -> None:
         self.instance = instance
         self.response = response
         self.chat = chat
+        self.check = check
         self._lines = response.aiter_lines()
 
     async def next_piece(self) -> Piece:
-        """The next piece; StreamBroken when the stream fails or ends early."""
+        """The next piece; StreamBroken when the stream fails, ends early or sends
+        anything but a valid chunk that passes `check`."""
         try:
             async for line in self._lines:
                 if not line.startswith("data: "):
@@ -70,12 +66,16 @@ class UpstreamStream:
                 data = line[6:]
                 if data == "[DONE]":
                     raise StreamBroken("the stream ended without a finish reason")
-                event = json.loads(data)
-                if "error" in event:
-                    raise StreamBroken(f"the instance reported: {event['error']}")
-                return _piece(event, self.chat)
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as error:
+                event = load_json(data)
+                if isinstance(event, dict) and "error" in event:
+                    raise StreamBroken(f"the instance reported: {str(event['error'])[:300]}")
+                piece = piece_from_event(event, self.chat)
+                self.check(piece)
+                return piece
+        except httpx.HTTPError as error:
             raise StreamBroken(f"{type(error).__name__}: {error}") from error
+        except ValueError as error:  # ShapeError, ImpossibleOutput
+            raise StreamBroken(f"an invalid event: {error}") from error
         raise StreamBroken("the stream ended without a finish reason")
 
     async def pieces(self) -> AsyncIterator[Piece]:
@@ -91,8 +91,9 @@ class UpstreamStream:
 
 
 async def open_stream(client: httpx.AsyncClient, instance: Instance, path: str,
-                      body: dict[str, Any], headers: dict[str, str]) -> tuple[UpstreamStream, Piece]:
-    """Start a streamed request and wait for its first piece."""
+                      body: dict[str, Any], headers: dict[str, str],
+                      check: PieceCheck) -> tuple[UpstreamStream, Piece]:
+    """Start a streamed request and wait for its first piece (checked by `check`)."""
     request = client.build_request("POST", f"{instance.url}{path}", json=body, headers=headers)
     try:
         response = await client.send(request, stream=True)
@@ -103,7 +104,7 @@ async def open_stream(client: httpx.AsyncClient, instance: Instance, path: str,
     if response.status_code != 200:
         content = await _read_and_close(response)
         raise classify_error(instance, response.status_code, content)
-    stream = UpstreamStream(instance, response, chat=path.endswith("chat/completions"))
+    stream = UpstreamStream(instance, response, path.endswith("chat/completions"), check)
     try:
         first = await stream.next_piece()
     except StreamBroken as error:
@@ -116,8 +117,9 @@ async def open_stream(client: httpx.AsyncClient, instance: Instance, path: str,
 
 
 async def post_json(client: httpx.AsyncClient, instance: Instance, path: str,
-                    body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    """A non-streamed request; Retryable or Rejected unless it answers 200 with JSON."""
+                    body: dict[str, Any], headers: dict[str, str]) -> Any:
+    """A non-streamed request's JSON answer (not yet checked for shape); Retryable
+    or Rejected unless it answers 200 with JSON."""
     try:
         response = await client.post(f"{instance.url}{path}", json=body, headers=headers)
     except httpx.TransportError as error:
@@ -127,20 +129,23 @@ async def post_json(client: httpx.AsyncClient, instance: Instance, path: str,
     if response.status_code != 200:
         raise classify_error(instance, response.status_code, response.content)
     try:
-        return response.json()
-    except json.JSONDecodeError as error:
-        raise Retryable(f"{instance.url}: the answer is not JSON") from error
+        return load_json(response.content)
+    except ShapeError as error:
+        raise Retryable(f"{instance.url}: the answer is {error}") from error
 
 
 def classify_error(instance: Instance, status: int, content: bytes) -> Exception:
-    """Retryable for 5xx, 429 and kv_load_failed; Rejected for other 4xx."""
+    """Rejected (with the error re-encoded) for a 4xx about the request that carries
+    an OpenAI error body; Retryable for everything else: 5xx, 429, kv_load_failed,
+    any other status, a body that is not an OpenAI error."""
     try:
-        error_type = json.loads(content).get("error", {}).get("type")
-    except (json.JSONDecodeError, AttributeError):
-        error_type = None
-    if status >= 500 or status == 429 or error_type == "kv_load_failed":
+        error = parse_shape(ErrorAnswer, load_json(content))
+    except ShapeError:
+        return Retryable(f"{instance.url}: HTTP {status} without an OpenAI error body")
+    error_type = error.error.type
+    if not 400 <= status < 500 or status == 429 or error_type == "kv_load_failed":
         return Retryable(f"{instance.url}: HTTP {status} ({error_type})")
-    return Rejected(status, content)
+    return Rejected(status, error.model_dump_json().encode())
 
 
 async def _read_and_close(response: httpx.Response) -> bytes:
@@ -151,14 +156,3 @@ async def _read_and_close(response: httpx.Response) -> bytes:
     finally:
         await response.aclose()
 
-
-def _piece(event: dict[str, Any], chat: bool) -> Piece:
-    choice = event["choices"][0]
-    if chat:
-        text = (choice.get("delta") or {}).get("content") or ""
-        prompt_ids = event.get("prompt_token_ids")
-    else:
-        text = choice.get("text") or ""
-        prompt_ids = choice.get("prompt_token_ids")
-    return Piece(text, list(choice.get("token_ids") or []), choice.get("finish_reason"),
-                 prompt_ids, event.get("model"))

@@ -79,7 +79,9 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
     async def health():
         if not loop.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
-        return {"status": "ok"}
+        # The limits let `kvrecover proxy` reject impossible token ids and finish reasons.
+        return {"status": "ok", "vocab_size": engine.model_config.vocab_size,
+                "max_model_len": state.max_model_len}
 
     @app.get("/v1/models")
     async def models():

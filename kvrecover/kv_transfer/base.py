@@ -12,11 +12,12 @@ per layer (`wait_for_layer_load` before attention reads the cache,
 `save_kv_layer` after it wrote it) -> `wait_for_save` ->
 `get_finished` -> `get_block_ids_with_load_errors` -> `clear_connector_metadata`.
 
-What every method may assume about a `Request`: `request.block_hashes` already
-holds the chain hash (`kv_layout.hash_block_tokens`) of every full block of the
-prompt; the engine computes it, a connector only reads it (and never extends or
-edits the list, which the prefix cache shares). Those hashes are the keys of
-stored KV.
+The scheduler-role methods see a request as a read-only `KVRequestView`
+(`request_view.py`: id, prompt tokens, block hashes, computed tokens, sampling
+parameters), never the engine's own `Request`. What every method may assume:
+`request.block_hashes` already holds the chain hash (`kv_layout.hash_block_tokens`)
+of every full block of the prompt; the engine computes them. Those hashes are the
+keys of stored KV.
 
 Seams for wrappers (a connector that delegates to inner connectors, such as
 `FaultInjectionConnector`): `load_timeout_s`, `set_read_filter` and
@@ -43,11 +44,11 @@ import torch
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.options import reject_unknown
+from kvrecover.options import from_dict, option_names, reject_unknown
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 
@@ -81,42 +82,69 @@ class KVConnectorMetadata:
         return 0
 
 
+# How messages name a connector setting: a key of `kv_connector_extra_config`.
+SETTING_LABEL = "kv_connector_extra_config[{name!r}]"
+
+
 class KVConnectorBase:
     """Base class of every KV connector; subclasses override what they support.
 
-    `extra_config_keys` declares the `kv_connector_extra_config` keys a connector
-    reads; any other key is a ValueError at construction (with a "did you mean"),
-    so a typo never passes silently. None (the default) accepts every key.
+    `settings_class` declares the `kv_connector_extra_config` keys a connector reads:
+    a frozen dataclass of `options.option` fields whose `__post_init__` calls
+    `validate(self, SETTING_LABEL)`. The base class builds it at construction
+    (`self.settings`); any other key is a ValueError with a "did you mean", so a typo
+    never passes silently. Adding a setting is one field. None (the default, for a
+    user's connector that reads its extra config itself) accepts every key.
     """
 
-    extra_config_keys: ClassVar[tuple[str, ...] | None] = None
+    settings_class: ClassVar[type | None] = None
 
-    # Seconds an asynchronous load may run before all its blocks count as failed.
-    # Connectors that load set it from their config (extra key `load_timeout_s`);
-    # the engine reads it from the scheduler-role instance and enforces it itself,
-    # whether or not the connector ever reports the load. Wrappers read it (an
+    # Seconds a load may run before all its blocks count as failed. Connectors that
+    # load set it from their config (extra key `load_timeout_s`) and bound their sync
+    # loads by it (store connectors: `reader_threads`); the engine reads it from the
+    # scheduler-role instance and enforces it itself on every async load, whether or
+    # not the connector ever reports the load. Wrappers read it (an
     # emulated hang must outlast it) and report their inner connector's.
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
-        accepted = self.accepted_extra_config_keys(config)
-        if accepted is not None:
-            reject_unknown(config.kv_connector_extra_config, accepted,
-                           f"kv_connector_extra_config key of {type(self).__name__}")
         self.config = config
         self.role = role
         self.layout = layout
+        self.settings: Any = self.check_settings(config)
         self._metadata: KVConnectorMetadata | None = None
 
     @classmethod
-    def accepted_extra_config_keys(cls, config: KVTransferConfig) -> tuple[str, ...] | None:
-        """The extra-config keys `config` may hold for this class (default:
-        `extra_config_keys`); a wrapper adds those of the connector it wraps."""
-        return cls.extra_config_keys
+    def check_settings(cls, config: KVTransferConfig) -> Any:
+        """`own_settings(config)` after refusing every key nobody accepts (with a "did you
+        mean"); the resolver calls it before the engine is built, `__init__` again."""
+        accepted = cls.accepted_settings(config)
+        if accepted is not None:
+            reject_unknown(config.kv_connector_extra_config, accepted,
+                           f"kv_connector_extra_config key of {cls.__name__}")
+        return cls.own_settings(config)
+
+    @classmethod
+    def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
+        """The extra-config keys `config` may hold for this class (default: those of
+        `settings_class`); a wrapper adds those of the connector it wraps."""
+        return None if cls.settings_class is None else option_names(cls.settings_class)
+
+    @classmethod
+    def own_settings(cls, config: KVTransferConfig) -> Any:
+        """This class's `settings_class` record built from `config`'s extra config (keys
+        that are not its own, a wrapped connector's, are left to that one); None when
+        the class declares none."""
+        if cls.settings_class is None:
+            return None
+        names = option_names(cls.settings_class)
+        own = {k: v for k, v in config.kv_connector_extra_config.items() if k in names}
+        return from_dict(cls.settings_class, own,
+                         f"kv_connector_extra_config key of {cls.__name__}")
 
     # ----- scheduler role -----------------------------------------------------
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: KVRequestView, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Scheduler calls this when it first schedules a request (and again, a
         bounded number of times, after a failed load). `num_computed_tokens` are
@@ -129,7 +157,7 @@ class KVConnectorBase:
         return 0, False
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: KVRequestView, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Scheduler calls this after allocating blocks for the request:
         `block_ids` is its whole block table and the external tokens start at
@@ -140,7 +168,7 @@ class KVConnectorBase:
         handed to the worker role for that step. Resets per-step state."""
         return KVConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         """Scheduler calls this when a request ends. Return True to keep its blocks
         until the worker reports the request in `finished_sending`."""
         return False

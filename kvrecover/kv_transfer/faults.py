@@ -13,12 +13,19 @@ request's loaded blocks, or a float fraction (a seeded random subset).
 altered after the read, before verification: only the checksum catches it),
 "hang" (the read never returns; the load deadline ends it).
 A selected request stays broken on every attempt, like a persistently bad entry.
+
+Every block a load fails (each block the inner connector reports invalid, and each
+one faulted around a connector without a read hook) is filled with NaN in every
+layer before the forward pass can read it (sync loads) or before the load is
+reported finished (async ones): a recovery that skipped a recompute reads NaN and
+changes the output, so it can never pass a test by luck on whatever the cache held.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,47 +38,59 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvrecover.options import reject_unknown
+from kvrecover.options import from_dict, option, option_names, validate
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")
 BLOCK_SELECTORS = ("all", "first", "last", "middle")
 DEFAULT_FAULTS = [{"requests": "first", "blocks": "all", "kind": "missing"}]
-WRAPPER_KEYS = ("inner_connector", "faults", "seed")
-FAULT_KEYS = ("requests", "blocks", "kind")
+FAULT_LABEL = "fault {name!r}"
 
 
 class InjectedFault(OSError):
     """Raised by an injected `error` fault."""
 
 
+def _requests_problem(value: Any) -> str | None:
+    ok = value in ("first", "all") or _is_int(value) or _is_fraction(value)
+    return None if ok else "bad"
+
+
+def _blocks_problem(value: Any) -> str | None:
+    ok = (value in BLOCK_SELECTORS or _is_fraction(value)
+          or (isinstance(value, list) and all(_is_int(b) for b in value)))
+    return None if ok else "bad"
+
+
 @dataclass(frozen=True)
 class FaultRule:
-    """One validated entry of the `faults` list."""
+    """One entry of the `faults` list."""
 
-    requests: Any
-    blocks: Any
-    kind: str
+    requests: Any = option(
+        "first", "which loading requests break: 'first', 'all', the k-th (an int) or each "
+        "with probability p (a float)", object, check=_requests_problem,
+        describe="'first', 'all', an int or a float in [0, 1]")
+    blocks: Any = option(
+        "all", "which of their loaded blocks: 'all', 'first', 'last', 'middle', a list of "
+        "positions or a fraction", object, check=_blocks_problem,
+        describe=f"one of {BLOCK_SELECTORS}, a list of ints or a float in [0, 1]")
+    kind: str = option("missing", "how they fail: " + ", ".join(FAULT_KINDS), str,
+                       choices=FAULT_KINDS, describe=f"one of {FAULT_KINDS}")
+
+    def __post_init__(self) -> None:
+        validate(self, FAULT_LABEL)
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> FaultRule:
+        """A rule from one dict of the `faults` list."""
+        if isinstance(raw, FaultRule):
+            return raw
         if not isinstance(raw, dict):
             raise ValueError(f"each fault must be a dict, got {raw!r}")
-        reject_unknown(raw, FAULT_KEYS, "fault key")
-        requests, blocks = raw.get("requests", "first"), raw.get("blocks", "all")
-        kind = raw.get("kind", "missing")
-        if not (requests in ("first", "all") or _is_int(requests) or _is_fraction(requests)):
-            raise ValueError(f"fault 'requests' must be 'first', 'all', an int or a float in [0, 1], got {requests!r}")
-        if not (blocks in BLOCK_SELECTORS or _is_fraction(blocks)
-                or (isinstance(blocks, list) and all(_is_int(b) for b in blocks))):
-            raise ValueError(f"fault 'blocks' must be one of {BLOCK_SELECTORS}, a list of ints "
-                             f"or a float in [0, 1], got {blocks!r}")
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"fault 'kind' must be one of {FAULT_KINDS}, got {kind!r}")
-        return cls(requests, blocks, kind)
+        return from_dict(cls, raw, "fault key")
 
     def selects_request(self, load_index: int, rng: random.Random) -> bool:
         if self.requests == "first":
@@ -106,6 +125,36 @@ def _is_fraction(value: Any) -> bool:
     return isinstance(value, float) and 0.0 <= value <= 1.0
 
 
+def _fault_rules(faults: Any) -> tuple[FaultRule, ...]:
+    if isinstance(faults, tuple):
+        return faults
+    if not isinstance(faults, list):
+        raise ValueError(f"'faults' must be a list of fault dicts, got {faults!r}")
+    return tuple(FaultRule.parse(f) for f in faults)
+
+
+def _not_itself(name: str) -> str | None:
+    return "another connector" if name == "FaultInjectionConnector" else None
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """FaultInjectionConnector's own settings; every other key of
+    `kv_connector_extra_config` is the inner connector's."""
+
+    inner_connector: str = option(
+        "SharedStorageConnector", "the wrapped connector (a registered name)", str,
+        check=_not_itself)
+    faults: tuple[FaultRule, ...] = option(
+        DEFAULT_FAULTS, "the fault rules: a list of {'requests', 'blocks', 'kind'} dicts", tuple,
+        convert=_fault_rules)
+    seed: int = option(0, "seed of the random choices (fractions, probabilities)", int,
+                       minimum=0)
+
+    def __post_init__(self) -> None:
+        validate(self, FAULT_LABEL)
+
+
 @dataclass
 class FaultMetadata(KVConnectorMetadata):
     """The inner connector's metadata plus this step's faults: request -> {block id: kind}."""
@@ -120,42 +169,45 @@ class FaultMetadata(KVConnectorMetadata):
         return self.inner.num_save_blocks()
 
 
+def _inner_name(config: KVTransferConfig) -> Any:
+    name = config.get_extra("inner_connector", "SharedStorageConnector")
+    if name == "FaultInjectionConnector":
+        raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
+    return name
+
+
 class FaultInjectionConnector(KVConnectorBase):
     """Delegates to an inner connector and injects the configured load faults."""
 
+    settings_class = FaultSettings
+
     @classmethod
-    def accepted_extra_config_keys(cls, config: KVTransferConfig) -> tuple[str, ...] | None:
+    def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
+        """Its own settings and those of the inner connector (None: it takes any)."""
         from kvrecover.kv_transfer.registry import connector_class
 
-        inner_name = config.get_extra("inner_connector", "SharedStorageConnector")
-        if inner_name == "FaultInjectionConnector":
-            raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
+        inner_name = _inner_name(config)
         try:
             inner = connector_class(KVTransferConfig(inner_name, config.kv_role))
         except ValueError as error:
             raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
-        inner_keys = inner.accepted_extra_config_keys(config)
-        return None if inner_keys is None else WRAPPER_KEYS + tuple(inner_keys)
+        inner_keys = inner.accepted_settings(config)
+        return None if inner_keys is None else option_names(FaultSettings) + inner_keys
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
         from kvrecover.kv_transfer.registry import create_connector
 
-        extra = dict(config.kv_connector_extra_config)
-        inner_name = extra.get("inner_connector", "SharedStorageConnector")
-        if inner_name == "FaultInjectionConnector":
-            raise ValueError("inner_connector cannot be FaultInjectionConnector itself")
-        faults = extra.get("faults", DEFAULT_FAULTS)
-        if not isinstance(faults, list):
-            raise ValueError(f"'faults' must be a list of fault dicts, got {faults!r}")
-        self.rules = [FaultRule.parse(f) for f in faults]
-        self.seed = extra.get("seed", 0)
-        if not _is_int(self.seed):
-            raise ValueError(f"fault 'seed' must be an integer >= 0, got {self.seed!r}")
+        settings: FaultSettings = self.settings
+        self.rules = list(settings.faults)
+        self.seed = settings.seed
+        inner_name = settings.inner_connector
+        own = option_names(FaultSettings)
         inner_config = KVTransferConfig(
             kv_connector=inner_name,
             kv_role=config.kv_role,
-            kv_connector_extra_config={k: v for k, v in extra.items() if k not in WRAPPER_KEYS},
+            kv_connector_extra_config={k: v for k, v in config.kv_connector_extra_config.items()
+                                       if k not in own},
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_load_retry_limit=config.kv_load_retry_limit,
         )
@@ -176,10 +228,10 @@ class FaultInjectionConnector(KVConnectorBase):
         self._filters_reads = self.inner.set_read_filter(self._filter_read)
 
     # ----- scheduler role -------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequestView, num_computed_tokens: int) -> tuple[int, bool]:
         return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int], num_external_tokens: int) -> None:
         self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
         if num_external_tokens <= 0:
             return
@@ -200,7 +252,7 @@ class FaultInjectionConnector(KVConnectorBase):
         self._step_faults = {}
         return metadata
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         return self.inner.request_finished(request, block_ids)
 
     # ----- worker role ----------------------------------------------------------------
@@ -235,7 +287,8 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         self.inner.start_load_kv(kv_caches)
-        if self._filters_reads:
+        if self._filters_reads:  # this step's failed sync loads, poisoned before the forward
+            self._poison(self.inner.get_block_ids_with_load_errors() or ())
             return
         # An inner connector without a read hook: emulate the faults around it.
         metadata: FaultMetadata = self._get_connector_metadata()
@@ -246,11 +299,14 @@ class FaultInjectionConnector(KVConnectorBase):
                     raise InjectedFault(f"injected fault: load of request {request_id} failed")
                 self._poison(faults)
 
-    def _poison(self, faults: dict[int, str]) -> None:
-        for block_id in faults:
-            for cache in self.kv_caches:
-                cache[:, block_id].fill_(float("nan"))
-            self._missing_reported.add(block_id)
+    def _poison(self, block_ids: Iterable[int]) -> None:
+        """Fill failed blocks with NaN and report them invalid."""
+        num_blocks = self.kv_caches[0].shape[1] if self.kv_caches else 0
+        for block_id in block_ids:
+            if isinstance(block_id, int) and 0 < block_id < num_blocks:
+                for cache in self.kv_caches:
+                    cache[:, block_id].fill_(float("nan"))
+            self._missing_reported.add(block_id)  # (an invalid id: the engine rejects the report)
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         self.inner.wait_for_layer_load(layer_index)
@@ -266,6 +322,8 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self.inner.get_finished(finished_req_ids)
+        if self._filters_reads:  # the async loads that ended and failed
+            self._poison(self.inner.get_block_ids_with_load_errors() or ())
         for request_id in recving or ():
             faults = self._active.pop(request_id, None)
             if faults and not self._filters_reads:
@@ -275,8 +333,10 @@ class FaultInjectionConnector(KVConnectorBase):
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid = set(self.inner.get_block_ids_with_load_errors() or ())
-        invalid |= self._missing_reported
+        late = self.inner.get_block_ids_with_load_errors() or ()
+        if self._filters_reads:
+            self._poison(late)
+        invalid = set(late) | self._missing_reported
         self._missing_reported = set()
         return invalid
 

@@ -3,10 +3,12 @@
 Each layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim]; a stored
 block is [layers, 2, block_size, kv_heads, head_dim]. On the CPU one block's bytes are
 2 x layers contiguous slices of the caches, its "parts" in file order (`block_store`),
-so an entry is read into or written from the cache itself with no copy in between
-("direct"). Otherwise loads stage whole entries in rows of a pooled host buffer
-(`stage`, read by several threads: `staged_io`) and `install` copies them into the
-cache with one indexed copy per layer; saves `gather` the other way.
+so an entry is written from the cache itself with no copy in between ("direct").
+Loads always stage whole entries in rows of a pooled host buffer (`stage`, read by
+several threads: `staged_io`), never straight into the cache: a read abandoned at
+its deadline may still write later, and must only write rows of its own; `install`
+copies them into the cache with one indexed copy per layer; saves elsewhere `gather`
+the other way.
 
 On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
 the read), each chunk of rows goes up on a side stream as soon as it is read, and

@@ -4,17 +4,19 @@
 loads, verification, recovery reporting) over a `RedisBlockStore`, so prefill
 and decode on different machines share KV through one server.
 
-Extra config (`kv_connector_extra_config`):
+Settings (`RedisConnectorSettings`, keys of `kv_connector_extra_config`):
   url              redis://[user:password@]host:port/db, rediss://..., unix:///path.sock
                    (valkey:// and valkeys:// are accepted as aliases); default
                    redis://127.0.0.1:6379/0
   key_prefix       prepended to every key ("kvrecover:")
   ttl_s            expiry of stored blocks in seconds (None: never expire)
-  timeout_s        bound on connecting, on each round trip and on waiting for a pooled
-                   connection (5); a server that never answers costs at most this
+  timeout_s        bound on each call to the server as a whole: waiting for a pooled
+                   connection, connecting, sending and the whole reply (5); a server
+                   that never answers, or trickles, costs a call at most this
   max_connections  connection pool size per connector instance (16)
   async_load       load in a background thread while the request waits (False)
-  load_timeout_s   an async load unfinished after this long fails (3 x timeout_s)
+  load_timeout_s   bound on each load as a whole, sync or async; its blocks are invalid
+                   after it (3 x timeout_s)
   verify_after_load re-checksum the engine's cache blocks after a load (True)
 
 The password comes from the URL or, when the URL has none, from the environment
@@ -23,26 +25,29 @@ variable KVRECOVER_REDIS_PASSWORD; it is never logged nor shown in `repr`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvrecover.kv_transfer.redis_store import RedisBlockStore, RedisSettings
+from kvrecover.kv_transfer.store_base import StoreSettings
 from kvrecover.kv_transfer.store_connector import BlockStoreConnector
 
-SETTING_KEYS = ("url", "key_prefix", "ttl_s", "timeout_s", "max_connections")
+
+@dataclass(frozen=True, repr=False)  # RedisSettings' repr: the URL without its password
+class RedisConnectorSettings(RedisSettings, StoreSettings):
+    """RedisConnector's settings: the server's and every store connector's."""
 
 
 class RedisConnector(BlockStoreConnector):
     """Saves and loads KV blocks through Redis (see module docstring)."""
 
-    extra_config_keys = (*SETTING_KEYS, *BlockStoreConnector.extra_config_keys)
+    settings_class = RedisConnectorSettings
 
     def _open_store(self) -> RedisBlockStore:
-        extra = self.config.kv_connector_extra_config
-        settings = RedisSettings(**{key: extra[key] for key in SETTING_KEYS if key in extra})
-        return RedisBlockStore(self.layout, settings)
+        return RedisBlockStore(self.layout, self.settings)
 
     def _default_load_timeout_s(self) -> float:
-        # Connect, wait for a pooled connection, one read round trip: each bounded by timeout_s.
+        # One read call (bounded by timeout_s as a whole), its verification, and room to spare.
         return 3 * self.store.settings.timeout_s
 
     def __repr__(self) -> str:

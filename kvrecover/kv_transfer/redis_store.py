@@ -11,6 +11,15 @@ Stored values are untrusted (DESIGN.md, Trust): a read asks for at most one byte
 more than an entry of this layout has, so a hostile multi-megabyte value costs a
 block's worth of memory and is rejected by its size, never read whole.
 
+`timeout_s` bounds each call as a whole: waiting for a pooled connection,
+connecting, sending and reading the whole reply together, however the server paces
+its bytes (redis-py's own socket timeout bounds each socket read only, so a server
+trickling one byte at a time would pass it forever). The calls run on redis-py's
+asyncio client, on one event-loop thread for every store of the process
+(`kv-redis-io`), under `asyncio.timeout`: a call past it is cancelled there, and
+redis-py closes the connection it was reading (a reply cut in the middle is never
+handed to the next call); no thread stays blocked on a slow server.
+
 The store never raises for a store failure: a refused or dropped connection, a
 timeout or an error reply makes every block of the call missing (reads, lookups)
 or failed (writes), and the caller turns that into invalid blocks or a counted
@@ -23,24 +32,46 @@ redis-py connection pool; `repr` and every message show the URL without it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import SETTING_LABEL
 from kvrecover.kv_transfer.block_store import BlockCodec, BlockLoadError
+from kvrecover.options import option, validate
 
 logger = logging.getLogger(__name__)
 
 PASSWORD_ENV = "KVRECOVER_REDIS_PASSWORD"
 URL_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+LOOP_GRACE_S = 5.0  # beyond timeout_s, how long a caller waits for the I/O loop itself
+T = TypeVar("T")
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def io_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every Redis store of this process runs its calls on (started on
+    first use, on the daemon thread `kv-redis-io`)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="kv-redis-io", daemon=True).start()
+        return _loop
 
 
 def redact_url(url: str) -> str:
@@ -53,44 +84,36 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def _url_problem(url: str) -> str | None:
+    return None if urlsplit(url).scheme in URL_SCHEMES else "a URL"
+
+
+def _shown_url(url: object) -> str:
+    return repr(redact_url(str(url)))
+
+
 @dataclass(frozen=True)
 class RedisSettings:
-    """Where and how to reach the server; no password appears in `repr`."""
+    """Where and how to reach the server (keys of `kv_connector_extra_config`); no
+    password appears in `repr` nor in an error message."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "kvrecover:"
-    ttl_s: float | None = None
-    timeout_s: float = 5.0
-    max_connections: int = 16
-    password: str | None = field(default=None, repr=False)
+    url: str = option(
+        "redis://127.0.0.1:6379/0", "redis://[user:password@]host:port/db, rediss://..., "
+        "unix:///path.sock (valkey:// and valkeys:// are aliases)", str, check=_url_problem,
+        shown=_shown_url, describe="a redis://, rediss://, unix://, valkey:// or valkeys:// URL")
+    key_prefix: str = option("kvrecover:", "prepended to every key", str)
+    ttl_s: float | None = option(
+        None, "expiry of stored blocks in seconds (None: never expire)", float, nullable=True,
+        above=0, maximum=1e9, describe="None or a number of seconds > 0")
+    timeout_s: float = option(
+        5.0, "bound on connecting, on each round trip and on waiting for a pooled "
+        "connection", float, above=0, maximum=1e9, describe="a number of seconds > 0")
+    max_connections: int = option(16, "connection pool size per connector instance", int,
+                                  minimum=1)
+    password: str | None = field(default=None, repr=False)  # not a setting: from the URL or env
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme if isinstance(self.url, str) else None
-        if scheme not in URL_SCHEMES:
-            raise ValueError(
-                f"kv_connector_extra_config['url'] must be a redis://, rediss://, unix://, "
-                f"valkey:// or valkeys:// URL, got {redact_url(str(self.url))!r}"
-            )
-        if not isinstance(self.key_prefix, str):
-            raise ValueError(
-                f"kv_connector_extra_config['key_prefix'] must be a string, got {self.key_prefix!r}"
-            )
-        if self.ttl_s is not None and not _positive_number(self.ttl_s):
-            raise ValueError(
-                f"kv_connector_extra_config['ttl_s'] must be None or a number of seconds > 0, "
-                f"got {self.ttl_s!r}"
-            )
-        if not _positive_number(self.timeout_s):
-            raise ValueError(
-                f"kv_connector_extra_config['timeout_s'] must be a number of seconds > 0, "
-                f"got {self.timeout_s!r}"
-            )
-        if (isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
-                or self.max_connections < 1):
-            raise ValueError(
-                f"kv_connector_extra_config['max_connections'] must be an integer >= 1, "
-                f"got {self.max_connections!r}"
-            )
+        validate(self, SETTING_LABEL)
 
     @property
     def redacted_url(self) -> str:
@@ -101,10 +124,6 @@ class RedisSettings:
         return (f"RedisSettings(url={self.redacted_url!r}, key_prefix={self.key_prefix!r}, "
                 f"ttl_s={self.ttl_s!r}, timeout_s={self.timeout_s!r}, "
                 f"max_connections={self.max_connections!r})")
-
-
-def _positive_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < 1e9
 
 
 class RedisBlockStore(BlockCodec):
@@ -119,17 +138,21 @@ class RedisBlockStore(BlockCodec):
             url = "redis" + url.removeprefix("valkey")
         options = dict(
             max_connections=settings.max_connections,
+            # Each part's own bound; `_call` bounds the whole call by timeout_s as well.
             timeout=settings.timeout_s,  # waiting for a free pooled connection
             socket_timeout=settings.timeout_s,
             socket_connect_timeout=settings.timeout_s,
-            retry=Retry(NoBackoff(), 0),  # a failure is reported, never retried here
+            # One reconnect for a pooled connection the server closed while it sat idle (an
+            # asyncio connection may not have seen the close yet); `_call`'s bound covers it.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             driver_info=None,  # no CLIENT SETINFO round trips per new connection
         )
         password = settings.password or os.environ.get(PASSWORD_ENV) or None
         if password and urlsplit(url).password is None:
             options["password"] = password
-        pool = redis.BlockingConnectionPool.from_url(url, **options)
-        self.client = redis.Redis(connection_pool=pool)
+        self._loop = io_loop()
+        self.pool = redis.asyncio.BlockingConnectionPool.from_url(url, **options)
+        self.client = redis.asyncio.Redis(connection_pool=self.pool)
         self._lock = threading.Lock()
         self._unavailable_until = 0.0
 
@@ -151,16 +174,47 @@ class RedisBlockStore(BlockCodec):
         logger.warning("Redis %s at %s failed: %s", operation, self.settings.redacted_url,
                        _describe(error))
 
+    # ----- one call, bounded as a whole ------------------------------------------------------
+    def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run `operation()` on the I/O loop and wait for it; past `timeout_s` in all it is
+        cancelled (redis-py then closes the connection it used) and redis.TimeoutError
+        raised. Any thread may call this."""
+        timeout_s = self.settings.timeout_s
+
+        async def bounded() -> T:
+            async with asyncio.timeout(timeout_s):
+                return await operation()
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+        try:
+            return future.result(timeout_s + LOOP_GRACE_S)
+        except TimeoutError:  # the call's own timeout, or (never expected) a stuck loop
+            future.cancel()
+            raise redis.TimeoutError(f"no whole reply within timeout_s={timeout_s:g}") from None
+
+    def _pipeline(self, add: Callable[[Any], None], raise_on_error: bool = True
+                  ) -> Callable[[], Awaitable[list[Any]]]:
+        """An operation for `_call`: one pipelined round trip of the commands `add` queues."""
+
+        async def run() -> list[Any]:
+            pipeline = self.client.pipeline(transaction=False)
+            add(pipeline)
+            return await pipeline.execute(raise_on_error=raise_on_error)
+
+        return run
+
     # ----- the batched store interface -------------------------------------------------------
     def exists_many(self, keys: list[bytes]) -> list[bool]:
         """Whether each key is stored; all False when the store cannot answer."""
         if not keys or not self._available():
             return [False] * len(keys)
-        try:
-            pipeline = self.client.pipeline(transaction=False)
+
+        def add(pipeline: Any) -> None:
             for key in keys:
                 pipeline.exists(self.redis_key(key))
-            return [bool(found) for found in pipeline.execute()]
+
+        try:
+            return [bool(found) for found in self._call(self._pipeline(add))]
         except Exception as error:
             self._failed("lookup", error)
             return [False] * len(keys)
@@ -171,11 +225,13 @@ class RedisBlockStore(BlockCodec):
             return []
         if not self._available():
             return [BlockLoadError("Redis store unavailable after a recent failure")] * len(keys)
-        try:
-            pipeline = self.client.pipeline(transaction=False)
+
+        def add(pipeline: Any) -> None:
             for key in keys:  # never more than an entry and one byte: sizes are checked first
                 pipeline.getrange(self.redis_key(key), 0, self.entry_nbytes)
-            values = pipeline.execute()
+
+        try:
+            values = self._call(self._pipeline(add))
         except Exception as error:
             self._failed("read", error)
             failure = BlockLoadError(f"Redis read failed: {_describe(error)}")
@@ -198,11 +254,13 @@ class RedisBlockStore(BlockCodec):
         if not self._available():
             return len(entries)
         ttl_ms = None if self.settings.ttl_s is None else max(1, int(self.settings.ttl_s * 1000))
-        try:
-            pipeline = self.client.pipeline(transaction=False)
+
+        def add(pipeline: Any) -> None:
             for key, entry in entries:
                 pipeline.set(self.redis_key(key), entry, px=ttl_ms)
-            replies = pipeline.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(self._pipeline(add, raise_on_error=False))
         except Exception as error:
             self._failed("write", error)
             return len(entries)
@@ -212,8 +270,12 @@ class RedisBlockStore(BlockCodec):
         return len(failures)
 
     def close(self) -> None:
-        """Close every pooled connection."""
-        self.client.connection_pool.disconnect()
+        """Close every pooled connection (bounded by timeout_s; a failure is logged)."""
+        try:
+            self._call(self.pool.disconnect)
+        except Exception as error:
+            logger.warning("closing the Redis pool of %s failed: %s", self.settings.redacted_url,
+                           _describe(error))
 
 
 def _describe(error: Exception) -> str:

@@ -6,25 +6,27 @@ it. Loads cover the longest stored run of blocks after the locally cached ones,
 never the prompt's last token. `kv_role` decides what happens: producers save,
 consumers load, `kv_both` does both.
 
-Extra config (`kv_connector_extra_config`): `shared_storage_path`, the folder of the
-store (required); `io_threads`, how many threads read a staged load's entries or
-write a gathered save's (min(8, CPU count)); plus `async_load`, `load_timeout_s`
-(30) and `verify_after_load` as for every store connector (`store_base`, which also holds the scheduler role,
+Settings (`SharedStorageSettings`, keys of `kv_connector_extra_config`):
+`shared_storage_path`, the folder of the store (required); `io_threads`, how many
+threads read a staged load's entries or write a gathered save's (min(8, CPU
+count)); plus `async_load`, `load_timeout_s` (30) and `verify_after_load` as for
+every store connector (`store_base`, which also holds the scheduler role,
 the async-load bookkeeping and shutdown; this module keeps only the folder's own
 load and save path).
 
-Async loads read and verify into host memory on a thread; the worker copies the
-result into the cache only when it reports the load finished, so a load that
-missed its deadline can never write into blocks that were given to someone else.
-Sync loads on the CPU read each entry straight into its cache blocks (which the
-request owns, and which nothing reads before this step's forward pass) and hash it
-there, so the load's checksum is already the end-to-end check `verify_after_load`
-asks for; saves on the CPU write from the cache itself (`paged_blocks`). On a GPU,
-`io_threads` threads read entries into reused pinned rows, each chunk going up on a
-side stream while the next ones are read; one indexed copy per layer puts them in
-the cache, and `verify_after_load` compares the cache's blocks on the device with
-the verified rows (`paged_blocks` says what that proves). GPU saves gather on the
-device, come down in one copy, and are written by `io_threads` threads.
+Every load reads and verifies into staging rows (host memory of its own) on a
+reader thread (`reader_threads`), and the worker copies the rows into the cache
+itself: a sync load waits for its reader until `load_timeout_s` at most, an async
+one until the worker reports it finished. A file read stuck in the kernel (a hung
+NFS mount) therefore costs a load at most its deadline and can never write into
+cache blocks later, when they may belong to someone else; its thread is abandoned
+(bounded in number). `io_threads` threads read a load's entries (`staged_io`); on a
+GPU the rows are pinned and reused, each chunk going up on a side stream while the
+next ones are read, one indexed copy per layer puts them in the cache, and
+`verify_after_load` compares the cache's blocks with the verified rows
+(`paged_blocks` says what that proves). Saves on the CPU write from the cache
+itself (`paged_blocks`); GPU saves gather on the device, come down in one copy, and
+are written by `io_threads` threads.
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ from kvrecover.kv_transfer.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,
-    extra_count,
+    StoreSettings,
 )
+from kvrecover.options import option, path_or_none
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
+    from kvrecover.kv_transfer.request_view import KVRequestView
 
-__all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "StorageConnectorMetadata"]
+__all__ = ["BlockTransfer", "LoadedBlock", "SharedStorageConnector", "SharedStorageSettings",
+           "StorageConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,38 +67,47 @@ MAX_IO_THREADS = 8  # default `io_threads`: beyond this the per-entry Python wor
 @dataclass(frozen=True)
 class LoadedBlock:
     """A block that `_read_blocks` read and verified: its payload checksum and where
-    its bytes are (row `position` of the staged rows, or already in the cache if None)."""
+    its bytes are (row `position` of the staged rows)."""
 
     checksum: int
-    staging: StagedRows | None
+    staging: StagedRows
     position: int
+
+
+@dataclass(frozen=True)
+class SharedStorageSettings(StoreSettings):
+    """SharedStorageConnector's settings (keys of `kv_connector_extra_config`)."""
+
+    shared_storage_path: str | None = option(
+        None, "the folder of the store (required)", str, nullable=True, convert=path_or_none,
+        describe="a folder path (a string)")
+    io_threads: int | None = option(
+        None, "threads that read a staged load's entries or write a gathered save's "
+        f"(default: min({MAX_IO_THREADS}, CPU count))", int, nullable=True, minimum=1,
+        maximum=64, describe="a whole number from 1 to 64")
 
 
 class SharedStorageConnector(StoreConnectorBase):
     """Saves and loads KV blocks through a shared folder (see module docstring)."""
 
-    extra_config_keys = ("shared_storage_path", "io_threads", *StoreConnectorBase.extra_config_keys)
+    settings_class = SharedStorageSettings
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
         self._paged: PagedBlocks | None = None  # set by register_kv_caches
-        self.io_threads = extra_count(config, "io_threads", min(MAX_IO_THREADS, os.cpu_count() or 1))
+        io_threads = self.settings.io_threads
+        self.io_threads = min(MAX_IO_THREADS, os.cpu_count() or 1) if io_threads is None else io_threads
 
     def _open_store(self) -> BlockStore:
-        path = self.config.get_extra("shared_storage_path")
+        path = self.settings.shared_storage_path
         if not path:
             raise ValueError(
                 f"{type(self).__name__} needs kv_connector_extra_config['shared_storage_path']"
             )
-        if not isinstance(path, (str, os.PathLike)):
-            raise ValueError(
-                "kv_connector_extra_config['shared_storage_path'] must be a folder path "
-                f"(a string), got {path!r}"
-            )
         return BlockStore(path, self.layout)
 
     # ----- scheduler role -----------------------------------------------------------
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
         # One stat per block, stopping at the first miss: a folder has no batched lookup.
         return next((i for i, key in enumerate(keys) if not self.store.exists(key)), len(keys))
 
@@ -105,25 +118,27 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        synchronous = []
         for transfer in metadata.loads:
             if transfer.is_async:
                 self._start_async(transfer)
             else:
-                cancelled = threading.Event()
-                deadline = threading.Timer(self.load_timeout_s, cancelled.set)
-                deadline.start()
-                try:
-                    blocks = self._read_blocks(transfer, cancelled)
-                finally:
-                    deadline.cancel()
+                synchronous.append(transfer)
+        if not synchronous:
+            return
+
+        # Each load on its own reader, all at once, under the step's one deadline.
+        def read(group: list[BlockTransfer], cancelled: threading.Event) -> list:
+            return [self._read_blocks(group[0], cancelled)]
+
+        for transfer, blocks in zip(synchronous, self._read_now(synchronous, read, batched=False)):
+            if blocks is not None:
                 self._install(transfer, blocks)
 
     def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
-        """Read and verify a request's blocks; None from the first failure on. Sync loads
-        on the CPU land in the cache blocks themselves, the others in staging rows."""
+        """Read and verify a request's blocks into staging rows (on a reader thread);
+        None from the first failure on."""
         paged = self._paged
-        if paged.direct and not transfer.is_async:
-            return self._read_in_place(transfer, cancelled)
 
         def read_row(position: int, row: memoryview) -> int:
             return self._read_entry(transfer, position, [row], cancelled)
@@ -137,20 +152,6 @@ class SharedStorageConnector(StoreConnectorBase):
             blocks.append(LoadedBlock(result, staged, position))
         if not blocks:
             paged.release(staged.host, staged.uploaded)
-        return blocks + [None] * (len(transfer.block_ids) - len(blocks))
-
-    def _read_in_place(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
-        """`_read_blocks` straight into the cache's own slices (a sync load on the CPU)."""
-        blocks: list[LoadedBlock | None] = []
-        for position, block_id in enumerate(transfer.block_ids):
-            if cancelled.is_set():
-                break
-            try:
-                checksum = self._read_entry(transfer, position, self._paged.parts(block_id), cancelled)
-            except Exception as error:  # a failing read is an invalid block, never a crash
-                self._log_failure(transfer.keys[position], error)
-                break
-            blocks.append(LoadedBlock(checksum, None, position))
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
     def _read_entry(self, transfer: BlockTransfer, position: int, parts: list[memoryview],
@@ -176,17 +177,16 @@ class SharedStorageConnector(StoreConnectorBase):
         return self._read_blocks(transfer, cancelled)
 
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
-        """Copy the leading verified blocks into the cache unless they were read there;
-        report every block from the first bad one on as invalid."""
+        """Copy the leading verified blocks into the cache; report every block from the
+        first bad one on as invalid."""
         count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
-        if count and blocks[0].staging is not None:
+        if count:
             checksums = [block.checksum for block in blocks[:count]]
             count = self._paged.install(transfer.block_ids[:count], blocks[0].staging,
                                         checksums if self.verify_after_load else None)
             if count < len(checksums):
                 logger.warning("KV block %d does not match its stored checksum after the load",
                                transfer.block_ids[count])
-        # Blocks read in place were hashed in the cache: that check was end to end already.
         if count < len(blocks):
             self._invalid_block_ids.update(transfer.block_ids[count:])
             self._failed_requests.add(transfer.request_id)

@@ -1,17 +1,23 @@
 """What every connector over a block store shares: its options, the scheduler role,
 the bookkeeping of async loads, and shutdown.
 
+Every load reads on a thread of its own and waits for it only until its deadline
+(`reader_threads`), so a store that trickles or hangs costs a load at most
+`load_timeout_s`, and a sync load never blocks the engine longer.
+
 Both the folder connector (`shared_storage`, zero-copy file <-> cache) and the
 batched connector over any store (`store_connector`: Redis, tiers) build on
 `StoreConnectorBase`; each keeps its own load and save path (`start_load_kv`,
 `wait_for_save`, `_read_async`, `_install`), the only part where they differ.
 
-Extra config shared by all of them (`kv_connector_extra_config`):
+Settings shared by all of them (`StoreSettings`, keys of `kv_connector_extra_config`):
   async_load           load in a background thread while the request waits (False)
-  load_timeout_s       an async load unfinished after this long fails (30, or the
-                       subclass's `_default_load_timeout_s`)
+  load_timeout_s       bound on each load as a whole, sync or async (30, or the
+                       subclass's `_default_load_timeout_s`): the blocks of a load
+                       unfinished after this long are invalid and recomputed
   verify_after_load    re-check the engine's cache blocks after a load (True; each
                        connector says how)
+Each connector's own settings record extends `StoreSettings`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,46 +35,51 @@ import torch
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import (
+    SETTING_LABEL,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
     ReadFilter,
 )
+from kvrecover.kv_transfer.reader_threads import ReaderThreads, ReadTimedOut, StoreRead, StoreStuck
+from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
-    from kvrecover.engine.scheduler_output import SchedulerOutput
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
+# A sync load's read of some transfers: (transfers, cancelled) -> one result per transfer.
+SyncRead = Callable[[list["BlockTransfer"], threading.Event], list[Any]]
 
 
-def extra_flag(config: KVTransferConfig, key: str, default: bool) -> bool:
-    """A True/False extra-config value (a ValueError naming the key otherwise)."""
-    value = config.get_extra(key, default)
-    if not isinstance(value, bool):  # bool("false") is True: never guess
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be True or False, got {value!r}")
-    return value
+# Bounds of a duration setting in seconds (an upper bound keeps timers sane).
+MAX_SECONDS = 1e9
 
 
-def extra_seconds(config: KVTransferConfig, key: str, default: float) -> float:
-    """A duration extra-config value in seconds, > 0 (a ValueError naming the key otherwise)."""
-    value = config.get_extra(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise ValueError(
-            f"kv_connector_extra_config[{key!r}] must be a number of seconds > 0, got {value!r}"
-        )
-    return float(value)
+def seconds(default: float | None, help: str, nullable: bool = False) -> Any:
+    """A duration setting in seconds, > 0."""
+    return option(default, help, float, nullable=nullable, above=0, maximum=MAX_SECONDS,
+                  describe="a number of seconds > 0")
 
 
-def extra_count(config: KVTransferConfig, key: str, default: int) -> int:
-    """A whole-number extra-config value from 1 to 64 (a ValueError naming the key otherwise)."""
-    value = config.get_extra(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a whole number from 1 to 64, "
-                         f"got {value!r}")
-    return value
+@dataclass(frozen=True)
+class StoreSettings:
+    """The settings every block-store connector shares (`kv_connector_extra_config`)."""
+
+    async_load: bool = option(
+        False, "load in a background thread while the request waits", bool)
+    load_timeout_s: float | None = seconds(
+        None, "bound on each load as a whole, sync or async: the blocks of a load unfinished "
+        "after this long are invalid and recomputed (default: the connector's; 30 for a folder)", nullable=True)
+    verify_after_load: bool = option(
+        True, "re-check the engine's cache blocks after a load (each connector says how)",
+        bool)
+
+    def __post_init__(self) -> None:
+        validate(self, SETTING_LABEL)
 
 
 @dataclass
@@ -96,13 +108,14 @@ class StorageConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class AsyncLoad:
-    """An async load in flight: its thread, the result to come, and its deadline."""
+    """An async load in flight: its thread (None if it was refused at once), the result
+    to come, and its deadline."""
 
     transfer: BlockTransfer
     future: concurrent.futures.Future
     deadline: float
     cancelled: threading.Event
-    thread: threading.Thread
+    thread: threading.Thread | None
 
 
 class StoreConnectorBase(KVConnectorBase):
@@ -110,19 +123,20 @@ class StoreConnectorBase(KVConnectorBase):
     the prefix-chain hash. Subclasses say where (`_open_store`) and how blocks move
     (`start_load_kv`, `wait_for_save`, `_read_async`, `_install`)."""
 
-    extra_config_keys = ("async_load", "load_timeout_s", "verify_after_load")
+    settings_class = StoreSettings
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
+        settings: StoreSettings = self.settings
         self.store = self._open_store()
-        self.async_load = extra_flag(config, "async_load", False)
-        self.load_timeout_s = extra_seconds(config, "load_timeout_s",
-                                           self._default_load_timeout_s())
-        self.verify_after_load = extra_flag(config, "verify_after_load", True)
+        self.async_load = settings.async_load
+        self.load_timeout_s = (self._default_load_timeout_s() if settings.load_timeout_s is None
+                               else settings.load_timeout_s)
+        self.verify_after_load = settings.verify_after_load
         self.block_size = layout.block_size
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         # Scheduler role state.
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, KVRequestView] = {}
         self._pending_loads: list[BlockTransfer] = []
         # Worker role state.
         self._kv_caches: list[torch.Tensor] = []
@@ -130,6 +144,7 @@ class StoreConnectorBase(KVConnectorBase):
         self._failed_requests: set[str] = set()
         self._discarded_saves: set[str] = set()
         self._async_loads: dict[str, AsyncLoad] = {}
+        self._readers = ReaderThreads()
         self._save_failures = 0
         self._suspect_keys: set[bytes] = set()
 
@@ -142,7 +157,7 @@ class StoreConnectorBase(KVConnectorBase):
         return 30.0
 
     # ----- scheduler role -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequestView, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.config.is_consumer:
             return 0, False
         keys = request.block_hashes  # the engine hashed every full prompt block
@@ -152,18 +167,18 @@ class StoreConnectorBase(KVConnectorBase):
         num_tokens = max(0, end * self.block_size - num_computed_tokens)
         return num_tokens, self.async_load and num_tokens > 0
 
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
         """How many leading `keys` the store holds (one batched call)."""
         if not keys:
             return 0
         present = self.store.exists_many(keys)
         return next((i for i, found in enumerate(present) if not found), len(keys))
 
-    def _new_load(self, request: Request, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+    def _new_load(self, request: KVRequestView, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
         """The transfer that loads `keys` into `block_ids` for `request`."""
         return BlockTransfer(request.request_id, block_ids, keys, is_async=self.async_load)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int], num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         if num_external_tokens <= 0:
             return
@@ -192,7 +207,7 @@ class StoreConnectorBase(KVConnectorBase):
             ))
         return metadata
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._requests.pop(request.request_id, None)
         return False
 
@@ -210,22 +225,64 @@ class StoreConnectorBase(KVConnectorBase):
         raise NotImplementedError(f"{type(self).__name__} does not install loads")
 
     def _start_async(self, transfer: BlockTransfer) -> None:
-        cancelled = threading.Event()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def load() -> None:
-            try:
-                future.set_result(self._read_async(transfer, cancelled))
-            except BaseException as error:  # reads catch their own errors; be safe
-                future.set_exception(error)
-
-        # A daemon thread: a read stuck in the kernel past its deadline must not
-        # keep the process alive at exit (`shutdown` cancels and joins the others).
-        thread = threading.Thread(target=load, name=f"kv-load-{transfer.request_id}", daemon=True)
-        thread.start()
+        deadline = time.monotonic() + self.load_timeout_s
+        try:
+            task = self._readers.start(f"kv-load-{transfer.request_id}",
+                                       lambda cancelled: self._read_async(transfer, cancelled))
+        except StoreStuck as error:  # fails at once: reported finished, its blocks invalid
+            refused: concurrent.futures.Future = concurrent.futures.Future()
+            refused.set_exception(error)
+            self._async_loads[transfer.request_id] = AsyncLoad(
+                transfer, refused, deadline, threading.Event(), None)
+            return
         self._async_loads[transfer.request_id] = AsyncLoad(
-            transfer, future, time.monotonic() + self.load_timeout_s, cancelled, thread
-        )
+            transfer, task.future, deadline, task.cancelled, task.thread)
+
+    def _read_now(self, transfers: list[BlockTransfer], read: SyncRead,
+                  batched: bool) -> list[Any]:
+        """A step's sync loads: `read(group, cancelled)` returns one result per transfer of
+        `group`; all transfers are one group (`batched`: one store read) or each its own,
+        every group on its own reader thread, all at once, waited for until
+        `load_timeout_s` from now at most. Returns one result per transfer, None where
+        its read did not end in time, was refused or crashed: every block of those is
+        reported invalid here; pass the others to `_install`."""
+        deadline = time.monotonic() + self.load_timeout_s
+        groups = [transfers] if batched else [[transfer] for transfer in transfers]
+        tasks: list[StoreRead | Exception] = []
+        for group in groups:
+            try:
+                tasks.append(self._readers.start(
+                    f"kv-load-{group[0].request_id}",
+                    lambda cancelled, group=group: read(group, cancelled)))
+            except StoreStuck as error:
+                tasks.append(error)
+        results: list[Any] = []
+        for group, task in zip(groups, tasks):
+            try:
+                if isinstance(task, Exception):
+                    raise task
+                results += self._readers.wait(task, deadline - time.monotonic())
+                continue
+            except ReadTimedOut:
+                logger.warning("KV load of request %s exceeded load_timeout_s=%.1fs; its "
+                               "blocks are invalid", group[0].request_id, self.load_timeout_s)
+            except StoreStuck as error:
+                logger.warning("KV load of request %s refused (%s); its blocks are invalid",
+                               group[0].request_id, error)
+            except Exception as error:  # reads catch their own errors; be safe
+                logger.warning("KV load of request %s crashed (%r); its blocks are invalid",
+                               group[0].request_id, error)
+            results += [None] * len(group)
+            for transfer in group:
+                self._invalid_block_ids.update(transfer.block_ids)
+                self._failed_requests.add(transfer.request_id)
+        return results
+
+    def _abandon(self, load: AsyncLoad) -> None:
+        """Nobody waits for this async load any more; its thread may run on (counted)."""
+        if load.thread is None:
+            return
+        self._readers.abandon(StoreRead(load.future, load.cancelled, load.thread))
 
     def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
         """Every raw entry read goes through `read_filter` before it is parsed."""
@@ -241,13 +298,13 @@ class StoreConnectorBase(KVConnectorBase):
         now = time.monotonic()
         for request_id, load in list(self._async_loads.items()):
             if request_id in finished_req_ids:  # aborted: nothing will read these blocks
-                load.cancelled.set()
+                self._abandon(load)
             elif load.future.done():
                 self._land(load)
             elif now >= load.deadline:
                 logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
                                request_id, self.load_timeout_s)
-                load.cancelled.set()  # a late result is dropped with the future
+                self._abandon(load)  # a late result is dropped with the future
                 self._invalid_block_ids.update(load.transfer.block_ids)
             else:
                 continue
@@ -286,15 +343,14 @@ class StoreConnectorBase(KVConnectorBase):
 
     # ----- both roles -----------------------------------------------------------
     def shutdown(self) -> None:
-        """Cancel every in-flight async load and join its thread (a read stuck in the
-        kernel is given up after SHUTDOWN_JOIN_S, its daemon thread left behind), then
-        release the store (`_close_store`). Idempotent."""
+        """Cancel every in-flight async load and join its thread, and the threads of
+        abandoned reads (a read stuck in the kernel is given up after SHUTDOWN_JOIN_S in
+        all, its daemon thread left behind), then release the store (`_close_store`).
+        Idempotent."""
         loads, self._async_loads = list(self._async_loads.values()), {}
         for load in loads:
-            load.cancelled.set()
-        give_up = time.monotonic() + SHUTDOWN_JOIN_S
-        for load in loads:
-            load.thread.join(max(0.0, give_up - time.monotonic()))
+            self._abandon(load)
+        self._readers.join_abandoned(time.monotonic() + SHUTDOWN_JOIN_S)
         self._close_store()
 
     def _close_store(self) -> None:

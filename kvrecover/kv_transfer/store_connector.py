@@ -15,18 +15,18 @@ subclass releases its store's connections.
 
 The store is reached only through batched calls: `exists_many` per lookup,
 `read_many` per step's synchronous loads (or per async load), `write_many` per
-step's saves. Async loads read and verify into host memory on a thread; the
-worker copies the result into the cache only when it reports the load finished,
-so a load that missed its deadline can never write into blocks that were given
-to someone else.
+step's saves. Every load reads and verifies into host memory on a reader thread
+(`reader_threads`) and the worker copies the result into the cache itself: a sync
+load waits for its reader until `load_timeout_s` at most, an async one until the
+worker reports it finished, so a read that missed its deadline can never write into
+blocks that were given to someone else, and a store that trickles or hangs never
+blocks the engine past the deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -43,24 +43,9 @@ from kvrecover.kv_transfer.store_base import (
     StoreConnectorBase,
 )
 
-__all__ = ["BlockStoreConnector", "BlockTransfer", "StorageConnectorMetadata", "deadline_event"]
+__all__ = ["BlockStoreConnector", "BlockTransfer", "StorageConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def deadline_event(cancelled: threading.Event | None, timeout_s: float) -> Iterator[threading.Event]:
-    """`cancelled` itself, or, when it is None, a new event set after `timeout_s`."""
-    if cancelled is not None:
-        yield cancelled
-        return
-    event = threading.Event()
-    timer = threading.Timer(timeout_s, event.set)
-    timer.start()
-    try:
-        yield event
-    finally:
-        timer.cancel()
 
 
 class BlockStoreConnector(StoreConnectorBase):
@@ -84,16 +69,17 @@ class BlockStoreConnector(StoreConnectorBase):
                 synchronous.append(transfer)
         if not synchronous:
             return
-        # One batched read for every synchronous load of the step; each load has its own deadline.
-        results = self._read_blocks(synchronous, None)
-        for transfer, blocks in zip(synchronous, results):
-            self._install(transfer, blocks)
+        # One batched read for every synchronous load of the step, under one deadline.
+        for transfer, blocks in zip(synchronous, self._read_now(
+                synchronous, self._read_blocks, batched=True)):
+            if blocks is not None:
+                self._install(transfer, blocks)
 
     def _read_blocks(self, transfers: list[BlockTransfer],
-                     cancelled: threading.Event | None) -> list[list[StoredBlock | None]]:
-        """Read and verify the transfers' blocks with one batched store read; per
-        transfer a list with None from its first failure on. `cancelled` ends the
-        work early; None gives each transfer a deadline of `load_timeout_s`."""
+                     cancelled: threading.Event) -> list[list[StoredBlock | None]]:
+        """Read and verify the transfers' blocks with one batched store read (on a reader
+        thread); per transfer a list with None from its first failure on. `cancelled`
+        (set at the load's deadline) ends the work early."""
         raws = self.store.read_many([key for transfer in transfers for key in transfer.keys])
         results, start = [], 0
         for transfer in transfers:
@@ -103,17 +89,16 @@ class BlockStoreConnector(StoreConnectorBase):
         return results
 
     def _verified_blocks(self, transfer: BlockTransfer, raws: list[bytes | BlockLoadError],
-                         cancelled: threading.Event | None) -> list[StoredBlock | None]:
+                         cancelled: threading.Event) -> list[StoredBlock | None]:
         """Parse a transfer's raw entries; None from the first failure on."""
         blocks: list[StoredBlock | None] = []
-        with deadline_event(cancelled, self.load_timeout_s) as cancelled:
-            for block_id, key, raw in zip(transfer.block_ids, transfer.keys, raws):
-                if cancelled.is_set():
-                    break
-                block = self._verified_block(transfer.request_id, block_id, key, raw, cancelled)
-                if block is None:
-                    break
-                blocks.append(block)
+        for block_id, key, raw in zip(transfer.block_ids, transfer.keys, raws):
+            if cancelled.is_set():
+                break
+            block = self._verified_block(transfer.request_id, block_id, key, raw, cancelled)
+            if block is None:
+                break
+            blocks.append(block)
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
     def _verified_block(self, request_id: str, block_id: int, key: bytes,

@@ -12,7 +12,8 @@ Configured in vLLM's MultiConnector format:
 Each tier is a block-store connector (SharedStorageConnector, RedisConnector or any
 `BlockStoreConnector`); its `kv_role` defaults to the outer one (a `kv_producer` tier only
 saves, a `kv_consumer` tier only loads). `async_load`, `load_timeout_s` (default:
-the tiers' deadlines summed) and `verify_after_load` are set once, outside.
+the tiers' deadlines summed; it bounds each load as a whole, every tier it tries
+included) and `verify_after_load` are set once, outside.
 
 - Lookup: every block of the prompt is looked for tier by tier (one batched call
   per tier, later tiers only asked for what earlier ones lack); the prefix offered
@@ -42,18 +43,61 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockStore, StoredBlock
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.store_connector import (
-    BlockStoreConnector,
-    BlockTransfer,
-    deadline_event,
-)
+from kvrecover.kv_transfer.store_base import StoreSettings
+from kvrecover.kv_transfer.store_connector import BlockStoreConnector, BlockTransfer
+from kvrecover.options import REQUIRED, from_dict, option
 
 if TYPE_CHECKING:
-    from kvrecover.engine.request import Request
+    from kvrecover.kv_transfer.request_view import KVRequestView
 
-TIER_KEYS = ("kv_connector", "kv_connector_extra_config", "kv_role", "kv_connector_module_path",
-             "save")
 COUNTERS = ("hit", "loaded", "failed", "fallen_through", "saved", "save_failed")
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One entry of `connectors`: a block-store connector, as a `KVTransferConfig` would
+    name it (`kv_role` defaulting to the outer one), and whether it saves."""
+
+    kv_connector: str = option(REQUIRED, "the tier's block-store connector", str)
+    kv_connector_extra_config: dict[str, Any] = option(
+        {}, "the tier connector's own settings", dict)
+    kv_role: str | None = option(None, "the tier's role (default: the outer kv_role)", str,
+                                 nullable=True)
+    kv_connector_module_path: str | None = option(
+        None, "module of a user's block-store connector", str, nullable=True)
+    save: bool | None = option(
+        None, "save into this tier; when any tier sets it, only tiers with true save", bool,
+        nullable=True, describe="True or False")
+
+
+def _tier_entries(entries: Any) -> tuple[TierEntry, ...]:
+    """The `connectors` setting as records (each entry's mistakes named by its index)."""
+    if isinstance(entries, tuple) and all(isinstance(e, TierEntry) for e in entries):
+        return entries
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(
+            "TieredConnector needs kv_connector_extra_config['connectors']: a non-empty list of "
+            "{'kv_connector': ..., 'kv_connector_extra_config': {...}} dicts, got "
+            f"{entries!r}")
+    records = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "kv_connector" not in entry:
+            raise ValueError(f"connectors[{index}] must be a dict with a 'kv_connector' name, "
+                             f"got {entry!r}")
+        records.append(from_dict(TierEntry, entry, f"connectors[{index}] key",
+                                 label=f"connectors[{index}][{{name!r}}]"))
+    return tuple(records)
+
+
+@dataclass(frozen=True)
+class TieredSettings(StoreSettings):
+    """TieredConnector's settings: its tiers, and the load settings set once, outside
+    (`load_timeout_s` defaults to the tiers' deadlines summed)."""
+
+    connectors: tuple[TierEntry, ...] | None = option(
+        None, "the tiers, in order: a non-empty list of {'kv_connector': ..., "
+        "'kv_connector_extra_config': {...}, 'kv_role': ..., 'save': ...} dicts", tuple,
+        convert=_tier_entries)
 
 
 @dataclass
@@ -80,20 +124,20 @@ class TieredTransfer(BlockTransfer):
 class TieredConnector(BlockStoreConnector):
     """Loads each block from the first tier that has it, falling through on failure."""
 
-    extra_config_keys = ("connectors", *BlockStoreConnector.extra_config_keys)
+    settings_class = TieredSettings
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []
         self._lookups: dict[str, list[int]] = {}
-        self._counts = {f"kv_tier{i}_{name}_blocks": 0
-                        for i in range(len(_tier_entries(config))) for name in COUNTERS}
         super().__init__(config, role, layout)
+        self._counts = {f"kv_tier{i}_{name}_blocks": 0
+                        for i in range(len(self.tiers)) for name in COUNTERS}
 
     def _open_store(self) -> BlockStore:
         from kvrecover.kv_transfer.registry import connector_class
 
-        entries = _tier_entries(self.config)
-        marked = any("save" in entry for entry in entries)
+        entries = self.settings.connectors
+        marked = any(entry.save is not None for entry in entries)
         for index, entry in enumerate(entries):
             inner = _tier_config(self.config, index, entry)
             try:
@@ -106,7 +150,7 @@ class TieredConnector(BlockStoreConnector):
                 connector = cls(inner, self.role, self.layout)
             except ValueError as error:
                 raise ValueError(f"connectors[{index}] ({inner.kv_connector}): {error}") from error
-            saves = inner.is_producer and (entry.get("save", False) if marked else True)
+            saves = inner.is_producer and (bool(entry.save) if marked else True)
             self.tiers.append(Tier(index, connector, inner.is_consumer, saves))
         return self.tiers[0].store  # the codec every tier shares (one engine layout)
 
@@ -117,7 +161,7 @@ class TieredConnector(BlockStoreConnector):
         self._counts[f"kv_tier{tier}_{name}_blocks"] += amount
 
     # ----- scheduler role -------------------------------------------------------------
-    def _count_stored_prefix(self, request: Request, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
         first_tiers: list[int | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -134,7 +178,7 @@ class TieredConnector(BlockStoreConnector):
         self._lookups[request.request_id] = first_tiers[:count]
         return count
 
-    def _new_load(self, request: Request, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+    def _new_load(self, request: KVRequestView, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
         first_tiers = self._lookups.pop(request.request_id, [])[: len(keys)]
         first_tiers += [self._first_load_tier()] * (len(keys) - len(first_tiers))
         for tier in first_tiers:
@@ -145,20 +189,16 @@ class TieredConnector(BlockStoreConnector):
     def _first_load_tier(self) -> int:
         return next((tier.index for tier in self.tiers if tier.loads), 0)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._lookups.pop(request.request_id, None)
         return super().request_finished(request, block_ids)
 
     # ----- worker role ----------------------------------------------------------------
     def _read_blocks(self, transfers: list[BlockTransfer],
-                     cancelled: threading.Event | None) -> list[list[StoredBlock | None]]:
+                     cancelled: threading.Event) -> list[list[StoredBlock | None]]:
         """Read every block from its first tier, then each failed one from later tiers:
-        one batched read per tier per call."""
-        with deadline_event(cancelled, self.load_timeout_s) as cancelled:
-            return self._read_tiers(transfers, cancelled)
-
-    def _read_tiers(self, transfers: list[BlockTransfer],
-                    cancelled: threading.Event) -> list[list[StoredBlock | None]]:
+        one batched read per tier per call (on the load's reader thread, so the load's
+        deadline bounds all the tiers together)."""
         results: list[list[StoredBlock | None]] = [[None] * len(t.keys) for t in transfers]
         pending = [(t, p) for t, transfer in enumerate(transfers) for p in range(len(transfer.keys))]
         for tier in self.tiers:
@@ -222,38 +262,13 @@ def _first_tier(transfer: BlockTransfer, position: int) -> int:
     return transfer.first_tiers[position] if isinstance(transfer, TieredTransfer) else 0
 
 
-def _tier_entries(config: KVTransferConfig) -> list[dict[str, Any]]:
-    entries = config.get_extra("connectors")
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(
-            "TieredConnector needs kv_connector_extra_config['connectors']: a non-empty list of "
-            "{'kv_connector': ..., 'kv_connector_extra_config': {...}} dicts, got "
-            f"{entries!r}")
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or "kv_connector" not in entry:
-            raise ValueError(f"connectors[{index}] must be a dict with a 'kv_connector' name, "
-                             f"got {entry!r}")
-        unknown = sorted(set(entry) - set(TIER_KEYS))
-        if unknown:
-            raise ValueError(f"connectors[{index}] has unknown keys {unknown}; allowed: "
-                             f"{list(TIER_KEYS)}")
-        if "save" in entry and not isinstance(entry["save"], bool):
-            raise ValueError(f"connectors[{index}]['save'] must be True or False, "
-                             f"got {entry['save']!r}")
-    return entries
-
-
-def _tier_config(outer: KVTransferConfig, index: int, entry: dict[str, Any]) -> KVTransferConfig:
-    extra = entry.get("kv_connector_extra_config", {})
-    if not isinstance(extra, dict):
-        raise ValueError(f"connectors[{index}]['kv_connector_extra_config'] must be a dict, "
-                         f"got {extra!r}")
+def _tier_config(outer: KVTransferConfig, index: int, entry: TierEntry) -> KVTransferConfig:
     try:
         return KVTransferConfig(
-            kv_connector=entry["kv_connector"],
-            kv_role=entry.get("kv_role", outer.kv_role),
-            kv_connector_extra_config=extra,
-            kv_connector_module_path=entry.get("kv_connector_module_path"),
+            kv_connector=entry.kv_connector,
+            kv_role=outer.kv_role if entry.kv_role is None else entry.kv_role,
+            kv_connector_extra_config=entry.kv_connector_extra_config,
+            kv_connector_module_path=entry.kv_connector_module_path,
             kv_load_failure_policy=outer.kv_load_failure_policy,
             kv_load_retry_limit=outer.kv_load_retry_limit,
         )

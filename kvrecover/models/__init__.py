@@ -1,1 +1,1 @@
-"""Model definitions (Llama family) and checkpoint loading."""
+"""Model families (one file each, chosen by `registry.py`), their shared layers, and checkpoint loading."""

@@ -1,4 +1,8 @@
-"""The model hyper-parameters kvrecover needs, read from a Hugging Face config."""
+"""The model hyper-parameters every family shares, read from a Hugging Face config.
+
+A family (one file under `models/`, see `registry.py`) subclasses `ModelConfig`
+with its own fields and extends `hf_fields` to read them.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder."""
+    """Shape and numerics of a decoder-only transformer, common to every family."""
 
     architecture: str
     vocab_size: int
@@ -29,15 +31,14 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
-    qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     checkpoint_dtype: torch.dtype = torch.float32
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def identity(self) -> str:
-        """A short stable digest of everything that shapes the KV cache's contents."""
+        """A short stable digest of everything that shapes the KV cache's contents
+        (every field of the family's config, by name: stored KV keys depend on it)."""
         record = asdict(self)
         record["checkpoint_dtype"] = str(self.checkpoint_dtype)
         record.pop("eos_token_ids")
@@ -45,25 +46,14 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
-    def from_pretrained(cls, model_dir: Path) -> ModelConfig:
-        """Read `config.json` (and `generation_config.json`) of a checkpoint folder."""
-        config_path = Path(model_dir) / "config.json"
-        if not config_path.is_file():
-            raise ValueError(f"model folder {model_dir} has no config.json")
-        raw = json.loads(config_path.read_text())
-        architectures = raw.get("architectures") or [raw.get("model_type", "unknown")]
-        architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r} in {config_path}; "
-                f"kvrecover supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
-            # We attend over the whole context; a windowed model would silently diverge.
-            raise ValueError(
-                f"{config_path} asks for sliding-window attention, which kvrecover does not "
-                "support; set use_sliding_window to false if the model allows it"
-            )
+    def from_hf_config(cls, raw: dict[str, Any], model_dir: Path) -> ModelConfig:
+        """This class's config from the parsed `config.json` of checkpoint `model_dir`."""
+        return cls(**cls.hf_fields(raw, Path(model_dir)))
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+        """The constructor arguments read from `raw`; a family returns these plus its own
+        (`{**super().hf_fields(raw, model_dir), "field": ...}`) and may refuse a setting."""
         num_heads = raw["num_attention_heads"]
         rope_parameters = raw.get("rope_parameters") or {}
         rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
@@ -71,8 +61,8 @@ class ModelConfig:
         if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
             rope_scaling = rope_parameters
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        return cls(
-            architecture=architecture,
+        return dict(
+            architecture=architecture_of(raw),
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -84,13 +74,33 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(
-                raw.get("attention_bias", architecture == "Qwen2ForCausalLM")
-            ),
-            qk_norm=architecture == "Qwen3ForCausalLM",
             rope_scaling=rope_scaling,
             checkpoint_dtype=getattr(torch, dtype_name, torch.float32),
-            eos_token_ids=_eos_token_ids(Path(model_dir), raw),
+            eos_token_ids=_eos_token_ids(model_dir, raw),
+        )
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """The parsed `config.json` of a checkpoint folder."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model folder {model_dir} has no config.json")
+    return json.loads(config_path.read_text())
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    """The architecture name a parsed `config.json` declares (its first `architectures`)."""
+    architectures = raw.get("architectures") or [raw.get("model_type", "unknown")]
+    return architectures[0]
+
+
+def refuse_sliding_window(raw: dict[str, Any], model_dir: Path) -> None:
+    """For families that attend over the whole context: a config asking for a window
+    is a ValueError (such a model would silently diverge)."""
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+        raise ValueError(
+            f"{Path(model_dir) / 'config.json'} asks for sliding-window attention, which "
+            "kvrecover does not support; set use_sliding_window to false if the model allows it"
         )
 
 

@@ -1,203 +1,47 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama 2/3, SmolLM): `LlamaForCausalLM` in config.json.
 
-Only the model definition: every kernel (linears, norms, rotary, attention)
-comes from the `KernelBackend` the model runner passes in (`kvrecover.ops`).
+Built from the shared layers (`layers.py`); Qwen2 and Qwen3 (`qwen2.py`, `qwen3.py`)
+are this model with attention biases or per-head q/k norms.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
-from kvrecover.models.config import ModelConfig
-from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.models.config import ModelConfig, refuse_sliding_window
+from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 
 if TYPE_CHECKING:
-    from kvrecover.ops.backend import KernelBackend
-    from kvrecover.ops.torch_ops import TorchOps
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+    from kvrecover.ops.interface import ModelOps
 
 
-def _load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
-    """Copy one checkpoint tensor (q, k, v, gate or up) into its rows of a fused weight."""
-    if loaded.shape[0] != size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
-        raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit rows "
-            f"[{offset}, {offset + size}) of a fused weight of shape {tuple(param.shape)}; "
-            "does config.json match the weights?"
-        )
-    param.data[offset : offset + size].copy_(loaded)
+@dataclass
+class LlamaConfig(ModelConfig):
+    """A Llama-family config: the common fields plus q/k/v biases and q/k norms."""
+
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+        refuse_sliding_window(raw, model_dir)  # these layers attend over the whole context
+        return {**super().hf_fields(raw, model_dir),
+                "attention_bias": bool(raw.get("attention_bias", False))}
 
 
-class LlamaAttention(nn.Module):
-    """Self-attention with fused QKV projection, GQA and an optional per-head q/k norm."""
+class LlamaForCausalLM(CausalLM[LlamaConfig]):
+    """Llama-family decoder over a paged KV cache: pre-norm layers of GQA attention
+    (optionally biased, optionally with q/k norms) and a SwiGLU MLP."""
 
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, attention: Any, ops: TorchOps
-    ) -> None:
-        super().__init__()
-        self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary
-        self.attention = attention
-        self.scale = self.head_dim**-0.5
-        shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                  "v": (self.q_size + self.kv_size, self.kv_size)}
-        for param in self.qkv_proj.parameters():
-            param.weight_loader = lambda p, w, shard: _load_shard(p, w, *shards[shard])
+    config_class = LlamaConfig
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any
-    ) -> torch.Tensor:
-        ops = self.ops
-        qkv = ops.linear(hidden, self.qkv_proj)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        if self.attention.fuses_rotary:
-            out = self.attention.forward_rotary(
-                self.rotary, positions, q, k, v, kv_cache, attn_meta, self.scale
-            )
-        else:
-            q, k = ops.rotary(self.rotary, positions, q, k)
-            out = self.attention.forward(q, k, v, kv_cache, attn_meta, self.scale)
-        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate and up projections."""
-
-    def __init__(self, config: ModelConfig, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        size = config.intermediate_size
-        shards = {"gate": (0, size), "up": (size, size)}
-        self.gate_up_proj.weight.weight_loader = lambda p, w, shard: _load_shard(p, w, *shards[shard])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """One pre-norm transformer block.
-
-    Carries the residual stream separately (`residual`, None before the first
-    layer) so that each residual add fuses with the next norm.
-    """
-
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, attention: Any, ops: TorchOps
-    ) -> None:
-        super().__init__()
-        self.ops = ops
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, attention, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, ops)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_meta: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ops, norm = self.ops, self.input_layernorm
-        if residual is None:
-            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
-        norm = self.post_attention_layernorm
-        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
-
-
-class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head; `forward` returns hidden states, `logits` projects them.
-
-    `layer_hook(layer_index)` (optional) runs before each layer's attention reads
-    the KV cache and `after_layer(layer_index)` after the layer wrote it: that is
-    where a KV connector waits for a layer's load and saves a layer's KV.
-    """
-
-    def __init__(self, config: ModelConfig, backend: KernelBackend, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.ops = ops = backend.ops
-        self.rotary = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
-        )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend.attention, ops)
-            for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            # One tensor, unless the backend repacks the LM head's weight for its
-            # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_meta: Any,
-        before_layer: Any = None,
-        after_layer: Any = None,
-    ) -> torch.Tensor:
-        hidden = self.ops.embedding(input_ids, self.embed_tokens.weight)
-        residual = None
-        for index, layer in enumerate(self.layers):
-            if before_layer is not None:
-                before_layer(index)
-            hidden, residual = layer(positions, hidden, residual, kv_caches[index], attn_meta)
-            if after_layer is not None:
-                after_layer(index)
-        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
-
-    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """Float32 logits for the given final hidden states (the model's dtype unless
-        `upcast`: a caller that casts them itself)."""
-        logits = self.ops.linear(hidden, self.lm_head)
-        return logits.float() if upcast else logits
-
-    # Hugging Face parameter name fragments -> (our fragment, shard id).
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"),
-        "up_proj": ("gate_up_proj", "up"),
-    }
+    def make_layer(self, config: LlamaConfig, index: int, attention: Any,
+                   ops: ModelOps) -> nn.Module:
+        self_attn = Attention(config, self.rotary, attention, ops,
+                              bias=config.attention_bias, qk_norm=config.qk_norm)
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+        return DecoderLayer(config, self_attn, mlp, ops)

@@ -5,22 +5,39 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
+
+ShardLoader = Callable[[nn.Parameter, torch.Tensor, str], None]
+"""Copies one checkpoint tensor (shard id: "q", "gate", ...) into its part of a fused
+parameter: (parameter, checkpoint tensor, shard id)."""
+
+
+def attach_shard_loader(param: torch.Tensor, loader: ShardLoader) -> None:
+    """Mark `param` as fused: `load_weights` hands it its checkpoint shards via `loader`."""
+    param.weight_loader = loader  # type: ignore[attr-defined]  # a hook torch does not declare
+
+
+def _shard_loader(param: nn.Parameter) -> ShardLoader:
+    loader: ShardLoader = param.weight_loader  # type: ignore[attr-defined]  # see attach_shard_loader
+    return loader
+
+
+def _no_init(module: nn.Module) -> None:
+    """Leaves a module's parameters as allocated."""
 
 
 @contextlib.contextmanager
 def skip_weight_init() -> Iterator[None]:
     """Build modules without random initialisation (the checkpoint overwrites it)."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
-    try:
+    with (mock.patch.object(nn.Linear, "reset_parameters", _no_init),
+          mock.patch.object(nn.Embedding, "reset_parameters", _no_init)):
         yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -72,10 +89,11 @@ class SafetensorsFile:
             for name, entry in header.items():
                 self.entries[name] = self._check_entry(name, entry, size)
             # A private mapping: never written, so never copied; no read-only-buffer warning.
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            # The header check above guarantees a non-empty file.
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
 
-    def _check_entry(self, name: str, entry: dict, size: int) -> tuple[torch.dtype, tuple[int, ...], int]:
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+    def _check_entry(self, name: str, entry: dict[str, Any], size: int) -> tuple[torch.dtype, tuple[int, ...], int]:
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype", ""))
         if dtype is None:
             raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
         shape = tuple(int(d) for d in entry["shape"])
@@ -105,8 +123,7 @@ class SafetensorsFile:
         return target
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
+        self._map.close()
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
@@ -143,7 +160,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                         else:
                             param.data.copy_(handle.read_into(name))
                     else:
-                        param.weight_loader(param, handle.read_into(name), shard)
+                        _shard_loader(param)(param, handle.read_into(name), shard)
                 loaded.add(target)
         finally:
             handle.close()

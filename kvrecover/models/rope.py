@@ -1,7 +1,8 @@
 """Rotary position embedding tables, including Llama 3's frequency scaling.
 
 The model owns the tables; the kernels that rotate by them live in `kvrecover.ops`
-(`rotary.apply_rotary`, `triton_ops.rotary_`).
+(`ops.reference.rotary`, `ops.triton.fused_ops.rotary_`), which see the
+tables through `ops.interface.RotaryTables`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import nn
 
 def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in ("default", None):
         return inv_freq
     if rope_type == "linear":
@@ -38,6 +40,10 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | 
 
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin tables by position (rotate-half layout, as in Hugging Face Llama)."""
+
+    cos_cache: torch.Tensor  # buffers, registered in __init__
+    sin_cache: torch.Tensor
+    cos_sin_cache: torch.Tensor
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None

@@ -3,7 +3,7 @@
 A decode step of B requests replays the graph of the smallest bucket >= B,
 padded with dummy requests that write only into the null block. A bucket's
 graph is captured the first time a step of its size runs. Inputs live in one
-static device buffer (see `StepInputBuilder`); the block table's width is read
+static device buffer (the backend's `ops.interface.GraphStepInputs`); the block table's width is read
 by the kernel from that buffer, so one graph serves every context length.
 """
 
@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.engine.scheduler_output import ScheduledRequest
-from kvrecover.worker.step_inputs import StepInputBuilder, StepInputs
+from kvrecover.ops.interface import GraphStepInputs, StepInputs
+from kvrecover.step_messages import ScheduledRequest
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -33,7 +37,7 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor]],
-        builder: StepInputBuilder,
+        builder: GraphStepInputs,
         max_blocks_per_seq: int,
         device: torch.device,
     ) -> None:
@@ -42,7 +46,7 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.graphs: dict[int, _Graph] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.buffer: torch.Tensor | None = None
 
     @staticmethod
@@ -66,26 +70,35 @@ class DecodeGraphs:
         Returns the logits [B, V] and their argmax [B] (views valid until the next replay).
         """
         size = self.bucket(len(scheduled))
+        if size is None:
+            raise ValueError(f"a decode batch of {len(scheduled)} requests is larger than the "
+                             f"largest graph ({BUCKETS[-1]}); run it eagerly")
         graph = self.graphs.get(size) or self._capture(size)
+        buffer = self._step_buffer()
         rows = None if token_source is None else token_source[1]
         layout = self.builder.pack(scheduled, pad_to=size, input_ids=rows)
-        self.builder.upload(layout, self.buffer)
+        self.builder.upload(layout, buffer)
         if token_source is not None:
             start = layout.offsets["ids"]
-            ids = self.buffer[start : start + len(scheduled)]
+            ids = buffer[start : start + len(scheduled)]
             ids.copy_(token_source[0].index_select(0, ids))  # uploaded rows -> token ids
         graph.graph.replay()
         return graph.logits[: len(scheduled)], graph.greedy[: len(scheduled)]
 
-    def _capture(self, size: int) -> _Graph:
+    def _step_buffer(self) -> torch.Tensor:
+        """The input buffer every graph reads, allocated at the first capture."""
         if self.buffer is None:
             # Sized for the largest bucket at full context; never reallocated (graphs hold its address).
             probe = self.builder.pack([], pad_to=BUCKETS[-1])
             extra = BUCKETS[-1] * (self.max_blocks_per_seq - 1)
             self.buffer = torch.empty(probe.size + extra, dtype=torch.int32, device=self.device)
+        return self.buffer
+
+    def _capture(self, size: int) -> _Graph:
+        buffer = self._step_buffer()
         layout = self.builder.pack([], pad_to=size)
-        self.builder.upload(layout, self.buffer)
-        inputs = self.builder.views(layout, self.buffer)
+        self.builder.upload(layout, buffer)
+        inputs = self.builder.views(layout, buffer)
         self.forward(inputs)  # warm-up: compiles kernels and sets up cuBLAS outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()

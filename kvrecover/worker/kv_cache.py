@@ -6,9 +6,10 @@ import os
 
 import torch
 
+from kvrecover.device_defaults import DEVICE_DEFAULTS, GIB
 from kvrecover.kv_layout import KVCacheLayout
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = int(DEVICE_DEFAULTS["kv_cache_memory_gb"].cpu * GIB)
 
 
 def available_kv_cache_bytes(device: torch.device, gpu_memory_utilization: float) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrecover.engine.scheduler_output import ModelRunnerOutput
+from kvrecover.step_messages import ModelRunnerOutput
 from kvrecover.worker.sampler import SampledRows, host_results
 
 

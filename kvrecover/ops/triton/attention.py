@@ -22,18 +22,16 @@ chunk or batch it is computed in, decode included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from kvrecover.ops.arrival import arrival_counters
-from kvrecover.ops.attention_metadata import PagedAttentionMetadata
-from kvrecover.ops.triton_ops import rotary_store_
-
-if TYPE_CHECKING:
-    from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.interface import RotaryTables, StepInputSpec
+from kvrecover.ops.triton.arrival import arrival_counters
+from kvrecover.ops.triton.fused_ops import rotary_store_
+from kvrecover.ops.triton.metadata import PagedAttentionMetadata
+from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
 PREFILL_BLOCK_M = 64  # query rows per program (BLOCK_Q tokens x the padded head group)
 DECODE_BLOCK_M = 64
@@ -342,33 +340,36 @@ def paged_attention(
 
 
 class TritonPagedAttention:
-    """The GPU attention backend: Triton KV store plus the paged attention kernel.
+    """The GPU attention backend: Triton KV store plus the paged attention kernel; `attend`
+    rotates q and k and stores the key in one kernel.
 
     `batch_invariant` keeps decode on the prefill tiles.
     """
 
     name = "triton"
-    fuses_rotary = True  # see `forward_rotary`
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """The `ops.interface.PagedAttention` entry point: with `rotary`, one kernel
+        rotates `query` (in place) and the key into the cache (`key` itself stays as it
+        was); without, `forward`."""
+        if rotary is None:
+            return self.forward(query, key, value, kv_cache, meta, scale)
+        rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
+        return self._attend(query, kv_cache, meta, scale)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        """Write this step's (rotated) K/V into the cache, then attend; returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale)
-
-    def forward_rotary(
-        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
-        key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        meta: PagedAttentionMetadata, scale: float,
-    ) -> torch.Tensor:
-        """`forward` for a query and key not yet rotated by `positions`: one kernel
-        rotates both and stores the key (`key` itself stays as it was)."""
-        rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
         return self._attend(query, kv_cache, meta, scale)
 
     def _attend(
@@ -377,3 +378,9 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         decode = INVARIANT_DECODE if self.batch_invariant else FAST_DECODE
         return paged_attention(query, kv_cache, meta, scale, decode=decode)
+
+
+def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:
+    """The packed step inputs whose query tiles match this kernel's prefill tiles."""
+    group = spec.num_attention_heads // spec.num_kv_heads
+    return StepInputBuilder(spec.block_size, tile_tokens(group), spec.device, spec.max_model_len)

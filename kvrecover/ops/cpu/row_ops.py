@@ -1,4 +1,4 @@
-"""Row-local fused kernels for bf16/fp16 on the CPU through C (`csrc/row_ops.c`).
+"""Row-local fused kernels for bf16/fp16 on the CPU through C (`ops/cpu/csrc/row_ops.c`).
 
 Add + RMSNorm, RMSNorm and rotary, each one call instead of several torch ops
 (a C SwiGLU measured slower than torch's two vectorized ops: bench/NOTES.md).
@@ -7,7 +7,7 @@ float32 math, rounded where `TorchOps` rounds, so a row's bits do not depend
 on the batch or the thread count (`tests/test_row_ops.py`). Results are close
 to, not always bit-equal with, torch's (the sum of squares runs in another
 order); the residual sum is exact-rounded and equals torch's, and rotary
-rounds step for step as `rotary.apply_rotary` does (bit-equal).
+rounds step for step as `ops.reference.rotary.apply_rotary` does (bit-equal).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kvrecover.ops.native_build import load_library
+from kvrecover.ops.cpu.native_build import load_library
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 MAX_HIDDEN = 8192  # ROW_CHUNK in row_ops.c
@@ -74,7 +74,7 @@ class NativeRowOps:
         self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor, threads: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rotary.apply_rotary` bit for bit: query [T, Hq, D] and key [T, Hkv, D] (last dim
+        """`ops.reference.rotary.apply_rotary` bit for bit: query [T, Hq, D] and key [T, Hkv, D] (last dim
         contiguous) rotated by positions [T] (int64) with the float32 cache [P, 2 * D]."""
         if query.dtype != key.dtype or query.dtype not in DTYPE_CODES:
             raise ValueError(f"query and key dtypes ({query.dtype}, {key.dtype}) must be one of "
@@ -127,7 +127,8 @@ def _threads(elements: int, rows: int, threads: int | None) -> int:
     return max(1, min(threads, rows))
 
 
-def native_row_ops() -> NativeRowOps | None:
-    """The compiled kernels, or None (after one warning) where they cannot be built."""
-    library = load_library("row_ops")
+def native_row_ops(allowed: bool = True) -> NativeRowOps | None:
+    """The compiled kernels, or None (after one warning) where they cannot be built or
+    are not `allowed` (`EngineArgs.native_kernels`)."""
+    library = load_library("row_ops", allowed)
     return None if library is None else NativeRowOps(library)

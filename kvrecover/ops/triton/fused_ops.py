@@ -1,6 +1,6 @@
 """Fused row-wise and elementwise ops for the GPU path, in Triton.
 
-Each kernel rounds where the torch reference (`kvrecover.ops.torch_ops.TorchOps`)
+Each kernel rounds where the torch reference (`kvrecover.ops.reference.torch_ops.TorchOps`)
 rounds, so bf16 results match it up to the order of a row's sum of squares.
 Every op works row by row, so a row's result never depends on the other rows
 of the batch (batch invariance comes for free).
@@ -9,18 +9,14 @@ Import only where Triton exists (CUDA machines, or `TRITON_INTERPRET=1`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from kvrecover.ops.batch_invariant import linear as batch_invariant_linear
-from kvrecover.ops.torch_ops import TorchOps
-
-if TYPE_CHECKING:
-    from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.interface import RotaryTables
+from kvrecover.ops.reference.torch_ops import TorchOps
+from kvrecover.ops.triton.batch_invariant_matmul import linear as batch_invariant_linear
 
 
 @triton.jit
@@ -150,64 +146,6 @@ def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, n_cols, weight_stride, out_s
     tl.store(out_ptr + row * out_stride + cols, values, mask=mask)
 
 
-@triton.jit
-def _argmax_chunks_kernel(
-    logits_ptr, upcast_ptr, value_ptr, index_ptr, n_cols, stride,
-    UPCAST: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf"))
-    x = x.to(tl.float32)  # exact: the argmax of the float32 copy is the argmax of the input
-    if UPCAST:
-        tl.store(upcast_ptr + row * n_cols + cols, x, mask=cols < n_cols)
-    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(value_ptr + row * tl.num_programs(1) + chunk, value)
-    tl.store(index_ptr + row * tl.num_programs(1) + chunk, chunk * BLOCK + index)
-
-
-@triton.jit
-def _argmax_rows_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, BLOCK)
-    mask = chunks < num_chunks
-    values = tl.load(value_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
-    indices = tl.load(index_ptr + row * num_chunks + chunks, mask=mask, other=0)
-    _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.sum(tl.where(chunks == best, indices, 0), axis=0))
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)` (first maximum on ties) in two passes that fill the GPU."""
-    return _greedy(logits, None)
-
-
-def upcast_greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logits.float(), greedy_tokens(logits))` with one read of `logits` (no separate cast)."""
-    upcast = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    return upcast, _greedy(logits, upcast)
-
-
-def _greedy(logits: torch.Tensor, upcast: torch.Tensor | None) -> torch.Tensor:
-    n_rows, n_cols = logits.shape
-    block = 4096
-    num_chunks = triton.cdiv(n_cols, block)
-    values = torch.empty((n_rows, num_chunks), dtype=torch.float32, device=logits.device)
-    indices = torch.empty((n_rows, num_chunks), dtype=torch.int32, device=logits.device)
-    out = torch.empty(n_rows, dtype=torch.int32, device=logits.device)
-    if n_rows:
-        _argmax_chunks_kernel[(n_rows, num_chunks)](
-            logits, upcast if upcast is not None else logits, values, indices, n_cols,
-            logits.stride(0), UPCAST=upcast is not None, BLOCK=block, num_warps=8,
-        )
-        _argmax_rows_kernel[(n_rows,)](
-            values, indices, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks),
-            num_warps=1,
-        )
-    return out
-
-
 def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`weight[input_ids]` for 1-D `input_ids` (ids are checked before they reach here)."""
     n_cols = weight.shape[1]
@@ -251,7 +189,7 @@ def rms_norm(
 
 
 def rotary_(
-    rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] in place (rows may be strided)."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -267,7 +205,7 @@ def rotary_(
 
 
 def rotary_store_(
-    rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+    rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
     """`rotary_` on `query` (in place) and on `key`, whose result goes with `value` straight
@@ -315,7 +253,7 @@ class TritonOps(TorchOps):
         return rms_norm(x, weight, eps, residual=residual), residual
 
     def rotary(
-        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        self, rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_(rotary, positions, query, key)

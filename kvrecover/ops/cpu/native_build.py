@@ -1,4 +1,4 @@
-"""Our C kernels (`ops/csrc/`), compiled at first use with the system C compiler.
+"""Our C kernels (`ops/cpu/csrc/`), compiled at first use with the system C compiler.
 
 `load_library("paged_attention")` compiles `csrc/paged_attention.c` with
 `cc -O3 -march=native` into the kvrecover cache folder (`cache_dir.cache_root()
@@ -6,9 +6,11 @@
 source and the headers beside it (`kvr_common.h`), the compiler and its
 version, the flags and the CPU's feature flags, so a changed source, header,
 compiler or machine builds anew; a file lock keeps two processes from compiling
-at once, and the build lands under its final name by an atomic rename. When no compiler is found, the build fails, or
-`KVRECOVER_NATIVE_KERNELS=0` is set, it returns None after one warning and the
-caller falls back to its torch implementation.
+at once, and the build lands under its final name by an atomic rename. When no
+compiler is found or the build fails, it returns None after one warning and the
+caller falls back to its torch implementation; it does the same, without
+building, when the caller passes `allowed=False` (`EngineArgs.native_kernels`,
+whose default `native_kernels_default` reads from `KVRECOVER_NATIVE_KERNELS`).
 """
 
 from __future__ import annotations
@@ -32,25 +34,32 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 # -fopenmp: the kernels use torch's OpenMP runtime (libgomp.so.1, loaded by torch first).
 CFLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=off", "-fopenmp", "-shared",
           "-fPIC")
-DISABLE_ENV = "KVRECOVER_NATIVE_KERNELS"  # "0": never build, use the torch fallbacks
+DISABLE_ENV = "KVRECOVER_NATIVE_KERNELS"  # "0": native_kernels defaults to False
 BUILD_TIMEOUT_S = 120
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def load_library(name: str) -> ctypes.CDLL | None:
+def native_kernels_default() -> bool:
+    """What `native_kernels=None` means: True unless `KVRECOVER_NATIVE_KERNELS=0` (the one
+    place that reads the variable; `ops.backend.select_backend` asks it)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def load_library(name: str, allowed: bool = True) -> ctypes.CDLL | None:
     """The compiled `csrc/<name>.c` (built on first use, then cached), or None after
-    one warning when it cannot be built or native kernels are disabled."""
+    one warning when it cannot be built or is not `allowed` (nothing is built then)."""
+    if not allowed:
+        warnings.warn(f"native_kernels=False ({DISABLE_ENV}=0 by default): the C kernel "
+                      f"{name!r} is off, using the slower torch fallback", RuntimeWarning,
+                      stacklevel=3)
+        return None
     if name not in _loaded:
         _loaded[name] = _build_and_load(name)
     return _loaded[name]
 
 
 def _build_and_load(name: str) -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        warnings.warn(f"{DISABLE_ENV}=0: the C kernel {name!r} is off, using the slower torch "
-                      "fallback", RuntimeWarning, stacklevel=3)
-        return None
     source = SOURCE_DIR / f"{name}.c"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

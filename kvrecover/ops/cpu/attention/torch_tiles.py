@@ -1,6 +1,6 @@
 """Batch-invariant paged attention in torch ops: fixed query tiles, fixed key chunks.
 
-The fallback of the C kernel (`native_attention`) where that cannot be built, and
+The fallback of the C kernel (`c_kernel`) where that cannot be built, and
 the CPU-invariant attention off the CPU (`attention_backend="torch"` on CUDA); it
 keeps the same promise at several times the cost.
 
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrecover.ops.attention_metadata import AttentionMetadata
+from kvrecover.ops.interface import RotaryKernel
+from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 QUERY_TILE = 4  # tokens per query tile: decode pads 1 to this
 KEY_CHUNK = 64  # keys per chunk; a multiple of 32 keeps exp on the vector path
@@ -44,13 +46,17 @@ class TilePlan:
     output_rows: torch.Tensor  # [T] tile row holding each query row's output
 
 
-class CpuInvariantAttention:
-    """Paged attention whose per-query bits do not depend on batch or chunking (see module)."""
+class CpuInvariantAttention(RotateThenAttend):
+    """Paged attention whose per-query bits do not depend on batch or chunking (see module);
+    `attend` rotates with `rotate` (the backend's rotary op) first."""
 
     name = "cpu_invariant"
-    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
 
-    def __init__(self, query_tile: int = QUERY_TILE, key_chunk: int = KEY_CHUNK) -> None:
+    def __init__(
+        self, query_tile: int = QUERY_TILE, key_chunk: int = KEY_CHUNK,
+        rotate: RotaryKernel = reference_rotary,
+    ) -> None:
+        super().__init__(rotate)
         for field, value in (("query_tile", query_tile), ("key_chunk", key_chunk)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
@@ -87,7 +93,7 @@ class CpuInvariantAttention:
             .reshape(num_tiles, num_kv_heads, rows, head_dim)
         )
         scores = []
-        row_max = None
+        row_max: torch.Tensor | None = None
         for active, slots, mask in zip(plan.active_tiles, plan.chunk_slots, plan.chunk_masks):
             keys = _as_float_heads(key_cache.index_select(0, slots), active, chunk)
             chunk_scores = torch.matmul(queries[:active], keys.transpose(-1, -2))
@@ -98,6 +104,8 @@ class CpuInvariantAttention:
             else:
                 row_max[:active] = torch.maximum(row_max[:active], chunk_max)
             scores.append(chunk_scores)
+        if row_max is None:
+            raise ValueError("a tile plan with no key chunks: every query attends to itself")
 
         out = queries.new_zeros(num_tiles, num_kv_heads, rows, head_dim)
         denominator = queries.new_zeros(num_tiles, num_kv_heads, rows)
@@ -113,7 +121,7 @@ class CpuInvariantAttention:
 
     def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> TilePlan:
         """The step's plan; every layer of a step shares `meta`, so it is built once."""
-        if self._plan_meta is not meta:
+        if self._plan is None or self._plan_meta is not meta:
             self._plan = build_tile_plan(meta, group, block_size, self.query_tile,
                                          self.key_chunk)
             self._plan_meta = meta

@@ -15,16 +15,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrecover.ops.attention_metadata import AttentionMetadata, ContextGather, PrefillGroup
+from kvrecover.ops.interface import RotaryKernel
+from kvrecover.ops.reference.attention_metadata import (
+    AttentionMetadata,
+    ContextGather,
+    PrefillGroup,
+)
+from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 
-class TorchPagedAttention:
-    """Reference paged attention in plain torch (CPU and GPU)."""
+class TorchPagedAttention(RotateThenAttend):
+    """Reference paged attention in plain torch (CPU and GPU); `attend` rotates with
+    `rotate` (the backend's rotary op) first."""
 
     name = "torch"
-    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
 
-    def __init__(self) -> None:
+    def __init__(self, rotate: RotaryKernel = reference_rotary) -> None:
+        super().__init__(rotate)
         self._workspace = _GatherWorkspace()
 
     def forward(
@@ -36,22 +43,21 @@ class TorchPagedAttention:
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
         num_rows = query.shape[0]
-        rows = meta.decode_rows
-        if not meta.prefills and isinstance(rows, slice) and rows.stop - rows.start == num_rows:
-            return _decode(query, kv_cache, meta.decode_context, scale, self._workspace)
+        rows, context = meta.decode_rows, meta.decode_context  # both None without decodes
+        if (context is not None and not meta.prefills and isinstance(rows, slice)
+                and rows.stop - rows.start == num_rows):
+            return _decode(query, kv_cache, context, scale, self._workspace)
         if len(meta.prefills) == 1 and rows is None:
             group = meta.prefills[0]
             if group.row_end - group.row_start == num_rows:
                 return _prefill(query, key, value, kv_cache, group, scale, self._workspace)
         out = query.new_empty(query.shape)
-        if rows is not None:
+        if rows is not None and context is not None:
             if isinstance(rows, slice):
-                out[rows] = _decode(
-                    query[rows], kv_cache, meta.decode_context, scale, self._workspace
-                )
+                out[rows] = _decode(query[rows], kv_cache, context, scale, self._workspace)
             else:
                 decoded = _decode(
-                    query.index_select(0, rows), kv_cache, meta.decode_context, scale,
+                    query.index_select(0, rows), kv_cache, context, scale,
                     self._workspace,
                 )
                 out.index_copy_(0, rows, decoded)

@@ -1,22 +1,19 @@
 """The model's linears and small ops in plain torch: the reference (CPU, tests).
 
-Faster backends subclass `TorchOps` (`triton_ops.TritonOps`); every override
-must round where these round.
+Faster backends subclass `TorchOps` (`ops.triton.fused_ops.TritonOps`,
+`ops.cpu.invariant_ops.InvariantCpuOps`); every override must round where these
+round. `TorchOps` is an `ops.interface.ModelOps`.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrecover.ops.onednn import pack_linear_weights, packed_linear
-from kvrecover.ops.rotary import apply_rotary
-
-if TYPE_CHECKING:
-    from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.cpu.onednn import pack_linear_weights, packed_linear
+from kvrecover.ops.interface import RotaryTables
+from kvrecover.ops.reference.rotary import reference_rotary
 
 
 class TorchOps:
@@ -53,11 +50,11 @@ class TorchOps:
         return self.rms_norm(residual, weight, eps), residual
 
     def rotary(
-        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
+        self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `query` and `key` by `positions` with the model's tables."""
-        return apply_rotary(rotary.cos_sin_cache, positions, query, key)
+        return reference_rotary(tables, positions, query, key)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""

@@ -1,8 +1,8 @@
-"""Batch-invariant linears on the CPU (bf16/fp16 by default, float32 on request).
+"""Batch-invariant linears on the CPU: fixed-shape row tiles through oneDNN.
 
 A oneDNN (or torch) matmul of a fixed shape (rows, in, out) on a fixed thread
 count runs one kernel with one reduction order, so a row's result cannot depend
-on the other rows. `InvariantCpuOps.linear` therefore runs only fixed shapes:
+on the other rows. `TiledLinears.linear` therefore runs only fixed shapes:
 tiles of exactly `tile_rows` rows; for long prefill chunks, tiles of
 `large_tile_rows` rows; and, for a decode batch or a chunk's last rows, the
 smallest proven tile of `SMALL_TILE_CANDIDATES` (zero-padded) that holds them.
@@ -10,30 +10,17 @@ smallest proven tile of `SMALL_TILE_CANDIDATES` (zero-padded) that holds them.
 every large or small tile equal its bits in a `tile_rows` tile; a tile size that
 fails for any shape is never used. The weight of one linear stays in cache
 across its tiles. Accumulation is float32 inside oneDNN's bf16 kernels; the
-result is rounded once to the model dtype.
-
-Norms, rotary, SwiGLU and sampling are row-local already (the inherited
-`TorchOps` versions; `tests/test_cpu_invariant.py` proves it bit for bit). For
-bf16/fp16, RMSNorm (with its residual add) and rotary run as one C call each
-(`native_row_ops`, row-local by construction) where the library builds; float32
-keeps the torch versions.
+result is rounded once to the model dtype. The rest of the CPU-invariant op set
+is `ops.cpu.invariant_ops.InvariantCpuOps`.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrecover.ops.native_row_ops import DTYPE_CODES as ROW_DTYPES
-from kvrecover.ops.native_row_ops import MAX_HIDDEN, NativeRowOps, native_row_ops
-from kvrecover.ops.onednn import _trim_heap
-from kvrecover.ops.torch_ops import TorchOps
-
-if TYPE_CHECKING:
-    from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.cpu.onednn import _trim_heap
 
 # Measured on the 2-core AVX-512-bf16 EPYC (bench/NOTES.md, "bf16 on the CPU"):
 # decode pays for every padded row of a small tile; a prefill chunk in small
@@ -46,12 +33,11 @@ LARGE_TILE_ROWS = 256
 # differently from the tile kernels for a few percent of rows, data-dependently, so
 # a sampled proof can pass it by chance (it did, in about a quarter of test runs).
 SMALL_TILE_CANDIDATES = (2, 4, 8, 12)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-PACKABLE_DTYPES = (torch.float32, *HALF_DTYPES)
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class InvariantCpuOps(TorchOps):
-    """`TorchOps` whose linears run only fixed-shape row tiles (see the module doc)."""
+class TiledLinears:
+    """Linears that run only fixed-shape row tiles (see the module doc)."""
 
     def __init__(self, tile_rows: int = TILE_ROWS, large_tile_rows: int = LARGE_TILE_ROWS) -> None:
         for field, value in (("tile_rows", tile_rows), ("large_tile_rows", large_tile_rows)):
@@ -68,54 +54,6 @@ class InvariantCpuOps(TorchOps):
         self.small_tiles: tuple[int, ...] = (tile_rows,)
         # _pad_to[n]: the tile that runs n < tile_rows leftover rows.
         self._pad_to = [tile_rows] * tile_rows
-        self._rows: NativeRowOps | None = None  # the C row kernels, loaded at first half call
-        self._rows_loaded = False
-
-    def _row_kernels(self, *tensors: torch.Tensor) -> NativeRowOps | None:
-        """The C row kernels when they apply to `tensors` (one half dtype, contiguous)."""
-        first = tensors[0]
-        if first.shape[-1] > MAX_HIDDEN:
-            return None
-        if not all(t.dtype == first.dtype and t.is_contiguous() for t in tensors):
-            return None
-        return self._kernels_for(first.dtype)
-
-    def _kernels_for(self, dtype: torch.dtype) -> NativeRowOps | None:
-        """The C row kernels for a half dtype (None for float32: the torch versions)."""
-        if dtype not in ROW_DTYPES:
-            return None
-        if not self._rows_loaded:
-            self._rows, self._rows_loaded = native_row_ops(), True
-        return self._rows
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`TorchOps.rms_norm`, one C call for bf16/fp16."""
-        rows = self._row_kernels(x, weight)
-        if rows is None or x.device.type != "cpu":
-            return super().rms_norm(x, weight, eps)
-        return rows.add_rms_norm(None, x, weight, eps)[0]
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchOps.add_rms_norm`, one C call for bf16/fp16."""
-        rows = self._row_kernels(x, residual, weight)
-        if rows is None or x.device.type != "cpu" or x.shape != residual.shape:
-            return super().add_rms_norm(x, residual, weight, eps)
-        return rows.add_rms_norm(x, residual, weight, eps)
-
-    def rotary(
-        self, rotary: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor,
-        key: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchOps.rotary`, one C call for bf16/fp16 (bit-equal)."""
-        cache = rotary.cos_sin_cache
-        rows = self._kernels_for(query.dtype)  # q and k are views of the qkv output
-        if (rows is None or query.device.type != "cpu" or cache.dtype != torch.float32
-                or query.dtype != key.dtype or query.stride(-1) != 1 or key.stride(-1) != 1
-                or positions.dtype != torch.int64):
-            return super().rotary(rotary, positions, query, key)
-        return rows.rotary(cache, positions, query, key)
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once after loading: pack the linear weights for oneDNN (a tied
@@ -127,7 +65,7 @@ class InvariantCpuOps(TorchOps):
         if torch.backends.mkldnn.is_available():
             for layer in linears:
                 _pack_linear(layer, self.tile_rows)
-        large = self._wanted_large_tile_rows
+        large: int | None = self._wanted_large_tile_rows
         smalls = [t for t in SMALL_TILE_CANDIDATES if t < self.tile_rows]
         checked = set()
         for layer, dtype in zip(linears, dtypes):

@@ -4,9 +4,9 @@ KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 keys, 1 values). A token at position `p` of a request lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
 
-`AttentionMetadata` serves the torch reference backend, `PagedAttentionMetadata`
-the Triton kernels; both are plain records (no Triton import), built by the
-worker's step inputs. The torch backend reads the cache block by block: each
+`AttentionMetadata` serves the torch reference backend and the CPU-invariant
+kernels (`ops.cpu.attention`); it is a plain record, built by the step inputs
+(`ops.reference.step_inputs`). The torch backend reads the cache block by block: each
 step gathers whole blocks (one row copy per block, not per token) only for
 requests that have a cached context; fresh prompts attend to their own new keys.
 """
@@ -166,7 +166,7 @@ def _context(
         common_len = seq_lens[0]
     else:
         stale_rows, common_len = flat[stale].to(device), None
-    mask = key_pos[None, None, :] <= query_positions[:, :, None]
+    mask: torch.Tensor | None = key_pos[None, None, :] <= query_positions[:, :, None]
     if common_len is not None and query_positions.shape[1] == 1:
         mask = None  # decodes of equal length: each sees exactly the kept keys
     return ContextGather(
@@ -176,25 +176,3 @@ def _context(
         num_blocks=num_blocks,
         common_len=common_len,
     )
-
-
-@dataclass
-class PagedAttentionMetadata:
-    """Per-step device indexing for `TritonPagedAttention` (views of one int32 buffer).
-
-    `block_table_stride` is a one-element tensor holding the row stride of
-    `block_tables`, read by the kernel so that a CUDA graph can replay with a
-    different table width. `decode_only` steps (one new token per request) use
-    the split-context kernel; `max_seq_len` bounds its segment count.
-    """
-
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    seq_lens: torch.Tensor  # [B] context length after this step
-    query_start_loc: torch.Tensor  # [B + 1] first row of each request in the flat batch
-    tile_request: torch.Tensor  # [num_tiles] request of each query tile
-    tile_query_start: torch.Tensor  # [num_tiles] first query (within the request) of each tile
-    block_tables: torch.Tensor  # flat [B * stride] block ids
-    block_table_stride: torch.Tensor  # [1]
-    num_tiles: int
-    decode_only: bool = False
-    max_seq_len: int = 0

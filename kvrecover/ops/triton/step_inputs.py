@@ -1,8 +1,6 @@
-"""One step's model inputs: token ids, positions, rows to sample and attention metadata.
-
-`reference_step_inputs` builds them for the torch reference attention.
-`StepInputBuilder` serves the Triton path: one step's integer inputs, packed into
-one buffer and copied once.
+"""The Triton path's step inputs: one step's integer inputs, packed into one buffer
+and copied once (`StepInputBuilder`, an `ops.interface.StepInputBuilder` whose
+padded-decode interface serves the CUDA graphs).
 
 Token ids, positions, cache slots, the attention tiles, the rows to sample and
 the block table all go into one pinned int32 host buffer, reach the device in
@@ -15,13 +13,18 @@ the offsets of every segment then depend on `pad_to` alone.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvrecover.engine.scheduler_output import ScheduledRequest
-from kvrecover.ops.attention_metadata import AttentionMetadata, PagedAttentionMetadata
+from kvrecover.ops.interface import (
+    GraphStepInputs,
+    ScheduledTokens,
+    StepInputs,
+)
+from kvrecover.ops.triton.metadata import PagedAttentionMetadata
 
 _ALIGN = 32  # int32 elements (128 bytes) between segments, for aligned kernel loads
 _SEGMENTS = ("ids", "positions", "slots", "seq_lens", "query_start", "tile_request",
@@ -40,39 +43,6 @@ class StepLayout:
     max_seq_len: int
 
 
-@dataclass
-class StepInputs:
-    """One step's inputs on the device (views of one buffer on the Triton path)."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    sample_rows: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
-    attn: PagedAttentionMetadata | AttentionMetadata
-
-
-def reference_step_inputs(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
-) -> StepInputs:
-    """The inputs of one step for the torch reference attention (per request, never per
-    token, in Python)."""
-    query_lens = [len(s.token_ids) for s in scheduled]
-    num_computed = [s.num_computed_tokens for s in scheduled]
-    lengths = torch.tensor(query_lens)
-    ends = torch.cumsum(lengths, 0)
-    token_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in scheduled)))
-    # Position of each row: its request's first position plus its offset in the request.
-    positions = torch.arange(int(ends[-1])) + torch.repeat_interleave(
-        torch.tensor(num_computed) - (ends - lengths), lengths
-    )
-    sample = torch.tensor([s.sample for s in scheduled])
-    attn = AttentionMetadata.build(
-        num_computed, query_lens, [s.block_ids for s in scheduled], block_size, device
-    )
-    return StepInputs(
-        token_ids.to(device), positions.to(device), (ends[sample] - 1).to(device), attn
-    )
-
-
 def _round_up(value: int) -> int:
     return -(-value // _ALIGN) * _ALIGN
 
@@ -86,7 +56,12 @@ def _offsets(lengths: dict[str, int]) -> tuple[dict[str, int], int]:
 
 
 class StepInputBuilder:
-    """Packs scheduled requests into the host buffer and uploads it (one per model runner)."""
+    """Packs scheduled requests into the host buffer and uploads it (one per model runner).
+
+    `tile_tokens` is the attention kernel's query tokens per tile
+    (`ops.triton.attention.tile_tokens`; `ops.triton.attention.step_input_builder`
+    makes the builder from an `ops.interface.StepInputSpec`).
+    """
 
     def __init__(
         self, block_size: int, tile_tokens: int, device: torch.device, max_model_len: int = 0
@@ -101,12 +76,21 @@ class StepInputBuilder:
         self._device = torch.empty(0, dtype=torch.int32, device=device)
         self._uploaded: torch.cuda.Event | None = None
         # Block-table rows left in the host buffer by the last decode pack, by row.
-        self._table_rows: list[tuple] = []
+        self._table_rows: list[tuple[str, int, int, int] | None] = []  # per row: what it holds
         self._table_shape: tuple[int, int, int] | None = None
+
+    def build(self, scheduled: Sequence[ScheduledTokens]) -> StepInputs:
+        """The step's inputs on the device: packed, uploaded, as views (an eager step)."""
+        layout = self.pack(scheduled)
+        return self.views(layout, self.upload(layout))
+
+    def for_graphs(self) -> GraphStepInputs | None:
+        """This builder itself: `pack(pad_to=...)`, `upload` and `views` serve the graphs."""
+        return self
 
     def pack(
         self,
-        scheduled: list[ScheduledRequest],
+        scheduled: Sequence[ScheduledTokens],
         pad_to: int | None = None,
         input_ids: list[int] | None = None,
     ) -> StepLayout:
@@ -178,7 +162,7 @@ class StepInputBuilder:
         return StepLayout(offsets, lengths, size, num_tiles, decode_only, max_seq_len)
 
     def _pack_decode(
-        self, scheduled: list[ScheduledRequest], num_reqs: int, input_ids: list[int] | None
+        self, scheduled: Sequence[ScheduledTokens], num_reqs: int, input_ids: list[int] | None
     ) -> StepLayout:
         """`pack` for padded decode steps (the CUDA-graph path), lean on per-call overhead.
 

@@ -1,4 +1,4 @@
-"""Batch-invariant paged attention on the CPU through our C kernel (`csrc/paged_attention.c`).
+"""Batch-invariant paged attention on the CPU through our C kernel (`ops/cpu/csrc/paged_attention.c`).
 
 The kernel computes each (query token, KV head) alone, reading that token's
 keys 0..position straight from the paged cache in increasing order with float32
@@ -7,8 +7,8 @@ full prefill, a chunk, a decode step or any batch (see the C file). A step's
 items are shared by `torch.get_num_threads()` OpenMP threads, torch's own (the
 library is built with -fopenmp and so uses the libgomp torch loaded), which take
 items from one atomic counter; ctypes releases the GIL. Which thread computes an
-item changes no bit. Where the kernel cannot be built, `invariant_cpu_attention` returns the
-torch implementation (`cpu_invariant_attention`) instead.
+item changes no bit. Where the kernel cannot be built, `ops.cpu.attention.invariant_cpu_attention`
+returns the torch implementation (`torch_tiles`) instead.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrecover.ops.attention_metadata import AttentionMetadata
-from kvrecover.ops.cpu_invariant_attention import CpuInvariantAttention
-from kvrecover.ops.native_build import load_library
+from kvrecover.ops.interface import RotaryKernel
+from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
-CPU = torch.device("cpu")
 KEY_ROWS_PER_THREAD = 16384  # (query token, KV head, key) triples worth one more thread
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -62,13 +61,17 @@ class StepPlan:
     grain: int  # items a thread takes at a time
 
 
-class NativeInvariantAttention:
-    """Paged attention whose per-query bits do not depend on batch, chunking or threads."""
+class NativeInvariantAttention(RotateThenAttend):
+    """Paged attention whose per-query bits do not depend on batch, chunking or threads;
+    `attend` rotates with `rotate` (the backend's rotary op) first."""
 
     name = "cpu_native"
-    fuses_rotary = False  # the model rotates q and k (ops.rotary) before `forward`
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int | None = None) -> None:
+    def __init__(
+        self, library: ctypes.CDLL, num_threads: int | None = None,
+        rotate: RotaryKernel = reference_rotary,
+    ) -> None:
+        super().__init__(rotate)
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be None or an integer >= 1, got {num_threads!r}")
         self._kernel = library.kvr_paged_attention
@@ -117,7 +120,7 @@ class NativeInvariantAttention:
 
     def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int) -> StepPlan:
         """The step's plan; every layer of a step shares `meta`, so it is built once."""
-        if self._plan_meta is not meta:
+        if self._plan is None or self._plan_meta is not meta:
             threads = self.num_threads or torch.get_num_threads()
             self._plan = build_step_plan(meta, num_kv_heads, threads)
             self._plan_meta = meta
@@ -148,16 +151,3 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
         # the OS deschedules; each take is one atomic add.
         grain=max(1, num_items // (16 * threads)),
     )
-
-
-def invariant_cpu_attention(
-    device: torch.device = CPU,
-) -> NativeInvariantAttention | CpuInvariantAttention:
-    """The fused C kernel where it builds (on the CPU), else the torch implementation
-    (after one warning; always off the CPU: `attention_backend="torch"` on CUDA)."""
-    if device.type != "cpu":
-        return CpuInvariantAttention()
-    library = load_library("paged_attention")
-    if library is None:
-        return CpuInvariantAttention()
-    return NativeInvariantAttention(library)

@@ -1,4 +1,9 @@
-"""Records that cross the scheduler / worker boundary each step."""
+"""The step messages: what the scheduler asks the worker to run each step (`SchedulerOutput`
+of `ScheduledRequest`s) and what the worker reports back (`ModelRunnerOutput`).
+
+Below both engine and worker (and read by connectors in `build_connector_meta`), so
+the import arrows between them point one way: engine -> worker, both -> here.
+"""
 
 from __future__ import annotations
 

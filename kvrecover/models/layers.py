@@ -1,0 +1,229 @@
+"""Layers the decoder families share: norms, the attention block, the gated MLP, the
+pre-norm decoder layer, and the decoder stack with its embedding and LM head.
+
+Only the model definition: every kernel (linears, norms, rotary, attention) comes
+from the `KernelBackend` the model runner passes in (`kvrecover.ops`). Module and
+parameter names follow Hugging Face Llama, so checkpoints load by name
+(`loader.load_weights`, with `CausalLM.packed_modules` for the fused weights).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from kvrecover.models.config import ModelConfig
+from kvrecover.models.loader import attach_shard_loader
+from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.ops.interface import BackendFeatures
+
+if TYPE_CHECKING:
+    from kvrecover.ops.backend import KernelBackend
+    from kvrecover.ops.interface import ModelOps, PagedAttention
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+def load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
+    """Copy one checkpoint tensor (q, k, v, gate or up) into its rows of a fused weight."""
+    if loaded.shape[0] != size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit rows "
+            f"[{offset}, {offset + size}) of a fused weight of shape {tuple(param.shape)}; "
+            "does config.json match the weights?"
+        )
+    param.data[offset : offset + size].copy_(loaded)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused QKV projection, GQA and an optional per-head q/k norm."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        attention: PagedAttention[Any],
+        ops: ModelOps,
+        *,
+        bias: bool = False,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attention = attention
+        self.scale = self.head_dim**-0.5
+        shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                  "v": (self.q_size + self.kv_size, self.kv_size)}
+        for param in self.qkv_proj.parameters():
+            attach_shard_loader(param, lambda p, w, shard: load_shard(p, w, *shards[shard]))
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any
+    ) -> torch.Tensor:
+        ops = self.ops
+        qkv = ops.linear(hidden, self.qkv_proj)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
+                                    self.scale)
+        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward with fused gate and up projections."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        shards = {"gate": (0, intermediate_size), "up": (intermediate_size, intermediate_size)}
+        attach_shard_loader(self.gate_up_proj.weight,
+                            lambda p, w, shard: load_shard(p, w, *shards[shard]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block around a given attention and feed-forward module.
+
+    Carries the residual stream separately (`residual`, None before the first
+    layer) so that each residual add fuses with the next norm.
+    """
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module,
+                 ops: ModelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops, norm = self.ops, self.input_layernorm
+        if residual is None:
+            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
+        norm = self.post_attention_layernorm
+        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
+
+
+ConfigT = TypeVar("ConfigT", bound=ModelConfig)
+
+
+class CausalLM(nn.Module, Generic[ConfigT]):
+    """The decoder stack plus LM head; `forward` returns hidden states, `logits` projects them.
+
+    A family subclasses it as `CausalLM[ItsConfig]`: `config_class` (that `ModelConfig`
+    subclass) and `make_layer` (its decoder layer at a given index). `before_layer(layer_index)` (optional) runs
+    before each layer's attention reads the KV cache and `after_layer(layer_index)`
+    after the layer wrote it: that is where a KV connector waits for a layer's load
+    and saves a layer's KV.
+    """
+
+    config_class: type[ConfigT]  # set by each family
+
+    @classmethod
+    def required_features(cls, config: ModelConfig) -> BackendFeatures:
+        """The kernel features this model needs beyond dense full attention (a family
+        with sliding windows, soft-capping, sinks or experts overrides this)."""
+        return BackendFeatures()
+
+    def __init__(self, config: ConfigT, backend: KernelBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops = backend.ops
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            self.make_layer(config, index, backend.attention, ops)
+            for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # One tensor, unless the backend repacks the LM head's weight for its
+            # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, config: ConfigT, index: int, attention: Any,
+                   ops: ModelOps) -> nn.Module:
+        """Decoder layer `index` (called once per layer, in order, by `__init__`)."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its layers are built")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: Any,
+        before_layer: Any = None,
+        after_layer: Any = None,
+    ) -> torch.Tensor:
+        hidden = self.ops.embedding(input_ids, self.embed_tokens.weight)
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(index)
+            hidden, residual = layer(positions, hidden, residual, kv_caches[index], attn_meta)
+            if after_layer is not None:
+                after_layer(index)
+        if residual is None:
+            raise ValueError("the model has no decoder layers: config.json's num_hidden_layers "
+                             "must be at least 1")
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Float32 logits for the given final hidden states (the model's dtype unless
+        `upcast`: a caller that casts them itself)."""
+        logits = self.ops.linear(hidden, self.lm_head)
+        return logits.float() if upcast else logits
+
+    # Hugging Face parameter name fragments -> (our fragment, shard id).
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }

@@ -1,0 +1,61 @@
+"""Model families by the `architectures` name of a checkpoint's config.json.
+
+One line per family: the architecture name -> the module under `kvrecover.models`
+and the `CausalLM` subclass in it (which names its `ModelConfig` subclass as
+`config_class`). A family's module is imported only when a checkpoint asks for it.
+Adding a family is one file (the model and its config, built from `layers.py`),
+one line here, and one test file.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvrecover.models.config import ModelConfig, architecture_of, read_hf_config
+
+if TYPE_CHECKING:
+    from kvrecover.models.layers import CausalLM
+    from kvrecover.ops.backend import KernelBackend
+
+MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama 2/3, SmolLM
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """The architecture names kvrecover can run."""
+    return tuple(MODELS)
+
+
+def model_class(architecture: str, source: str = "config.json") -> type[CausalLM[Any]]:
+    """The model class registered for `architecture`; ValueError (naming `source` and
+    every supported architecture) for an unknown one."""
+    entry = MODELS.get(architecture)
+    if entry is None:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} in {source}; "
+            f"kvrecover supports {', '.join(MODELS)}"
+        )
+    module_name, class_name = entry
+    return getattr(importlib.import_module(f"kvrecover.models.{module_name}"), class_name)
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """The family config of the checkpoint in `model_dir` (its config.json, and
+    generation_config.json for EOS ids); ValueError for what kvrecover cannot run."""
+    raw = read_hf_config(model_dir)
+    cls = model_class(architecture_of(raw), str(Path(model_dir) / "config.json"))
+    return cls.config_class.from_hf_config(raw, Path(model_dir))
+
+
+def build_model(config: ModelConfig, backend: KernelBackend, max_positions: int) -> CausalLM[Any]:
+    """The (uninitialised) model of `config`'s family, its kernels from `backend`."""
+    cls = model_class(config.architecture)
+    if not isinstance(config, cls.config_class):
+        raise ValueError(f"{config.architecture} needs a {cls.config_class.__name__}, got a "
+                         f"{type(config).__name__}; read it with load_model_config")
+    return cls(config, backend, max_positions)

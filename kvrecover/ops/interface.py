@@ -1,0 +1,234 @@
+"""The kernel seam: what every backend family provides, as typed `Protocol`s.
+
+A backend (`ops.backend.KernelBackend`) bundles one implementation of each:
+- `PagedAttention`: writes a step's K/V into the paged cache and attends, with
+  rotary applied by the kernel (a backend that fuses it) or just before it;
+- `ModelOps`: the linears, norms, rotary, embedding and SwiGLU a model calls;
+- `SamplingKernels`: the device-side greedy pick of a graphed decode step;
+- `StepInputBuilder`: turns the scheduled requests into the step's inputs in the
+  form that backend's attention reads (`StepInputs.attn`), and, where decode
+  steps can replay CUDA graphs, the padded-decode interface (`GraphStepInputs`);
+- `BackendFeatures`: which model features the kernels implement; a model states
+  what it needs in the same record and `KernelBackend.check_supports` refuses
+  a model that needs more.
+
+The worker and the models program against these names only; which family runs
+is decided once, in `ops.backend.select_backend`. Nothing here imports a family,
+the models, the worker or the engine: the model's rotary tables and the
+scheduler's requests are seen through the structural types `RotaryTables` and
+`ScheduledTokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import nn
+
+MetadataT = TypeVar("MetadataT", contravariant=True)
+
+
+# ----- features ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackendFeatures:
+    """Model features beyond a dense full-attention decoder with rotary.
+
+    A backend declares the ones its kernels implement; a model declares the ones
+    it needs (from its config) in the same record. Every field is False for the
+    families that exist today.
+    """
+
+    sliding_window: bool = False  # attention over the last W positions only
+    logit_softcap: bool = False  # tanh soft-capping of attention scores
+    attention_sinks: bool = False  # a learned per-head sink logit in the softmax
+    moe: bool = False  # mixture-of-experts feed-forward layers
+    linear_attention: bool = False  # recurrent-state layers (gated delta rule)
+    tensor_parallel: bool = False  # weights and KV heads sharded over ranks
+
+    def missing(self, needed: BackendFeatures) -> list[str]:
+        """The features `needed` asks for that these do not provide, in field order."""
+        return [f.name for f in fields(self)
+                if getattr(needed, f.name) and not getattr(self, f.name)]
+
+
+# ----- rotary --------------------------------------------------------------------------
+class RotaryTables(Protocol):
+    """Rotary cos/sin tables by position, float32, rotate-half layout (the model's
+    `models.rope.RotaryEmbedding` is one)."""
+
+    @property
+    def cos_cache(self) -> torch.Tensor:  # [max_positions, head_dim]
+        ...
+
+    @property
+    def sin_cache(self) -> torch.Tensor:  # [max_positions, head_dim]
+        ...
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        """[max_positions, 2 * head_dim]: cos, then sin with rotate_half's sign folded in."""
+        ...
+
+
+class RotaryKernel(Protocol):
+    """Rotates `query` [T, Hq, D] and `key` [T, Hkv, D] by their positions [T]; returns
+    the rotated pair (which may be the inputs, rotated in place)."""
+
+    def __call__(
+        self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+# ----- linears, norms, small ops ------------------------------------------------------------
+class LinearKernels(Protocol):
+    """A backend's matmuls over the model's `nn.Linear` weights."""
+
+    def prepare_weights(self, model: nn.Module) -> None:
+        """Called once, right after the weights are loaded and cast: bring them into
+        the layout `linear` reads (packing, proving tile shapes)."""
+        ...
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """`x @ layer.weight.T + layer.bias` for `x` [rows, in]."""
+        ...
+
+
+class NormKernels(Protocol):
+    """RMSNorm over the last dim, float32 inside, rounded to `x`'s dtype before the weight."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); `residual` may be updated in place."""
+        ...
+
+
+class ModelOps(LinearKernels, NormKernels, Protocol):
+    """Every per-token op a model calls besides attention (`ops.reference.TorchOps` is the
+    reference; each override rounds where it rounds)."""
+
+    def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary(
+        self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+        ...
+
+
+# ----- attention -----------------------------------------------------------------------
+class PagedAttention(Protocol[MetadataT]):
+    """Attention over the paged KV cache `[2, num_blocks, block_size, Hkv, D]` of one layer.
+
+    `MetadataT` is the per-step record the same backend's `StepInputBuilder` makes;
+    every layer of a step receives the same object.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
+        meta: MetadataT, scale: float,
+    ) -> torch.Tensor:
+        """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by `positions` with `rotary`
+        (None: no rotary), write key and `value` into the cache slots of `meta`, and
+        attend causally; returns [T, Hq, D]. May overwrite `query` and `key`."""
+        ...
+
+
+# ----- sampling ------------------------------------------------------------------------
+class SamplingKernels(Protocol):
+    """Device-side helpers of the sampling step."""
+
+    def upcast_greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`logits` as float32, each row's argmax with the first maximum on ties), with
+        no host sync (a CUDA graph captures it)."""
+        ...
+
+
+# ----- step inputs ---------------------------------------------------------------------
+class ScheduledTokens(Protocol):
+    """What a step-input builder reads of one scheduled request (the engine's
+    `ScheduledRequest` is one)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def token_ids(self) -> list[int]:  # tokens computed in this step
+        ...
+
+    @property
+    def num_computed_tokens(self) -> int:  # position of token_ids[0]
+        ...
+
+    @property
+    def block_ids(self) -> list[int]:  # the request's whole block table
+        ...
+
+    @property
+    def sample(self) -> bool:  # whether this step samples the request's next token
+        ...
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    sample_rows: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
+    attn: Any  # the metadata record of the backend's attention (`PagedAttention[...]`)
+
+
+@dataclass(frozen=True)
+class StepInputSpec:
+    """What a step-input builder needs to know about the model and the cache."""
+
+    block_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    max_model_len: int
+    device: torch.device
+
+
+class GraphStepInputs(Protocol):
+    """The padded-decode interface of a builder whose steps can replay CUDA graphs.
+
+    `pack(scheduled, pad_to=size)` writes a one-token-per-request step padded to
+    `size` dummy-request rows into a host buffer (`input_ids` replaces the tokens,
+    e.g. by rows of a device tensor gathered later); `upload` copies it into a
+    static device buffer and `views` hands the model views of that buffer.
+    """
+
+    def pack(
+        self, scheduled: Sequence[ScheduledTokens], pad_to: int | None = None,
+        input_ids: list[int] | None = None,
+    ) -> Any: ...
+
+    def upload(self, layout: Any, target: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def views(self, layout: Any, buffer: torch.Tensor) -> StepInputs: ...
+
+
+class StepInputBuilder(Protocol):
+    """Builds each step's inputs for one backend (one builder per model runner)."""
+
+    def build(self, scheduled: Sequence[ScheduledTokens]) -> StepInputs:
+        """The step's inputs on the device (the scheduled requests in order)."""
+        ...
+
+    def for_graphs(self) -> GraphStepInputs | None:
+        """The padded-decode interface, or None where decode steps cannot replay graphs."""
+        ...

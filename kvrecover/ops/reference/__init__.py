@@ -1,0 +1,1 @@
+"""The reference kernels in plain torch (CPU and GPU): attention, small ops, rotary, step inputs."""
