@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+
+from starlette.types import Receive
 
 from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.engine_loop import EngineLoop, OutputStream
@@ -52,7 +53,7 @@ class Generation:
 
     def __init__(self, loop: EngineLoop, request_id: str, prompt: str | dict,
                  params: SamplingParams, detokenizer: IncrementalDetokenizer,
-                 receive: Callable[[], Awaitable[dict[str, Any]]] | None,
+                 receive: Receive | None,
                  metrics: ServerMetrics, endpoint: str) -> None:
         self.loop = loop
         self.request_id = request_id
@@ -77,7 +78,8 @@ class Generation:
         """Submit and wait until the first output; an engine error is an ApiError."""
         self._stream = self.loop.add(self.request_id, self.prompt, self.params)
         if self._receive is not None:  # after the add: the abort must follow it
-            self._watcher = asyncio.create_task(self._watch_disconnect())
+            self._watcher = asyncio.create_task(
+                self._watch_disconnect(self._receive, self._stream))
         try:
             output = await self._next()
         except BaseException:  # the client left (or the handler was cancelled) first
@@ -123,13 +125,13 @@ class Generation:
             self.loop.abort(self.request_id)
             self._record("aborted")
 
-    async def _watch_disconnect(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
+    async def _watch_disconnect(self, receive: Receive, stream: OutputStream) -> None:
+        while (await receive())["type"] != "http.disconnect":
             pass  # the body was read: nothing else but the disconnect can come
         self._watcher = None  # finished: nothing to cancel
         self.client_gone = True
         self.close()
-        self._stream.wake()  # a handler waiting for the next output sees it now
+        stream.wake()  # a handler waiting for the next output sees it now
 
     def _error(self, output: RequestOutput) -> ApiError:
         self._record("error")
@@ -155,7 +157,8 @@ class Generation:
         return Delta(text, new_tokens, finish)
 
     async def _next(self) -> RequestOutput:
-        output = await self._stream.get() if not self.client_gone else None
+        stream = self._stream
+        output = await stream.get() if stream is not None and not self.client_gone else None
         if output is None:  # woken by the watcher
             raise ClientGone(self.request_id)
         return output
