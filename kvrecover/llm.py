@@ -94,7 +94,7 @@ class LLM:
             for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
                 self.engine.add_request(request_id, prompt, params)
                 added.append(request_id)
-        except ValueError:
+        except BaseException:  # bad input (ValueError) or a bug: leave nothing queued
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise

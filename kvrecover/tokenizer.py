@@ -6,12 +6,34 @@ falls back to `transformers.AutoTokenizer`. As in transformers 5, the special
 tokens a prompt gets come from `tokenizer.json`'s post-processor alone: the
 `add_bos_token` / `add_eos_token` of `tokenizer_config.json` are ignored when a
 `tokenizer.json` exists (`AutoTokenizer` drops them too).
+
+Text is checked before it is encoded (`check_text`): a lone surrogate (valid in a
+Python str and in JSON's `\\ud800`, but not Unicode text: the `tokenizers` library
+raises TypeError on it) and a NUL character are a ValueError naming the field.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+# What no prompt, message or stop string may hold: a lone UTF-16 surrogate (it has no
+# UTF-8 encoding) and NUL (never text; C-string code along the way truncates at it).
+_BAD_CHARACTER = re.compile("[\ud800-\udfff\x00]")
+
+
+def check_text(text: str, field: str) -> None:
+    """A ValueError naming `field` (e.g. "prompt", "messages[0].content", "stop[1]")
+    when `text` holds a lone surrogate or a NUL character; callers check every string
+    that reaches the tokenizer or the detokenizer."""
+    bad = _BAD_CHARACTER.search(text)
+    if bad is None:
+        return
+    code = ord(bad.group())
+    kind = "a NUL character" if code == 0 else "a lone surrogate"
+    raise ValueError(f"{field}: {kind} (U+{code:04X}) at character {bad.start()} is not "
+                     "valid text; send UTF-8 text without NUL characters")
 
 
 class Tokenizer:
@@ -47,8 +69,10 @@ class Tokenizer:
             return self._fast.token_to_id(token)
         return self._hf.convert_tokens_to_ids(token)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with the special tokens the checkpoint adds."""
+    def encode(self, text: str, field: str = "text") -> list[int]:
+        """Token ids of a prompt, with the special tokens the checkpoint adds; a
+        ValueError naming `field` for text that `check_text` refuses."""
+        check_text(text, field)
         if self._hf is not None:
             return self._hf.encode(text)
         return self._fast.encode(text, add_special_tokens=True).ids

@@ -99,3 +99,30 @@ def metric(url: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def request_bytes(port: int, path: str, body: dict) -> bytes:
+    """A complete HTTP/1.1 POST of `body` as JSON, for a raw socket."""
+    payload = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    return head.encode() + payload
+
+
+def long_request(path: str, stream: bool, max_tokens: int) -> dict:
+    """A greedy request to `path` that runs `max_tokens` tokens unless aborted."""
+    fields = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if path == "/v1/completions":
+        return {"prompt": "the capital of france is", **fields}
+    return {"messages": [{"role": "user", "content": "the capital of france is"}], **fields}
+
+
+def wait_until_idle(url: str, timeout: float = 60.0) -> None:
+    """Block until the server has no request running or waiting."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(url, "kvrecover_num_requests_running") == 0 and \
+                metric(url, "kvrecover_num_requests_waiting") == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests still running or waiting after {timeout}s")

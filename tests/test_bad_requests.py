@@ -93,6 +93,20 @@ def test_bad_prompts_are_rejected_and_nothing_is_queued(llm, expected, prompt, m
     assert_still_healthy(llm, expected)
 
 
+@pytest.mark.parametrize("prompt, message", [
+    ("abc \ud800 def", "prompt: a lone surrogate .* at character 4"),
+    ({"prompt_token_ids": [5], "prompt": "x\udfff"}, "prompt: a lone surrogate"),
+    ("a\x00b", "prompt: a NUL character .* at character 1"),
+    (b"abc \xff", "a prompt must be a string .* got bytes"),
+])
+def test_bad_strings_are_a_value_error_naming_the_prompt(llm, expected, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}, prompt], GREEDY)
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request("bad-string", prompt, GREEDY)
+    assert_still_healthy(llm, expected)
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm, expected):
     params = SamplingParams(temperature=0, stop_token_ids=[3, VOCAB + 1])
     with pytest.raises(ValueError, match=rf"stop_token_ids must be token ids in \[0, {VOCAB}\)"):

@@ -124,6 +124,50 @@ def test_rejected_request_is_an_invalid_request_error(engine_loop):
     assert engine_loop.alive
 
 
+def test_a_bad_string_is_an_invalid_request_error_and_the_loop_goes_on(engine_loop):
+    """A lone surrogate made the tokenizer raise TypeError, which killed the loop."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run():
+        bad = await collect(engine_loop.add("bad", "abc \ud800 def", params))
+        good = await collect(engine_loop.add("good", {"prompt_token_ids": [5, 6]}, params))
+        return bad[-1], good[-1]
+
+    bad, good = asyncio.run(run())
+    assert bad.error_type == "invalid_request_error" and "lone surrogate" in bad.error
+    assert engine_loop.alive
+    assert good.error is None and len(good.outputs[0].token_ids) == 3
+
+
+def test_any_error_adding_one_request_ends_that_request_alone(engine_loop, monkeypatch):
+    """Not a ValueError (a bug, not bad input): that request is an internal_error and
+    nothing of it stays queued; the loop and the requests around it carry on."""
+    engine = engine_loop.llm.engine
+    real_add = engine.add_request
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def add_failing_for_one(request_id, prompt, sampling_params):
+        real_add(request_id, prompt, sampling_params)
+        if request_id == "broken":
+            raise TypeError("simulated tokenizer bug")
+
+    monkeypatch.setattr(engine, "add_request", add_failing_for_one)
+
+    async def run():
+        streams = [engine_loop.add(rid, {"prompt_token_ids": [5, 6, 7]}, params)
+                   for rid in ("before", "broken", "after")]
+        results = [(await collect(s))[-1] for s in streams]
+        return results, await engine_loop.snapshot()
+
+    (before, broken, after), snapshot = asyncio.run(run())
+    assert broken.error_type == "internal_error" and "simulated tokenizer bug" in broken.error
+    assert before.outputs[0].token_ids == after.outputs[0].token_ids
+    assert len(after.outputs[0].token_ids) == 4 and after.error is None
+    assert engine_loop.alive
+    assert (snapshot.num_running, snapshot.num_waiting, snapshot.kv_cache_usage) == (0, 0, 0.0)
+    assert not engine.scheduler.requests
+
+
 def test_a_failing_step_stops_the_loop_and_fails_open_requests(engine_loop):
     def broken_step():
         raise RuntimeError("device lost")

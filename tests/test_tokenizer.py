@@ -69,3 +69,15 @@ def test_default_model_tokenizer_matches_transformers():
     assert tokenizer.eos_token_id == 2
     text = "unicode: café, naïve, 東京, Привет, emoji 🦊🚀"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("text, message", [
+    ("abc \ud800 def", r"^text: a lone surrogate \(U\+D800\) at character 4"),
+    ("\udc80", r"^text: a lone surrogate \(U\+DC80\) at character 0"),
+    ("a\x00b", r"^text: a NUL character \(U\+0000\) at character 1"),
+])
+def test_bad_strings_are_a_value_error_naming_the_field(tiny_llama, text, message):
+    with pytest.raises(ValueError, match=message):
+        Tokenizer(tiny_llama).encode(text)
+    with pytest.raises(ValueError, match=message.replace("text", "messages\\[0\\].content")):
+        Tokenizer(tiny_llama).encode(text, field="messages[0].content")

@@ -1,9 +1,9 @@
 """What callers hand the engine, checked and turned into engine inputs.
 
-Prompts become token ids (never coerced: 5.7, "123" and True are errors), a
-request is checked against the model and the KV cache before it is queued.
-Everything here raises a ValueError that says what to change (the engine's
-options are resolved in `engine/resolve.py`).
+Prompts become token ids (never coerced: 5.7, "123" and True are errors; text with a
+lone surrogate or a NUL is an error naming the prompt), a request is checked against
+the model and the KV cache before it is queued. Everything here raises a ValueError
+that says what to change (the engine's options are resolved in `engine/resolve.py`).
 """
 
 from __future__ import annotations
@@ -12,16 +12,19 @@ from typing import Any
 
 from kvrecover.kv_layout import blocks_needed
 from kvrecover.sampling import SamplingParams
+from kvrecover.tokenizer import check_text
 
 
 def prompt_tokens(prompt: Any, tokenizer) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a string, `{"prompt_token_ids": [...]}` or id list."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
+        return prompt, tokenizer.encode(prompt, "prompt")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"prompt must be a string (or absent), got {text!r}")
+        if text is not None:
+            check_text(text, "prompt")
         return text, _token_ids(prompt["prompt_token_ids"])
     if isinstance(prompt, list):
         return None, _token_ids(prompt)

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.protocol import ApiError, checked_text
 
 
 class ChatTemplate:
@@ -43,4 +43,9 @@ class ChatTemplate:
         except Exception as error:  # the template itself rejected the chat
             raise ApiError(400, f"the chat template rejected the messages: {error}",
                            param="messages") from error
+        if not isinstance(text, str):
+            raise ApiError(500, f"the chat template of {self.model_dir} rendered "
+                                f"{type(text).__name__}, not text", "internal_error")
+        # The messages were checked, but a template can add characters of its own.
+        checked_text(text, "messages")
         return tokenizer.encode(text, add_special_tokens=False)

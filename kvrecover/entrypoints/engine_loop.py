@@ -5,9 +5,10 @@ to that thread through a command queue (add, abort, snapshot); the thread adds
 and aborts requests between steps and hands each step's outputs back to the
 asyncio loop in one batch. An idle thread woken by a request gathers the rest of a
 burst of arrivals (a few ms) before stepping, so they share one prefill step. A
-request the engine rejects (a prompt too long, a bad token id) comes back as a
-finished output with `error_type` "invalid_request_error"; a step that raises
-ends the loop (`alive` turns False) and fails every open request with
+request the engine rejects (a prompt too long, a bad token id, a lone surrogate)
+comes back as a finished output with `error_type` "invalid_request_error", one whose
+adding raises anything else as "internal_error", and the loop goes on; a step that
+raises ends the loop (`alive` turns False) and fails every open request with
 "internal_error". When the loop ends (`stop()` or a failed step) the thread
 closes its LLM.
 """
@@ -71,14 +72,21 @@ class OutputStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
 
-    async def get(self, timeout: float) -> RequestOutput | None:
-        """The next output, or None when none came within `timeout` seconds."""
+    async def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output; None when `wake()` was called, or when none came within
+        `timeout` seconds (None: wait as long as it takes)."""
+        if timeout is None:
+            return await self.queue.get()
         try:
             return await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:
             return None
+
+    def wake(self) -> None:
+        """Make the reader's pending (or next) `get` return None; on the asyncio loop."""
+        self.queue.put_nowait(None)
 
 
 def error_output(request_id: str, message: str, error_type: str) -> RequestOutput:
@@ -189,10 +197,21 @@ class EngineLoop:
                 command.future.set_result(self._take_snapshot())
 
     def _add(self, command: _Add) -> None:
+        """Queue one request; whatever adding it raises ends that request alone: a
+        ValueError (bad input) as an invalid_request_error, anything else (a bug in
+        tokenizing or checking it) as an internal_error, with any part of it already
+        queued withdrawn. Only a failing step ends the loop."""
         try:
             self.llm.engine.add_request(command.request_id, command.prompt, command.params)
-        except ValueError as error:
-            output = error_output(command.request_id, str(error), "invalid_request_error")
+        except Exception as error:
+            if isinstance(error, ValueError):
+                output = error_output(command.request_id, str(error), "invalid_request_error")
+            else:
+                logger.exception("adding request %s failed", command.request_id)
+                if command.request_id not in self._streams:  # not another request's id
+                    self.llm.engine.abort_request(command.request_id)
+                output = error_output(command.request_id, f"the request could not be added: "
+                                      f"{type(error).__name__}: {error}", "internal_error")
             command.stream.loop.call_soon_threadsafe(command.stream.queue.put_nowait, output)
             return
         self._streams[command.request_id] = command.stream

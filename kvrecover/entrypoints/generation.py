@@ -6,13 +6,22 @@ plain HTTP error and never a stream that starts with 200. `deltas()` then yields
 text and token deltas until the request finishes, stops on a `stop` string, or
 the client goes away; in every case that is not a normal finish the engine
 request is aborted so its blocks are freed.
+
+Until a streamed response starts (and for the whole of a non-streamed one) a
+watcher task waits on the connection's ASGI `receive` for `http.disconnect`: a
+client that leaves is aborted at once, so within one engine step, whether or not
+outputs keep arriving. A started stream is watched by Starlette instead (both
+reading `receive` would race for the one disconnect message).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from starlette.types import Receive
 
 from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.engine_loop import EngineLoop, OutputStream
@@ -20,8 +29,6 @@ from kvrecover.entrypoints.metrics import ServerMetrics
 from kvrecover.entrypoints.protocol import ApiError
 from kvrecover.outputs import RequestOutput
 from kvrecover.sampling import SamplingParams
-
-DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 
 # HTTP status of each engine error type. A KV load failure is 503: the instance is
 # healthy but could not serve this request; a proxy fails over to another one.
@@ -46,14 +53,16 @@ class Generation:
 
     def __init__(self, loop: EngineLoop, request_id: str, prompt: str | dict,
                  params: SamplingParams, detokenizer: IncrementalDetokenizer,
-                 is_disconnected: Callable[[], Awaitable[bool]] | None,
+                 receive: Receive | None,
                  metrics: ServerMetrics, endpoint: str) -> None:
         self.loop = loop
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.detokenizer = detokenizer
-        self.is_disconnected = is_disconnected
+        self._receive = receive  # the connection's ASGI receive, its body already read
+        self._watcher: asyncio.Task | None = None
+        self.client_gone = False
         self.metrics = metrics
         self.endpoint = endpoint
         self.prompt_token_ids: list[int] = []
@@ -68,12 +77,16 @@ class Generation:
     async def first(self) -> None:
         """Submit and wait until the first output; an engine error is an ApiError."""
         self._stream = self.loop.add(self.request_id, self.prompt, self.params)
+        if self._receive is not None:  # after the add: the abort must follow it
+            self._watcher = asyncio.create_task(
+                self._watch_disconnect(self._receive, self._stream))
         try:
             output = await self._next()
         except BaseException:  # the client left (or the handler was cancelled) first
             self.close()
             raise
         if output.error is not None:
+            self.stop_watching()
             raise self._error(output)
         self.prompt_token_ids = list(output.prompt_token_ids)
         self._pending = output
@@ -96,13 +109,29 @@ class Generation:
         finally:
             self.close()
 
+    def stop_watching(self) -> None:
+        """Stop the disconnect watcher; called when a streamed response starts, whose
+        disconnect Starlette watches (idempotent)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
     def close(self) -> None:
         """Abort the engine request unless it already ended (idempotent). Called when
         the deltas stop early, and after a streamed response, which may never have
         started reading them (the client left at once)."""
+        self.stop_watching()
         if not self._recorded:
             self.loop.abort(self.request_id)
             self._record("aborted")
+
+    async def _watch_disconnect(self, receive: Receive, stream: OutputStream) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # the body was read: nothing else but the disconnect can come
+        self._watcher = None  # finished: nothing to cancel
+        self.client_gone = True
+        self.close()
+        stream.wake()  # a handler waiting for the next output sees it now
 
     def _error(self, output: RequestOutput) -> ApiError:
         self._record("error")
@@ -128,12 +157,11 @@ class Generation:
         return Delta(text, new_tokens, finish)
 
     async def _next(self) -> RequestOutput:
-        while True:
-            output = await self._stream.get(DISCONNECT_POLL_S)
-            if output is not None:
-                return output
-            if self.is_disconnected is not None and await self.is_disconnected():
-                raise ClientGone(self.request_id)
+        stream = self._stream
+        output = await stream.get() if stream is not None and not self.client_gone else None
+        if output is None:  # woken by the watcher
+            raise ClientGone(self.request_id)
+        return output
 
     def _record(self, outcome: str) -> None:
         if self._recorded:

@@ -8,10 +8,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrecover.entrypoints.protocol import ApiError
 
+MAX_DETAIL_CHARS = 300  # of an unexpected error's own message, in a 500's body
+
+
+def internal_error(error: BaseException) -> ApiError:
+    """The 500 `internal_error` that an unexpected exception is answered with."""
+    detail = f"{type(error).__name__}: {error}"[:MAX_DETAIL_CHARS]
+    return ApiError(500, f"internal error: {detail}", "internal_error")
+
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer `ApiError` and Starlette's own HTTP errors (404, 405, ...) as
-    `{"error": {...}}` bodies; both apps call this once when they are built."""
+    """Answer `ApiError`, Starlette's own HTTP errors (404, 405, ...) and any other
+    exception a handler raises (a 500 `internal_error`: never Starlette's plain-text
+    500) as `{"error": {...}}` bodies; both apps call this once when they are built."""
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_request: Request, error: Exception):
+        # Starlette re-raises it after this response, so the server log has the trace.
+        return JSONResponse(internal_error(error).body(), status_code=500)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError):

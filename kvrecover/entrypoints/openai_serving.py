@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,7 @@ from kvrecover.entrypoints.chat_template import ChatTemplate
 from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.engine_loop import EngineLoop
 from kvrecover.entrypoints.generation import Delta, Generation
+from kvrecover.entrypoints.http_errors import internal_error
 from kvrecover.entrypoints.metrics import ServerMetrics
 from kvrecover.entrypoints.protocol import (
     ApiError,
@@ -35,6 +37,8 @@ from kvrecover.entrypoints.protocol import (
     parse_request,
 )
 from kvrecover.sampling import resumed_request_seed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -149,7 +153,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
 async def _start(state: ServingState, http: Request, request_id: str, prompt: Any,
                  params: Any, detokenizer: IncrementalDetokenizer, endpoint: str) -> Generation:
     generation = Generation(state.loop, request_id, prompt, params, detokenizer,
-                            http.is_disconnected, state.metrics, endpoint)
+                            http.receive, state.metrics, endpoint)
     await generation.first()
     return generation
 
@@ -182,8 +186,8 @@ def _sse(generation: Generation, chunk, with_token_ids: bool,
     """Chunks without text are sent only to clients that asked for token ids; the
     usage chunk, when asked for, comes after the finish reason."""
     # Once streaming, Starlette watches for the disconnect and cancels `events`;
-    # polling for it here too would race it for the same ASGI message.
-    generation.is_disconnected = None
+    # watching here too would race it for the same ASGI message.
+    generation.stop_watching()
 
     async def events() -> AsyncIterator[str]:
         first = True
@@ -195,6 +199,10 @@ def _sse(generation: Generation, chunk, with_token_ids: bool,
                 first = False
         except ApiError as error:
             yield f"data: {json.dumps(error.body())}\n\n"
+            return
+        except Exception as error:  # a bug after the 200 was sent: end with an error event
+            logger.exception("streaming %s failed", generation.request_id)
+            yield f"data: {json.dumps(internal_error(error).body())}\n\n"
             return
         if usage_chunk is not None:
             yield f"data: {json.dumps(usage_chunk())}\n\n"

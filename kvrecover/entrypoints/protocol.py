@@ -1,8 +1,10 @@
 """OpenAI-compatible request records, their validation, and the error format.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a
-coercion) and turned into a prompt plus `SamplingParams` for the engine. Every
-error leaves the server as `{"error": {"message", "type", "code"}}`.
+coercion; text with a lone surrogate or a NUL, in a prompt, a message, a stop
+string, is a 400 naming the field) and turned into a prompt plus `SamplingParams`
+for the engine. Every error leaves the server as `{"error": {"message", "type",
+"code", "param"}}`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvrecover.sampling import SamplingParams
+from kvrecover.tokenizer import check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -29,9 +32,25 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        """The JSON body: `{"error": {"message", "type", "code", "param"}}`."""
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "code": self.code, "param": self.param}}
+        """The JSON body: `{"error": {"message", "type", "code", "param"}}`; text that
+        has no UTF-8 form (a lone surrogate echoed from the request) is escaped."""
+        return {"error": {"message": _utf8_safe(self.message), "type": self.error_type,
+                          "code": self.code, "param": _utf8_safe(self.param)}}
+
+
+def _utf8_safe(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def checked_text(text: str, field: str) -> str:
+    """`text`, or a 400 naming `field` when it holds a lone surrogate or a NUL."""
+    try:
+        check_text(text, field)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=field) from error
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -96,8 +115,9 @@ class _GenerationFields(BaseModel):
         """The `stop` strings as a list (empty ones dropped)."""
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]
+        if isinstance(self.stop, str):
+            return [checked_text(self.stop, "stop")] if self.stop else []
+        return [checked_text(s, f"stop[{i}]") for i, s in enumerate(self.stop) if s]
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters; a bad value is an ApiError naming the field."""
@@ -144,6 +164,7 @@ class CompletionRequest(_GenerationFields):
         count = self.resumed_output_tokens
         if count == 0:
             return []
+        checked_text(self.resumed_output_text, "resumed_output_text")
         prompt = self.prompt
         if count < 0 or not isinstance(prompt, list) or not prompt or \
                 not isinstance(prompt[0], int) or count >= len(prompt):
@@ -164,7 +185,7 @@ class CompletionRequest(_GenerationFields):
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
-            return prompt
+            return checked_text(prompt, "prompt")
         if not prompt:
             raise ApiError(400, "prompt must not be an empty list of token ids", param="prompt")
         return {"prompt_token_ids": list(prompt)}
@@ -181,18 +202,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        """The content as plain text (text parts joined; other parts are a 400)."""
+    def text(self, field: str) -> str:
+        """The content as plain text (text parts joined; other parts are a 400);
+        `field` ("messages[i].content") names it in errors."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
-            return self.content
+            return checked_text(self.content, field)
         parts = []
-        for part in self.content:
+        for j, part in enumerate(self.content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, "message content parts must be {'type': 'text', 'text': ...}",
-                               param="messages")
-            parts.append(part["text"])
+                               param=f"{field}[{j}]")
+            parts.append(checked_text(part["text"], f"{field}[{j}].text"))
         return "".join(parts)
 
 
@@ -207,7 +229,8 @@ class ChatCompletionRequest(_GenerationFields):
         """The messages as the chat template takes them."""
         if not self.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.text(f"messages[{i}].content")}
+                for i, m in enumerate(self.messages)]
 
     def max_new_tokens(self, room: int) -> int:
         """`max_completion_tokens` or `max_tokens`, else all the `room` left in the context."""

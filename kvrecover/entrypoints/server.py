@@ -3,8 +3,11 @@
 Routes: `GET /health` (200 only while the engine loop is alive), `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `GET /metrics`. With an API
 key, every `/v1/*` route needs `Authorization: Bearer KEY`. Bodies are read with
-a size cap and parsed by hand, so invalid JSON, an oversized body and every bad
-field get OpenAI's error format with a 4xx, and the server keeps serving.
+a size cap and parsed by hand, so a body it cannot parse (invalid JSON or UTF-8,
+nesting past the parser's limit, an integer past Python's digit limit), an
+oversized body and every bad field get OpenAI's error format with a 4xx, and the
+server keeps serving; an unexpected error in a handler is a 500 `internal_error` in
+the same format.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from kvrecover.entrypoints.chat_template import ChatTemplate
 from kvrecover.entrypoints.engine_loop import EngineLoop
@@ -111,14 +115,20 @@ async def read_json_body(request: Request, max_body_bytes: int) -> Any:
         raise ApiError(413, f"the request body has {declared} bytes; the limit is "
                             f"{max_body_bytes}", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise ApiError(413, f"the request body is over the limit of "
-                                f"{max_body_bytes} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise ApiError(413, f"the request body is over the limit of "
+                                    f"{max_body_bytes} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect as error:  # it left before its body was in
+        raise ClientGone("the client left while sending its request") from error
     try:
         return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}",
+    except (ValueError, RecursionError) as error:
+        # ValueError: invalid JSON or UTF-8, an integer past Python's digit limit;
+        # RecursionError: nesting deeper than the parser's recursion limit.
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ApiError(400, f"the request body is not valid JSON: {reason}",
                        code="invalid_json") from error
