@@ -22,7 +22,7 @@ import httpx
 import uvicorn
 from serving_utils import free_port
 
-from kvrecover.entrypoints.proxy import ProxyConfig, build_proxy_app
+from kvrecover.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 256

@@ -102,7 +102,7 @@ def connector_settings_classes() -> dict[str, type]:
 
 def every_record() -> list[type]:
     from kvrecover.config import SchedulerConfig
-    from kvrecover.entrypoints.demo import DemoArgs
+    from kvrecover.entrypoints.cli.serve_demo import DemoArgs
     from kvrecover.kv_transfer.faults import FaultRule
     from kvrecover.kv_transfer.tiered import TierEntry
     from kvrecover.scenario import DecodeArgs, ScenarioArgs

@@ -29,14 +29,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
-from kvrecover.entrypoints.http_errors import install_error_handlers
-from kvrecover.entrypoints.openai_shapes import ModelList, ShapeError, load_json, parse_shape
-from kvrecover.entrypoints.protocol import ApiError, parse_stream_usage
-from kvrecover.entrypoints.proxy_checks import Piece
-from kvrecover.entrypoints.proxy_instances import InstancePool, ProxyMetrics
-from kvrecover.entrypoints.proxy_request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
-from kvrecover.entrypoints.proxy_upstream import Rejected, classify_error
-from kvrecover.entrypoints.server import MAX_BODY_BYTES, read_json_body
+from kvrecover.entrypoints.openai.http import install_error_handlers
+from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
+from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
+from kvrecover.entrypoints.proxy.checks import Piece
+from kvrecover.entrypoints.proxy.instances import InstancePool, ProxyMetrics
+from kvrecover.entrypoints.proxy.request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
+from kvrecover.entrypoints.proxy.upstream import Rejected, classify_error
+from kvrecover.entrypoints.server.app import MAX_BODY_BYTES, read_json_body
 
 logger = logging.getLogger(__name__)
 

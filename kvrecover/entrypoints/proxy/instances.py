@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvrecover.entrypoints.openai_shapes import ShapeError, load_json
+from kvrecover.entrypoints.openai.shapes import ShapeError, load_json
 
 logger = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvrecover.entrypoints.chat_template import ChatTemplate
-from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
-from kvrecover.entrypoints.engine_loop import EngineLoop
-from kvrecover.entrypoints.generation import Delta, Generation
-from kvrecover.entrypoints.http_errors import internal_error
-from kvrecover.entrypoints.metrics import ServerMetrics
-from kvrecover.entrypoints.protocol import (
+from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.server.engine_loop import EngineLoop
+from kvrecover.entrypoints.server.generation import Delta, Generation
+from kvrecover.entrypoints.openai.http import internal_error
+from kvrecover.entrypoints.server.metrics import ServerMetrics
+from kvrecover.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

@@ -3,7 +3,8 @@
 Engine flags come from `EngineArgs` (`add_engine_flags`), sampling flags from
 `SamplingParams`, the scenario's from `scenario.ScenarioArgs` / `DecodeArgs`:
 each option is declared once (`kvrecover.options`), with its help and validation.
-Errors the user can fix (bad values, missing files, OS errors such as a
+The serving commands (`serve`, `proxy`, `serve-demo`) import their HTTP stack only
+when they run, so `kvrecover --help` stays fast. Errors the user can fix (bad values, missing files, OS errors such as a
 read-only folder) print one `kvrecover: error: ...` line and exit 2.
 """
 
@@ -16,6 +17,9 @@ from pathlib import Path
 
 from kvrecover.config import EngineArgs, add_engine_flags, engine_args_from_namespace
 from kvrecover.default_model import DefaultModelError
+from kvrecover.entrypoints.cli.proxy import add_proxy_parser, run_proxy
+from kvrecover.entrypoints.cli.serve import add_serve_parser, run_serve
+from kvrecover.entrypoints.cli.serve_demo import add_demo_parser, run_demo
 from kvrecover.options import add_flags, add_record_flags, from_namespace
 from kvrecover.sampling import SamplingParams
 from kvrecover.scenario import DecodeArgs, ScenarioArgs
@@ -68,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("path", type=Path, help="the store folder (shared_storage_path)")
     verify.add_argument("--fix", action="store_true", help="delete the bad entries")
 
-    from kvrecover.entrypoints.commands import add_serving_parsers
-
-    add_serving_parsers(commands)
+    add_serve_parser(commands)
+    add_proxy_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 
@@ -97,10 +101,12 @@ def describe_error(error: BaseException) -> str:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "storage":
         return _storage_verify(args.path, args.fix)
-    if args.command in ("serve", "proxy", "serve-demo"):
-        from kvrecover.entrypoints.commands import run_serving_command
-
-        return run_serving_command(args)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "proxy":
+        return run_proxy(args)
+    if args.command == "serve-demo":
+        return run_demo(args)
     engine_args = engine_args_from_namespace(args)
     if args.command == "generate":
         return _generate(args, engine_args)

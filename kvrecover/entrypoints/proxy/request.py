@@ -27,15 +27,15 @@ from typing import Any
 
 import httpx
 
-from kvrecover.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
-from kvrecover.entrypoints.proxy_checks import (
+from kvrecover.entrypoints.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
+from kvrecover.entrypoints.proxy.checks import (
     Piece,
     RequestLimits,
     StreamCheck,
     prefill_prompt_ids,
 )
-from kvrecover.entrypoints.proxy_instances import Instance, InstancePool, ProxyMetrics
-from kvrecover.entrypoints.proxy_upstream import (
+from kvrecover.entrypoints.proxy.instances import Instance, InstancePool, ProxyMetrics
+from kvrecover.entrypoints.proxy.upstream import (
     Retryable,
     StreamBroken,
     UpstreamStream,

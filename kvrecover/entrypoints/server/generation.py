@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from starlette.types import Receive
 
-from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
-from kvrecover.entrypoints.engine_loop import EngineLoop, OutputStream
-from kvrecover.entrypoints.metrics import ServerMetrics
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.server.engine_loop import EngineLoop, OutputStream
+from kvrecover.entrypoints.server.metrics import ServerMetrics
+from kvrecover.entrypoints.openai.protocol import ApiError
 from kvrecover.outputs import RequestOutput
 from kvrecover.sampling import SamplingParams
 

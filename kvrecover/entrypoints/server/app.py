@@ -23,17 +23,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from kvrecover.entrypoints.chat_template import ChatTemplate
-from kvrecover.entrypoints.engine_loop import EngineLoop
-from kvrecover.entrypoints.generation import ClientGone
-from kvrecover.entrypoints.http_errors import install_error_handlers
-from kvrecover.entrypoints.metrics import ServerMetrics
-from kvrecover.entrypoints.openai_serving import (
+from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.server.engine_loop import EngineLoop
+from kvrecover.entrypoints.server.generation import ClientGone
+from kvrecover.entrypoints.openai.http import install_error_handlers
+from kvrecover.entrypoints.server.metrics import ServerMetrics
+from kvrecover.entrypoints.server.serving import (
     ServingState,
     create_chat_completion,
     create_completion,
 )
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.openai.protocol import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     """Serve the proxy until interrupted."""
     import uvicorn
 
-    from kvrecover.entrypoints.proxy import ProxyConfig, build_proxy_app
+    from kvrecover.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
     config = ProxyConfig(args.prefill, args.decode, args.max_retries, args.timeout,
                          args.health_check_interval)

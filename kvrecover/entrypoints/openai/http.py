@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.openai.protocol import ApiError
 
 MAX_DETAIL_CHARS = 300  # of an unexpected error's own message, in a 500's body
 
