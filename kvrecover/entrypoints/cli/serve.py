@@ -38,8 +38,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvrecover import LLM
     from kvrecover.config import engine_args_from_namespace
     from kvrecover.default_model import MODEL_NAME
-    from kvrecover.entrypoints.server.engine_loop import EngineLoop
     from kvrecover.entrypoints.server.app import ServerConfig, build_app
+    from kvrecover.entrypoints.server.engine_loop import EngineLoop
 
     engine_args = engine_args_from_namespace(args)
     loop = EngineLoop(lambda: LLM.from_engine_args(engine_args))

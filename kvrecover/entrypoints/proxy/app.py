@@ -1,11 +1,12 @@
 """`kvrecover proxy`: OpenAI endpoints in front of prefill and decode instances.
 
-Routing, failover and migration live in `proxy_request.py`; this module is the
+Routing, failover and migration live in `request.py`; this module is the
 HTTP side: it parses the client's request, answers in the client's format
-(streamed or not, completions or chat) whatever instance produced the tokens,
+(streamed or not, completions or chat; written by `openai/responses.py`, as the
+server writes it) whatever instance produced the tokens,
 and sends no status line before the first token is known, so a request no
 instance could serve is a plain 503, never a 200 that ends badly. Everything it
-forwards was checked first (`proxy_checks.py`); even a bug of its own is an
+forwards was checked first (`checks.py`); even a bug of its own is an
 OpenAI-format 500 (or an error event in a started stream), never plain text. A client that
 leaves (streamed or not) has its upstream request closed, so the instance aborts
 it; with `stream_options.include_usage` the stream ends with a usage chunk.
@@ -15,12 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
-import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,16 +27,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
-from kvrecover.entrypoints.openai.http import install_error_handlers
-from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
+from kvrecover.entrypoints.openai.http import (
+    MAX_BODY_BYTES,
+    install_error_handlers,
+    read_json_body,
+)
 from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
+from kvrecover.entrypoints.openai.responses import OpenAIResponse
+from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
 from kvrecover.entrypoints.proxy.checks import Piece
 from kvrecover.entrypoints.proxy.instances import InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy.request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
 from kvrecover.entrypoints.proxy.upstream import Rejected, classify_error
-from kvrecover.entrypoints.server.app import MAX_BODY_BYTES, read_json_body
-
-logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization",)
 DISCONNECT_POLL_S = 0.5  # how often a request not yet answered checks for its client
@@ -91,11 +91,6 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     @app.exception_handler(Rejected)
     async def rejected(_request: Request, error: Rejected):
         return Response(error.body, status_code=error.status, media_type="application/json")
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, error: Exception):
-        logger.exception("the proxy failed on a request", exc_info=error)
-        return JSONResponse(_internal_error(error).body(), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -157,16 +152,17 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                       usage: tuple[bool, bool]) -> Response:
         await proxied.prefill()
         first = await proxied.open_decode()
-        formatter = ClientFormat(path, bool(body.get("return_token_ids")),
-                                 body.get("model") or first.model or "", *usage)
+        writer = OpenAIResponse(path == CHAT, body.get("model") or first.model or "",
+                                proxied, bool(body.get("return_token_ids")), *usage,
+                                request_id=f"proxy-{uuid.uuid4().hex}")
         headers = {"x-kvrecover-decode-instance": proxied.decode_stream.instance.url}
         pieces = _chain(first, proxied.pieces(first))
         if body.get("stream"):
-            return StreamingResponse(formatter.sse(pieces, proxied), headers=headers,
+            return StreamingResponse(writer.events(pieces), headers=headers,
                                      media_type="text/event-stream",
                                      background=BackgroundTask(proxied.close))
         try:
-            return JSONResponse(await formatter.whole(pieces, proxied), headers=headers)
+            return JSONResponse(await writer.collect(pieces), headers=headers)
         finally:
             await pieces.aclose()
             await proxied.close()  # `pieces` may not have started: then aclose ran nothing
@@ -186,11 +182,6 @@ def _forwarded(request: Request) -> dict[str, str]:
     return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
-def _internal_error(error: Exception) -> ApiError:
-    return ApiError(500, f"the proxy failed: {type(error).__name__}", "internal_error",
-                    code="internal_error")
-
-
 async def _chain(
     first: Piece, rest: AsyncGenerator[Piece, None]
 ) -> AsyncGenerator[Piece, None]:
@@ -200,95 +191,3 @@ async def _chain(
             yield piece
     finally:
         await rest.aclose()
-
-
-@dataclass
-class ClientFormat:
-    """Writes pieces as the client asked: completions or chat, streamed or whole."""
-
-    path: str
-    return_token_ids: bool
-    model: str
-    final_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
-    request_id: str = field(default_factory=lambda: f"proxy-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def chat(self) -> bool:
-        return self.path == CHAT
-
-    def _usage(self, proxied: ProxiedRequest) -> dict[str, int]:
-        prompt = len(proxied.prompt_token_ids or [])
-        return {"prompt_tokens": prompt, "completion_tokens": len(proxied.generated),
-                "total_tokens": prompt + len(proxied.generated)}
-
-    def chunk(self, piece: Piece, first: bool, proxied: ProxiedRequest) -> dict[str, Any]:
-        """One streamed chunk."""
-        if self.chat:
-            delta = {"role": "assistant", "content": piece.text} if first else \
-                {"content": piece.text}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": piece.finish_reason}
-        else:
-            choice = {"index": 0, "text": piece.text, "logprobs": None,
-                      "finish_reason": piece.finish_reason}
-        body = {"id": self.request_id, "created": self.created, "model": self.model,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "choices": [choice]}
-        if self.return_token_ids:
-            choice["token_ids"] = piece.token_ids
-            if first:
-                holder = body if self.chat else choice
-                holder["prompt_token_ids"] = proxied.prompt_token_ids
-        if self.continuous_usage:
-            body["usage"] = self._usage(proxied)
-        return body
-
-    async def sse(
-        self, pieces: AsyncGenerator[Piece, None], proxied: ProxiedRequest
-    ) -> AsyncGenerator[str, None]:
-        """Server-sent events; an unrecoverable failure ends with an error, no [DONE]."""
-        first = True
-        try:
-            async for piece in pieces:
-                yield f"data: {json.dumps(self.chunk(piece, first, proxied))}\n\n"
-                first = False
-        except ApiError as error:
-            yield f"data: {json.dumps(error.body())}\n\n"
-            return
-        except Exception as error:  # a bug of the proxy: still an error event, never a cut
-            logger.exception("the proxy failed mid-stream", exc_info=error)
-            yield f"data: {json.dumps(_internal_error(error).body())}\n\n"
-            return
-        finally:
-            await pieces.aclose()
-        if self.final_usage:
-            usage = {"id": self.request_id, "created": self.created, "model": self.model,
-                     "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "choices": [], "usage": self._usage(proxied)}
-            yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def whole(
-        self, pieces: AsyncGenerator[Piece, None], proxied: ProxiedRequest
-    ) -> dict[str, Any]:
-        """The non-streamed response body."""
-        text, finish = [], None
-        async for piece in pieces:
-            text.append(piece.text)
-            finish = piece.finish_reason or finish
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": "".join(text), "logprobs": None,
-                      "finish_reason": finish}
-        body = {"id": self.request_id, "created": self.created, "model": self.model,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [choice], "usage": self._usage(proxied)}
-        if self.return_token_ids:
-            choice["token_ids"] = list(proxied.generated)
-            holder = body if self.chat else choice
-            holder["prompt_token_ids"] = proxied.prompt_token_ids
-        return body

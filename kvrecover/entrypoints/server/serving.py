@@ -1,44 +1,38 @@
 """`/v1/completions` and `/v1/chat/completions`: request -> Generation -> response.
 
-Both wait for the first token (or the error) before answering; a streamed answer
-is server-sent events in OpenAI's chunk format, each chunk carrying the new text
-(and, with `return_token_ids`, the new token ids), the last one the finish reason;
-with `stream_options.include_usage` a chunk with empty `choices` and the `usage`
-follows (as in OpenAI and vLLM; without it no chunk has a usage), then
-`data: [DONE]`. An error after the first token ends the stream with an error
-event and without `[DONE]`, so no client takes it for a success.
+Both wait for the first token (or the error) before answering; the answer, whole or
+streamed, is written by `openai/responses.py` (the format the proxy writes too). A
+streamed answer sends a chunk without new text only to a client that asked for
+token ids (or when it opens the stream or carries the finish reason).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvrecover.entrypoints.server.chat_template import ChatTemplate
-from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
-from kvrecover.entrypoints.server.engine_loop import EngineLoop
-from kvrecover.entrypoints.server.generation import Delta, Generation
-from kvrecover.entrypoints.openai.http import internal_error
-from kvrecover.entrypoints.server.metrics import ServerMetrics
 from kvrecover.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
-from kvrecover.sampling import resumed_request_seed
-
-logger = logging.getLogger(__name__)
+from kvrecover.entrypoints.openai.responses import OpenAIResponse
+from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.server.engine_loop import EngineLoop
+from kvrecover.entrypoints.server.generation import Delta, Generation
+from kvrecover.entrypoints.server.metrics import ServerMetrics
+from kvrecover.sampling import SamplingParams, resumed_request_seed
+from kvrecover.tokenizer import Tokenizer
 
 
 @dataclass
@@ -48,7 +42,7 @@ class ServingState:
     loop: EngineLoop
     metrics: ServerMetrics
     model_name: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     chat_template: ChatTemplate
     max_model_len: int
 
@@ -59,7 +53,7 @@ def _check_model(state: ServingState, model: str | None) -> None:
                             f"{state.model_name!r}", code="model_not_found", param="model")
 
 
-async def create_completion(state: ServingState, http: Request, body: Any):
+async def create_completion(state: ServingState, http: Request, body: Any) -> Response:
     """Answer one `/v1/completions` request."""
     request = parse_request(CompletionRequest, body)
     _check_model(state, request.model)
@@ -75,37 +69,12 @@ async def create_completion(state: ServingState, http: Request, body: Any):
             params = replace(params, seed=resumed_request_seed(params.seed, len(resumed)))
     generation = await _start(state, http, request_id, prompt, params, detokenizer,
                               "completions")
-    created = int(time.time())
-
-    def chunk(delta: Delta, first: bool) -> dict:
-        choice = {"index": 0, "text": delta.text, "logprobs": None,
-                  "finish_reason": delta.finish_reason}
-        if request.return_token_ids:
-            choice["token_ids"] = delta.token_ids
-            if first:
-                choice["prompt_token_ids"] = generation.prompt_token_ids
-        body = {"id": request_id, "object": "text_completion", "created": created,
-                "model": state.model_name, "choices": [choice]}
-        if continuous_usage:
-            body["usage"] = _usage(generation)
-        return body
-
-    if request.stream:
-        usage = _usage_chunk(generation, "text_completion", created, state) \
-            if final_usage else None
-        return _sse(generation, chunk, request.return_token_ids, usage)
-    text, token_ids = await _collect(generation)
-    choice = {"index": 0, "text": text, "logprobs": None,
-              "finish_reason": generation.finish_reason}
-    if request.return_token_ids:
-        choice["prompt_token_ids"] = generation.prompt_token_ids
-        choice["token_ids"] = token_ids
-    return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
-                         "model": state.model_name, "choices": [choice],
-                         "usage": _usage(generation)})
+    writer = OpenAIResponse(False, state.model_name, generation, request.return_token_ids,
+                            final_usage, continuous_usage, request_id)
+    return await _answer(generation, writer, request.stream)
 
 
-async def create_chat_completion(state: ServingState, http: Request, body: Any):
+async def create_chat_completion(state: ServingState, http: Request, body: Any) -> Response:
     """Answer one `/v1/chat/completions` request."""
     request = parse_request(ChatCompletionRequest, body)
     _check_model(state, request.model)
@@ -118,96 +87,39 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any):
     detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
     generation = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
                               params, detokenizer, "chat")
-    created = int(time.time())
-
-    def chunk(delta: Delta, first: bool) -> dict:
-        message = {"role": "assistant", "content": delta.text} if first else \
-            {"content": delta.text}
-        choice = {"index": 0, "delta": message, "logprobs": None,
-                  "finish_reason": delta.finish_reason}
-        if request.return_token_ids:
-            choice["token_ids"] = delta.token_ids
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": state.model_name, "choices": [choice]}
-        if first and request.return_token_ids:
-            body["prompt_token_ids"] = generation.prompt_token_ids
-        if continuous_usage:
-            body["usage"] = _usage(generation)
-        return body
-
-    if request.stream:
-        usage = _usage_chunk(generation, "chat.completion.chunk", created, state) \
-            if final_usage else None
-        return _sse(generation, chunk, request.return_token_ids, usage)
-    text, token_ids = await _collect(generation)
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": generation.finish_reason}
-    body = {"id": request_id, "object": "chat.completion", "created": created,
-            "model": state.model_name, "choices": [choice], "usage": _usage(generation)}
-    if request.return_token_ids:
-        choice["token_ids"] = token_ids
-        body["prompt_token_ids"] = generation.prompt_token_ids
-    return JSONResponse(body)
+    writer = OpenAIResponse(True, state.model_name, generation, request.return_token_ids,
+                            final_usage, continuous_usage, request_id)
+    return await _answer(generation, writer, request.stream)
 
 
-async def _start(state: ServingState, http: Request, request_id: str, prompt: Any,
-                 params: Any, detokenizer: IncrementalDetokenizer, endpoint: str) -> Generation:
+async def _start(state: ServingState, http: Request, request_id: str,
+                 prompt: str | dict[str, list[int]], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, endpoint: str) -> Generation:
     generation = Generation(state.loop, request_id, prompt, params, detokenizer,
                             http.receive, state.metrics, endpoint)
     await generation.first()
     return generation
 
 
-async def _collect(generation: Generation) -> tuple[str, list[int]]:
-    text: list[str] = []
-    token_ids: list[int] = []
-    async for delta in generation.deltas():
-        text.append(delta.text)
-        token_ids.extend(delta.token_ids)
-    return "".join(text), token_ids
-
-
-def _usage(generation: Generation) -> dict[str, int]:
-    prompt_tokens = len(generation.prompt_token_ids)
-    completion_tokens = generation.num_sent_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _usage_chunk(generation: Generation, kind: str, created: int,
-                 state: ServingState) -> Callable[[], dict]:
-    """The last chunk of a stream with `include_usage`: no choices, the usage."""
-    return lambda: {"id": generation.request_id, "object": kind, "created": created,
-                    "model": state.model_name, "choices": [], "usage": _usage(generation)}
-
-
-def _sse(generation: Generation, chunk, with_token_ids: bool,
-         usage_chunk: Callable[[], dict] | None) -> StreamingResponse:
-    """Chunks without text are sent only to clients that asked for token ids; the
-    usage chunk, when asked for, comes after the finish reason."""
-    # Once streaming, Starlette watches for the disconnect and cancels `events`;
+async def _answer(generation: Generation, writer: OpenAIResponse, stream: bool) -> Response:
+    if not stream:
+        return JSONResponse(await writer.collect(generation.deltas()))
+    # Once streaming, Starlette watches for the disconnect and cancels the events;
     # watching here too would race it for the same ASGI message.
     generation.stop_watching()
-
-    async def events() -> AsyncIterator[str]:
-        first = True
-        try:
-            async for delta in generation.deltas():
-                if not (first or delta.text or with_token_ids or delta.finish_reason):
-                    continue
-                yield f"data: {json.dumps(chunk(delta, first))}\n\n"
-                first = False
-        except ApiError as error:
-            yield f"data: {json.dumps(error.body())}\n\n"
-            return
-        except Exception as error:  # a bug after the 200 was sent: end with an error event
-            logger.exception("streaming %s failed", generation.request_id)
-            yield f"data: {json.dumps(internal_error(error).body())}\n\n"
-            return
-        if usage_chunk is not None:
-            yield f"data: {json.dumps(usage_chunk())}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
+    deltas = _worth_sending(generation.deltas(), writer.return_token_ids)
+    return StreamingResponse(writer.events(deltas), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"},
                              background=BackgroundTask(generation.close))
+
+
+async def _worth_sending(deltas: AsyncGenerator[Delta, None],
+                         with_token_ids: bool) -> AsyncGenerator[Delta, None]:
+    """The deltas a streamed answer sends: the first, the last, and those with new
+    text (or, for a client that asked for token ids, every one)."""
+    first = True
+    async with aclosing(deltas):
+        async for delta in deltas:
+            if first or delta.text or with_token_ids or delta.finish_reason:
+                yield delta
+            first = False
