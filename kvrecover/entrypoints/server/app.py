@@ -86,7 +86,7 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         snapshot = await loop.snapshot()
-        return Response(state.metrics.render(snapshot),
+        return Response(state.metrics.render(snapshot, loop.alive),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
