@@ -1,8 +1,8 @@
 """`kvrecover serve`: its flags (named as in `vllm serve`) and its main.
 
-The engine flags are `EngineArgs`' own (`kvrecover.config.add_engine_flags`), so
-`serve` takes every engine option under the same name as `LLM(...)` and
-`kvrecover generate`; only the HTTP flags are declared here.
+The engine flags are `EngineArgs`' own, so `serve` takes every engine option under
+the same name as `LLM(...)` and `kvrecover generate`; the address flags are
+`ListenArgs`', the HTTP ones `ServeArgs`': all declared once (`kvrecover.options`).
 """
 
 from __future__ import annotations
@@ -10,31 +10,45 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
+
+from kvrecover.entrypoints.cli.listen import ListenArgs, run_app
+from kvrecover.options import add_record_flags, from_namespace, option, validate
 
 API_KEY_ENV = "KVRECOVER_API_KEY"
 
 
+def _redacted(value: Any) -> str:
+    return "<redacted>" if isinstance(value, str) else type(value).__name__
+
+
+@dataclass
+class ServeArgs:
+    """The HTTP flags of `kvrecover serve` besides the engine's and the address."""
+
+    served_model_name: str | None = option(
+        None, "the model name clients send (default: --model, or the built-in model's name)",
+        str, nullable=True, metavar="NAME")
+    api_key: str | None = option(
+        None, f"require 'Authorization: Bearer KEY' on /v1/* (or ${API_KEY_ENV})", str,
+        nullable=True, metavar="KEY", shown=_redacted, repr=False)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
 def add_serve_parser(commands: Any) -> None:
     """Register `kvrecover serve` on the CLI's subparsers."""
-    from kvrecover.config import add_engine_flags
+    from kvrecover.config import EngineArgs
 
     serve = commands.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    add_engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: --model, or the "
-                            "built-in model's name)")
-    serve.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' on /v1/* (or ${API_KEY_ENV})")
+    add_record_flags(serve, EngineArgs, ListenArgs, ServeArgs)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the engine, then serve HTTP until interrupted."""
-    import uvicorn
-
     from kvrecover import LLM
     from kvrecover.config import engine_args_from_namespace
     from kvrecover.default_model import MODEL_NAME
@@ -42,17 +56,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvrecover.entrypoints.server.engine_loop import EngineLoop
 
     engine_args = engine_args_from_namespace(args)
+    listen = from_namespace(ListenArgs, args)
+    serve = from_namespace(ServeArgs, args)
     loop = EngineLoop(lambda: LLM.from_engine_args(engine_args))
     loop.start()
     # unset engine flags are not in the namespace (see add_flags)
-    name = args.served_model_name or getattr(args, "model", None) or MODEL_NAME
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    name = serve.served_model_name or getattr(args, "model", None) or MODEL_NAME
+    api_key = serve.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(loop, ServerConfig(name, api_key))
-    print(f"kvrecover serve: {name} on http://{args.host}:{args.port}", file=sys.stderr,
-          flush=True)
+    print(f"kvrecover serve: {name} on {listen.url}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        run_app(app, listen)
     finally:
         loop.stop()
     return 0

@@ -12,10 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvrecover.entrypoints.openai.protocol import ApiError
+from kvrecover.entrypoints.openai.protocol import MAX_BODY_BYTES, ApiError
 
 MAX_DETAIL_CHARS = 300  # of an unexpected error's own message, in a 500's body
-MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
 
 
 class ClientGone(Exception):

@@ -17,6 +17,7 @@ from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
 
 
 class ApiError(Exception):

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -27,41 +26,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
-from kvrecover.entrypoints.openai.http import (
-    MAX_BODY_BYTES,
-    install_error_handlers,
-    read_json_body,
-)
+from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_body
 from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
 from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
 from kvrecover.entrypoints.proxy.checks import Piece
+from kvrecover.entrypoints.proxy.config import ProxyConfig
 from kvrecover.entrypoints.proxy.instances import InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy.request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
 from kvrecover.entrypoints.proxy.upstream import Rejected, classify_error
 
 FORWARDED_HEADERS = ("authorization",)
 DISCONNECT_POLL_S = 0.5  # how often a request not yet answered checks for its client
-
-
-@dataclass
-class ProxyConfig:
-    """Settings of `kvrecover proxy`."""
-
-    prefill: list[str]
-    decode: list[str]
-    max_retries: int = 2
-    timeout_s: float = 60.0  # connect/read timeout per upstream call
-    health_interval_s: float = 2.0
-    max_body_bytes: int = MAX_BODY_BYTES
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if not self.health_interval_s > 0:
-            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s!r}")
 
 
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
@@ -72,12 +48,12 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 5.0))
+        timeout = httpx.Timeout(config.timeout, connect=min(config.timeout, 5.0))
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             holder["context"] = ProxyContext(pool, metrics, client, config.max_retries)
             await pool.check_all(client, timeout=5.0)
-            checker = asyncio.create_task(pool.health_loop(client, config.health_interval_s))
+            checker = asyncio.create_task(pool.health_loop(client, config.health_check_interval))
             try:
                 yield
             finally:

@@ -20,12 +20,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvrecover.entrypoints.openai.http import (
-    MAX_BODY_BYTES,
-    install_error_handlers,
-    read_json_body,
-)
-from kvrecover.entrypoints.openai.protocol import ApiError
+from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_body
+from kvrecover.entrypoints.openai.protocol import MAX_BODY_BYTES, ApiError
 from kvrecover.entrypoints.server.chat_template import ChatTemplate
 from kvrecover.entrypoints.server.engine_loop import EngineLoop
 from kvrecover.entrypoints.server.metrics import ServerMetrics
@@ -34,17 +30,26 @@ from kvrecover.entrypoints.server.serving import (
     create_chat_completion,
     create_completion,
 )
+from kvrecover.options import REQUIRED, option, validate
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ServerConfig:
-    """HTTP-side settings of `kvrecover serve`."""
+    """HTTP-side settings of one server's app (`kvrecover serve` builds it from its
+    flags, `ServeArgs`; tests build it directly)."""
 
-    model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
+    model_name: str = option(REQUIRED, "the model name clients send and /v1/models lists",
+                             str, check=lambda name: None if name else "a non-empty name")
+    api_key: str | None = option(
+        None, "the key every /v1/* request must send as 'Authorization: Bearer KEY'", str,
+        nullable=True, shown=lambda _: "<redacted>", repr=False)
+    max_body_bytes: int = option(MAX_BODY_BYTES, "a request body larger than this is a 413",
+                                 int, minimum=1)
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
