@@ -302,6 +302,11 @@ def to_argv(record: Any, skip: Iterable[str] = ()) -> list[str]:
     return argv
 
 
+def redacted(_value: Any) -> str:
+    """`shown` for a secret: an error message never repeats it."""
+    return "<redacted>"
+
+
 def path_or_none(value: Any) -> Any:
     """`os.PathLike` -> str (options that name a folder accept both)."""
     return os.fspath(value) if isinstance(value, os.PathLike) else value

@@ -14,13 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrecover.entrypoints.cli.listen import ListenArgs, run_app
-from kvrecover.options import add_record_flags, from_namespace, option, validate
+from kvrecover.options import add_record_flags, from_namespace, option, redacted, validate
 
 API_KEY_ENV = "KVRECOVER_API_KEY"
-
-
-def _redacted(value: Any) -> str:
-    return "<redacted>" if isinstance(value, str) else type(value).__name__
 
 
 @dataclass
@@ -32,7 +28,7 @@ class ServeArgs:
         str, nullable=True, metavar="NAME")
     api_key: str | None = option(
         None, f"require 'Authorization: Bearer KEY' on /v1/* (or ${API_KEY_ENV})", str,
-        nullable=True, metavar="KEY", shown=_redacted, repr=False)
+        nullable=True, metavar="KEY", shown=redacted, repr=False)
 
     def __post_init__(self) -> None:
         validate(self)

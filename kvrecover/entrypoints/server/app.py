@@ -30,7 +30,7 @@ from kvrecover.entrypoints.server.serving import (
     create_chat_completion,
     create_completion,
 )
-from kvrecover.options import REQUIRED, option, validate
+from kvrecover.options import REQUIRED, option, redacted, validate
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ServerConfig:
                              str, check=lambda name: None if name else "a non-empty name")
     api_key: str | None = option(
         None, "the key every /v1/* request must send as 'Authorization: Bearer KEY'", str,
-        nullable=True, shown=lambda _: "<redacted>", repr=False)
+        nullable=True, shown=redacted, repr=False)
     max_body_bytes: int = option(MAX_BODY_BYTES, "a request body larger than this is a 413",
                                  int, minimum=1)
 
