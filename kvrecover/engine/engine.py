@@ -150,11 +150,11 @@ class Engine:
         if self.closed:
             raise RuntimeError("the engine is closed; create a new LLM")
         if self._in_flight is not None:
-            return self._land_in_flight()
+            return self._land_in_flight(self._in_flight)
         scheduler_output = self.scheduler.schedule()
         if self.model_runner.can_overlap(scheduler_output):
             self._in_flight = (scheduler_output, self._launch(scheduler_output))
-            return self._land_in_flight()
+            return self._land_in_flight(self._in_flight)
         runner_output = self.model_runner.execute(scheduler_output)
         return self._apply(scheduler_output, runner_output)
 
@@ -163,14 +163,16 @@ class Engine:
         self.stats.overlapped_steps += 1
         return self.model_runner.launch_decode(scheduler_output, previous)
 
-    def _land_in_flight(self) -> list[RequestOutput]:
-        """Finish the launched decode step, launching the one after it first (when the
+    def _land_in_flight(
+        self, in_flight: tuple[SchedulerOutput, PendingDecode]
+    ) -> list[RequestOutput]:
+        """Finish the launched decode step `in_flight`, launching the one after it first (when the
         scheduler can tell it already) so the device never waits for the host.
 
         Applying the landed step may roll back (recovery) or end a request that the
         step just launched continues: the scheduler then discards that request's part
         of it when it lands (`Scheduler.update_from_output`)."""
-        scheduler_output, pending = self._in_flight
+        scheduler_output, pending = in_flight
         self._in_flight = None
         following = self.scheduler.schedule_next_decode(scheduler_output,
                                                         pending.finished_recving)
@@ -178,12 +180,13 @@ class Engine:
             self._in_flight = (following, self._launch(following, pending))
         outputs = self._apply(scheduler_output, pending.result())
         requests = self.scheduler.requests
-        if self._in_flight is not None and all(
+        launched = self._in_flight
+        if launched is not None and all(
             (request := requests.get(s.request_id)) is None or request.is_finished
-            for s in following.scheduled
+            for s in launched[0].scheduled
         ):
             # Every request it continues stopped on its last token: nothing to report.
-            self._in_flight[1].result()
+            launched[1].result()
             self._in_flight = None
         return outputs
 
