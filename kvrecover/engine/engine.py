@@ -193,12 +193,7 @@ class Engine:
     def _apply(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        # Before the update, so that it skips them like requests aborted during the step.
-        failed = runner_output.failed_requests and self._fail_requests(
-            runner_output.failed_requests, self.scheduler.void_request_ids(scheduler_output))
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if failed:
-            progressed = failed + progressed
         if not (scheduler_output.scheduled or progressed or runner_output.finished_recving):
             self._check_progress()
         outputs = [self._output(request) for request in progressed]
@@ -206,21 +201,6 @@ class Engine:
             if request.is_finished:
                 self.scheduler.pop_finished(request.request_id)
         return outputs
-
-    def _fail_requests(self, errors: dict[str, str], void: set[str]) -> list[Request]:
-        """End the requests whose part of a step failed, with an internal error; the
-        rest of the step applies as usual (a bad request never poisons the engine).
-        A failure in a `void` part (see `Scheduler.void_request_ids`) is dropped."""
-        failed = []
-        for request_id, message in errors.items():
-            if request_id in void:
-                continue
-            request = self.scheduler.abort_request(request_id)  # frees or parks its blocks
-            if request is not None:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error, request.error_type = message, "internal_error"
-                failed.append(request)
-        return failed
 
     def _check_progress(self) -> None:
         """An idle step is fine only while KV transfers (async loads, sends) are in flight."""
