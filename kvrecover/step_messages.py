@@ -58,5 +58,6 @@ class ModelRunnerOutput:
     kv_connector_errors: int = 0  # worker-side connector failures contained in this step
     kv_connector_stats: dict[str, int] = field(default_factory=dict)  # increments, by name
     # Requests whose part of the step failed (the sampler or the forward raised):
-    # request id -> message. The engine ends exactly these with an internal error.
+    # request id -> message. The scheduler ends these with an internal error, except
+    # those the step's own failed loads roll back (their part read invalid KV).
     failed_requests: dict[str, str] = field(default_factory=dict)

@@ -246,6 +246,10 @@ BAD_CONFIGS = {
                                       "kv_connector_module_path": str(d / "broken.py")},
                            r"kv_connector_module_path '.*broken.py' could not be imported: "
                            r"SyntaxError"),
+    "module-file-not-python": (lambda d: {"kv_connector": "X",
+                                          "kv_connector_module_path": str(d / "connector.txt")},
+                               r"kv_connector_module_path '.*connector.txt': not an importable "
+                               r"Python file"),
     "class-missing": (lambda d: {"kv_connector": "MissingConnector",
                                  "kv_connector_module_path": __name__},
                       r"has no class named 'MissingConnector' \(kv_connector\)"),
@@ -298,6 +302,7 @@ BAD_CONFIGS = {
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
 def test_bad_config_is_a_value_error_naming_the_field(tiny_llama, tmp_path, case):
     (tmp_path / "broken.py").write_text("class X(:\n")
+    (tmp_path / "connector.txt").write_text("class X:\n    pass\n")
     make_kwargs, message = BAD_CONFIGS[case]
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_llama, KVTransferConfig(**make_kwargs(tmp_path)))

@@ -10,7 +10,9 @@ or with `native_kernels=False` (`KVRECOVER_NATIVE_KERNELS=0`).
 
 from __future__ import annotations
 
+import ast
 import random
+import subprocess
 import sys
 import warnings
 
@@ -207,7 +209,17 @@ def test_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_the_kernel_shares_torchs_openmp_runtime(library):
     """Built with -fopenmp, the library must bind to the libgomp torch loaded, not bring
-    a second OpenMP runtime whose threads would fight torch's for the cores."""
-    with open("/proc/self/maps") as maps:
-        runtimes = {line.split()[-1] for line in maps if "gomp" in line or "libomp" in line}
+    a second OpenMP runtime whose threads would fight torch's for the cores. Read in a
+    fresh process holding only torch and the kernel: this test process may hold other
+    packages' vendored runtimes (scikit-learn's, on the GPU machine)."""
+    script = (
+        "import torch\n"
+        "from kvrecover.ops.cpu import native_build\n"
+        "assert native_build.load_library('paged_attention') is not None\n"
+        "maps = open('/proc/self/maps').read().splitlines()\n"
+        "print(sorted({l.split()[-1] for l in maps if 'gomp' in l or 'libomp' in l}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, check=True)
+    runtimes = ast.literal_eval(result.stdout.strip().splitlines()[-1])
     assert len(runtimes) == 1, runtimes

@@ -344,3 +344,43 @@ def test_blocks_leaked_to_an_unconfirmed_load_fail_the_request_instead_of_spinni
     assert big.status is RequestStatus.FINISHED_ERROR and big in progressed
     assert big.error_type == "kv_load_failed" and "never confirmed" in big.error
     assert not scheduler.has_unfinished()
+
+
+# ----- runner failures: void when the same step's loads failed --------------------------
+def test_a_runner_failure_in_a_step_whose_own_load_failed_is_void():
+    """The loading step read invalid KV (NaN from a failed load), so its sampler failed
+    too: recovery rolls the request back and the failure is dropped with the token."""
+    scheduler = make_scheduler(FakeConnector({"a": [(20, False)]}))
+    a = add(scheduler, "a", PROMPT)
+    b = add(scheduler, "b", list(range(200, 209)))
+    scheduler_output = scheduler.schedule()
+    blocks = list(a.block_ids)
+    runner_output = ModelRunnerOutput(
+        {"b": TOKEN}, {blocks[0]},
+        failed_requests={"a": "sampling failed: the distribution holds inf or nan"})
+    progressed = scheduler.update_from_output(scheduler_output, runner_output)
+    assert [r.request_id for r in progressed] == ["b"]
+    assert not a.is_finished and a.error is None and a.num_computed_tokens == 0
+    assert a.pending_external is None
+    output, _ = step(scheduler)
+    assert slice_of(output, "a").token_ids == PROMPT
+    run_to_completion(scheduler)
+    assert a.output_token_ids == [TOKEN] * 3 and b.output_token_ids == [TOKEN] * 3
+    stats = scheduler.stats
+    assert (stats.kv_load_recovered_requests, stats.kv_load_failed_requests) == (1, 0)
+    assert stats.prompt_tokens_external == 0 and all_blocks_free(scheduler)
+
+
+def test_a_runner_failure_without_failed_loads_ends_only_that_request():
+    scheduler = make_scheduler()
+    a = add(scheduler, "a", list(range(100, 109)))
+    b = add(scheduler, "b", list(range(200, 209)))
+    scheduler_output = scheduler.schedule()
+    runner_output = ModelRunnerOutput({"b": TOKEN}, failed_requests={"a": "the step failed"})
+    progressed = scheduler.update_from_output(scheduler_output, runner_output)
+    assert {r.request_id for r in progressed} == {"a", "b"}
+    assert a.status is RequestStatus.FINISHED_ERROR
+    assert (a.error, a.error_type) == ("the step failed", "internal_error")
+    assert a.output_token_ids == [] and a.num_computed_tokens == 0  # its part never applied
+    run_to_completion(scheduler)
+    assert b.output_token_ids == [TOKEN] * 3 and all_blocks_free(scheduler)

@@ -155,11 +155,11 @@ class Engine:
         if self.closed:
             raise RuntimeError("the engine is closed; create a new LLM")
         if self._in_flight is not None:
-            return self._land_in_flight()
+            return self._land_in_flight(self._in_flight)
         scheduler_output = self.scheduler.schedule()
         if self.model_runner.can_overlap(scheduler_output):
             self._in_flight = (scheduler_output, self._launch(scheduler_output))
-            return self._land_in_flight()
+            return self._land_in_flight(self._in_flight)
         runner_output = self.model_runner.execute(scheduler_output)
         return self._apply(scheduler_output, runner_output)
 
@@ -168,14 +168,16 @@ class Engine:
         self.stats.overlapped_steps += 1
         return self.model_runner.launch_decode(scheduler_output, previous)
 
-    def _land_in_flight(self) -> list[RequestOutput]:
-        """Finish the launched decode step, launching the one after it first (when the
+    def _land_in_flight(
+        self, in_flight: tuple[SchedulerOutput, PendingDecode]
+    ) -> list[RequestOutput]:
+        """Finish the launched decode step `in_flight`, launching the one after it first (when the
         scheduler can tell it already) so the device never waits for the host.
 
         Applying the landed step may roll back (recovery) or end a request that the
         step just launched continues: the scheduler then discards that request's part
         of it when it lands (`Scheduler.update_from_output`)."""
-        scheduler_output, pending = self._in_flight
+        scheduler_output, pending = in_flight
         self._in_flight = None
         following = self.scheduler.schedule_next_decode(scheduler_output,
                                                         pending.finished_recving)
@@ -183,24 +185,20 @@ class Engine:
             self._in_flight = (following, self._launch(following, pending))
         outputs = self._apply(scheduler_output, pending.result())
         requests = self.scheduler.requests
-        if self._in_flight is not None and all(
+        launched = self._in_flight
+        if launched is not None and all(
             (request := requests.get(s.request_id)) is None or request.is_finished
-            for s in following.scheduled
+            for s in launched[0].scheduled
         ):
             # Every request it continues stopped on its last token: nothing to report.
-            self._in_flight[1].result()
+            launched[1].result()
             self._in_flight = None
         return outputs
 
     def _apply(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        # Before the update, so that it skips them like requests aborted during the step.
-        failed = runner_output.failed_requests and self._fail_requests(
-            runner_output.failed_requests, self.scheduler.void_request_ids(scheduler_output))
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if failed:
-            progressed = failed + progressed
         if not (scheduler_output.scheduled or progressed or runner_output.finished_recving):
             self._check_progress()
         outputs = [self._output(request) for request in progressed]
@@ -208,21 +206,6 @@ class Engine:
             if request.is_finished:
                 self.scheduler.pop_finished(request.request_id)
         return outputs
-
-    def _fail_requests(self, errors: dict[str, str], void: set[str]) -> list[Request]:
-        """End the requests whose part of a step failed, with an internal error; the
-        rest of the step applies as usual (a bad request never poisons the engine).
-        A failure in a `void` part (see `Scheduler.void_request_ids`) is dropped."""
-        failed = []
-        for request_id, message in errors.items():
-            if request_id in void:
-                continue
-            request = self.scheduler.abort_request(request_id)  # frees or parks its blocks
-            if request is not None:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error, request.error_type = message, "internal_error"
-                failed.append(request)
-        return failed
 
     def _check_progress(self) -> None:
         """An idle step is fine only while KV transfers (async loads, sends) are in flight."""

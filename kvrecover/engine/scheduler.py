@@ -295,16 +295,22 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[Request]:
-        """Apply a step's results: advance, recover from failed loads, append tokens.
+        """Apply a step's results: advance, recover from failed loads, append tokens,
+        and end with an internal error the requests whose part failed in the runner
+        (unless recovery rolled them back: then that part is void).
 
         Returns the requests that produced a token or finished in this step.
         """
         stepped: list[Request] = []
+        failing: list[Request] = []  # their part of the step failed (`failed_requests`)
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted during the step
             if self._is_void(item, request):
+                continue  # its failure, if any, is void too
+            if item.request_id in output.failed_requests:
+                failing.append(request)
                 continue
             request.num_computed_tokens += len(item.token_ids)
             prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens)
@@ -331,6 +337,13 @@ class Scheduler:
             self.kv_manager.cache_computed_blocks(request)
             if request.is_finished:
                 self._finish(request)
+        for request in failing:
+            if request.request_id in recovered:
+                # Its part read blocks this step reported invalid: void, like the token,
+                # and so is its failure (NaN logits from a failed load). Its load ended.
+                request.pending_external = None
+            else:
+                self._end_with_internal_error(request, output.failed_requests[request.request_id])
         self.stats.kv_connector_errors += output.kv_connector_errors
         self.stats.kv_connector_errors += self.kv_loads.take_error_count()
         progressed += self._ended
@@ -352,6 +365,15 @@ class Scheduler:
     def _is_void(item: ScheduledRequest, request: Request) -> bool:
         # A rollback always cuts below the start of a step scheduled before it.
         return not request.is_finished and request.num_computed_tokens != item.num_computed_tokens
+
+    def _end_with_internal_error(self, request: Request, error: str) -> None:
+        """End a request whose part of a step failed in the runner (a bad request never
+        poisons the engine); blocks an async load may still write stay held (rule 7)."""
+        self.kv_loads.abort(request)
+        request.error, request.error_type = error, "internal_error"
+        request.status = RequestStatus.FINISHED_ERROR
+        self._finish(request)
+        self._ended.append(request)
 
     def _end_with_error(self, request: Request, error: str) -> None:
         """End a request whose KV could not be loaded (reported with the step's output)."""

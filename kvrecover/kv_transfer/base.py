@@ -38,7 +38,7 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -81,6 +81,8 @@ class KVConnectorMetadata:
         """How many blocks this step saves."""
         return 0
 
+
+MetadataT = TypeVar("MetadataT", bound=KVConnectorMetadata)
 
 # How messages name a connector setting: a key of `kv_connector_extra_config`.
 SETTING_LABEL = "kv_connector_extra_config[{name!r}]"
@@ -190,6 +192,15 @@ class KVConnectorBase:
         if self._metadata is None:
             raise RuntimeError("no connector metadata is bound for this step")
         return self._metadata
+
+    def _get_metadata_of(self, expected: type[MetadataT]) -> MetadataT:
+        """This step's metadata, which must be the class this connector's scheduler role
+        builds (the engine binds a bare `KVConnectorMetadata` when building failed)."""
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, expected):
+            raise TypeError(f"this step's connector metadata is a {type(metadata).__name__}, "
+                            f"not the {expected.__name__} this connector builds")
+        return metadata
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         """Worker calls this before the forward pass: begin (or, for synchronous

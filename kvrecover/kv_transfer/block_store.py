@@ -121,9 +121,14 @@ class BlockHeader:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * item
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as flat writable bytes, no copy (contiguous, on the CPU)."""
+    return tensor.view(torch.uint8).numpy().data.cast("B")
+
+
 def payload_checksum(tensor: torch.Tensor) -> int:
     """xxh3-64 of a block's raw bytes (the tensor must be contiguous, on the CPU)."""
-    return xxhash.xxh3_64_intdigest(tensor.contiguous().view(torch.uint8).numpy())
+    return xxhash.xxh3_64_intdigest(byte_view(tensor.contiguous()))
 
 
 def parts_checksum(parts: Sequence[memoryview]) -> int:
@@ -189,7 +194,7 @@ class BlockCodec:
             memoryview(entry)[PREFIX_SIZE:]))
         return memoryview(entry)
 
-    def recycle(self, entries: list[tuple[bytes, memoryview | bytes]]) -> None:
+    def recycle(self, entries: Sequence[tuple[bytes, memoryview | bytes]]) -> None:
         """Take back entries made by `new_entry` once written and referenced nowhere
         else, for reuse by `new_entry` (at most MAX_SPARE_BYTES of them are kept)."""
         room = max(0, MAX_SPARE_BYTES // self.entry_nbytes - len(self._spare_entries))
@@ -222,7 +227,7 @@ class BlockCodec:
     def parse(self, key: bytes, raw: bytes) -> StoredBlock:
         """Verify header and payload of raw entry bytes; raise BlockLoadError if bad."""
         tensor = torch.empty(self.block_shape, dtype=self.layout.dtype)
-        checksum = self.parse_into(key, raw, [memoryview(tensor.view(torch.uint8).numpy()).cast("B")])
+        checksum = self.parse_into(key, raw, [byte_view(tensor)])
         return StoredBlock(tensor, checksum)
 
     def _verify(self, key: bytes, prefix: bytes | bytearray, parts: Sequence[memoryview]) -> int:
@@ -272,7 +277,7 @@ class BlockStore(BlockCodec):
         block = block.detach().to("cpu").contiguous()
         if tuple(block.shape) != self.block_shape or block.dtype != self.layout.dtype:
             raise ValueError(f"block of shape {tuple(block.shape)} does not match the layout")
-        self.write_parts(key, [memoryview(block.view(torch.uint8).numpy()).cast("B")])
+        self.write_parts(key, [byte_view(block)])
 
     def write_parts(self, key: bytes, parts: Sequence[memoryview]) -> None:
         """Store one block atomically from its parts (see the module docstring)."""
@@ -371,7 +376,7 @@ class BlockStore(BlockCodec):
                 results.append(error)
         return results
 
-    def write_many(self, entries: list[tuple[bytes, bytes | memoryview]]) -> int:
+    def write_many(self, entries: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
         """Store each (key, encoded entry); returns how many writes failed (never raises)."""
         failures = 0
         for key, entry in entries:

@@ -260,10 +260,11 @@ class FaultInjectionConnector(KVConnectorBase):
         self.kv_caches = kv_caches
         self.inner.register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, metadata: FaultMetadata) -> None:
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
-        self._active.update(metadata.faults)
-        self.inner.bind_connector_metadata(metadata.inner)
+        bound = self._get_metadata_of(FaultMetadata)
+        self._active.update(bound.faults)
+        self.inner.bind_connector_metadata(bound.inner)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -291,7 +292,7 @@ class FaultInjectionConnector(KVConnectorBase):
             self._poison(self.inner.get_block_ids_with_load_errors() or ())
             return
         # An inner connector without a read hook: emulate the faults around it.
-        metadata: FaultMetadata = self._get_connector_metadata()
+        metadata = self._get_metadata_of(FaultMetadata)
         loads = metadata.loads_by_request()
         for request_id, faults in metadata.faults.items():
             if request_id in loads and not loads[request_id][1]:
@@ -316,7 +317,7 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def wait_for_save(self) -> None:
         if self._missing_reported:
-            metadata: FaultMetadata = self._get_connector_metadata()
+            metadata = self._get_metadata_of(FaultMetadata)
             self.inner.discard_saves_for(set(metadata.faults))
         self.inner.wait_for_save()
 

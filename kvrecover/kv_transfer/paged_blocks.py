@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvrecover.kv_transfer.block_store import parts_checksum, payload_checksum
+from kvrecover.kv_transfer.block_store import byte_view, parts_checksum, payload_checksum
 from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
 
 MAX_FREE_STAGING = 4  # staging buffers kept for reuse (async loads in flight at once)
@@ -47,6 +47,12 @@ class StagedRows:
     host: torch.Tensor
     device: torch.Tensor | None = None
     uploaded: Any = None  # a torch.cuda.Event
+
+    def device_rows(self) -> torch.Tensor:
+        """The uploaded copy of the rows (staged for a GPU cache only)."""
+        if self.device is None:
+            raise RuntimeError("these rows were staged for a CPU cache: nothing was uploaded")
+        return self.device
 
 
 class PagedBlocks:
@@ -63,8 +69,7 @@ class PagedBlocks:
             isinstance(cache, torch.Tensor) and cache.is_contiguous() for cache in kv_caches)
         self.on_gpu = self.device.type == "cuda"
         # Flat byte views of the caches (no copy): one block's parts are slices of them.
-        self._layer_bytes = [memoryview(cache.view(torch.uint8).numpy()).cast("B")
-                             for cache in kv_caches] if self.direct else []
+        self._layer_bytes = [byte_view(cache) for cache in kv_caches] if self.direct else []
         self._part_nbytes = one_block[0].numel() * one_block.element_size()
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
@@ -111,20 +116,21 @@ class PagedBlocks:
         returns the entry's checksum or raises), on up to `threads` threads; on a GPU
         each chunk goes up as soon as it is read. Results as `staged_io.read_rows`."""
         host = self.staging(count)
-        rows = memoryview(host.numpy()).cast("B")
+        rows = byte_view(host)
         nbytes = self.block_nbytes
         staged = StagedRows(host)
         after_chunk = None
         if self.on_gpu:
             with torch.cuda.stream(self._upload_stream):  # allocated for that stream
-                staged.device = torch.empty((count, nbytes), dtype=torch.uint8, device=self.device)
+                device_rows = torch.empty((count, nbytes), dtype=torch.uint8, device=self.device)
+            staged.device = device_rows
             # Inference mode is per thread: the reader threads must share the caller's, or
             # their copies into an inference tensor (the engine's step) would be refused.
             inference = torch.is_inference_mode_enabled()
 
             def after_chunk(start: int, end: int) -> None:
                 with torch.inference_mode(inference), torch.cuda.stream(self._upload_stream):
-                    staged.device[start:end].copy_(host[start:end], non_blocking=True)
+                    device_rows[start:end].copy_(host[start:end], non_blocking=True)
 
         results = read_rows(
             count, lambda position: read_row(position, rows[position * nbytes : (position + 1) * nbytes]),
@@ -160,7 +166,7 @@ class PagedBlocks:
 
     def _device_blocks(self, staged: StagedRows, count: int) -> torch.Tensor:
         """The uploaded rows as blocks [count, *block_shape] in the cache's dtype."""
-        return staged.device[:count].view(self.dtype).view(count, *self.block_shape)
+        return staged.device_rows()[:count].view(self.dtype).view(count, *self.block_shape)
 
     def _scatter(self, block_ids: list[int], staged: StagedRows) -> None:
         """Copy staged rows 0..len(block_ids)-1 into the given cache blocks."""
@@ -169,7 +175,7 @@ class PagedBlocks:
             return
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(staged.uploaded)  # the compute stream waits, not the host
-        staged.device.record_stream(stream)
+        staged.device_rows().record_stream(stream)
         rows = self._device_blocks(staged, len(block_ids))
         index = torch.tensor(block_ids, device=self.device)
         for layer, cache in enumerate(self.caches):

@@ -16,9 +16,10 @@ connecting, sending and reading the whole reply together, however the server pac
 its bytes (redis-py's own socket timeout bounds each socket read only, so a server
 trickling one byte at a time would pass it forever). The calls run on redis-py's
 asyncio client, on one event-loop thread for every store of the process
-(`kv-redis-io`), under `asyncio.timeout`: a call past it is cancelled there, and
-redis-py closes the connection it was reading (a reply cut in the middle is never
-handed to the next call); no thread stays blocked on a slow server.
+(`kv-redis-io`), under `asyncio.timeout` (`wait_for` on Python 3.10): a call past
+it is cancelled there, and redis-py closes the connection it was reading (a reply
+cut in the middle is never handed to the next call); no thread stays blocked on a
+slow server.
 
 The store never raises for a store failure: a refused or dropped connection, a
 timeout or an error reply makes every block of the call missing (reads, lookups)
@@ -33,8 +34,10 @@ redis-py connection pool; `repr` and every message show the URL without it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -182,13 +185,17 @@ class RedisBlockStore(BlockCodec):
         timeout_s = self.settings.timeout_s
 
         async def bounded() -> T:
-            async with asyncio.timeout(timeout_s):
-                return await operation()
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(timeout_s):
+                    return await operation()
+            return await asyncio.wait_for(operation(), timeout_s)  # (Python 3.10)
 
         future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
         try:
             return future.result(timeout_s + LOOP_GRACE_S)
-        except TimeoutError:  # the call's own timeout, or (never expected) a stuck loop
+        # The call's own timeout, or (never expected) a stuck loop; before Python 3.11
+        # asyncio's and concurrent.futures' TimeoutError were classes of their own.
+        except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             raise redis.TimeoutError(f"no whole reply within timeout_s={timeout_s:g}") from None
 

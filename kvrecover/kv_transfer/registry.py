@@ -44,6 +44,9 @@ def _import_module(module_path: str):
             # Imported once per process, like any module: both roles share its classes.
             return loaded
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"kv_connector_module_path {module_path!r}: not an importable "
+                             "Python file")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         try:

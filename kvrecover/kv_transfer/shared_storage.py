@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ import torch
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore
+from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore, byte_view
 from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
 from kvrecover.kv_transfer.staged_io import write_rows
 from kvrecover.kv_transfer.store_base import (
@@ -50,6 +51,7 @@ from kvrecover.kv_transfer.store_base import (
     StorageConnectorMetadata,
     StoreConnectorBase,
     StoreSettings,
+    prefix_before_none,
 )
 from kvrecover.options import option, path_or_none
 
@@ -107,7 +109,7 @@ class SharedStorageConnector(StoreConnectorBase):
         return BlockStore(path, self.layout)
 
     # ----- scheduler role -----------------------------------------------------------
-    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: Sequence[bytes]) -> int:
         # One stat per block, stopping at the first miss: a folder has no batched lookup.
         return next((i for i, key in enumerate(keys) if not self.store.exists(key)), len(keys))
 
@@ -116,8 +118,14 @@ class SharedStorageConnector(StoreConnectorBase):
         super().register_kv_caches(kv_caches)
         self._paged = PagedBlocks(kv_caches)
 
+    def _paged_blocks(self) -> PagedBlocks:
+        """The registered caches as whole blocks (worker role, after `register_kv_caches`)."""
+        if self._paged is None:
+            raise RuntimeError(f"{type(self).__name__}: register_kv_caches was not called")
+        return self._paged
+
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        metadata = self._get_metadata_of(StorageConnectorMetadata)
         synchronous = []
         for transfer in metadata.loads:
             if transfer.is_async:
@@ -138,7 +146,7 @@ class SharedStorageConnector(StoreConnectorBase):
     def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
         """Read and verify a request's blocks into staging rows (on a reader thread);
         None from the first failure on."""
-        paged = self._paged
+        paged = self._paged_blocks()
 
         def read_row(position: int, row: memoryview) -> int:
             return self._read_entry(transfer, position, [row], cancelled)
@@ -179,11 +187,12 @@ class SharedStorageConnector(StoreConnectorBase):
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
         """Copy the leading verified blocks into the cache; report every block from the
         first bad one on as invalid."""
-        count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
+        loaded = prefix_before_none(blocks)
+        count = len(loaded)
         if count:
-            checksums = [block.checksum for block in blocks[:count]]
-            count = self._paged.install(transfer.block_ids[:count], blocks[0].staging,
-                                        checksums if self.verify_after_load else None)
+            checksums = [block.checksum for block in loaded]
+            count = self._paged_blocks().install(transfer.block_ids[:count], loaded[0].staging,
+                                                 checksums if self.verify_after_load else None)
             if count < len(checksums):
                 logger.warning("KV block %d does not match its stored checksum after the load",
                                transfer.block_ids[count])
@@ -192,7 +201,7 @@ class SharedStorageConnector(StoreConnectorBase):
             self._failed_requests.add(transfer.request_id)
 
     def wait_for_save(self) -> None:
-        metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        metadata = self._get_metadata_of(StorageConnectorMetadata)
         todo: dict[bytes, int] = {}  # key -> cache block id, for the whole step
         for transfer in metadata.saves:
             # KV computed on top of a failed load is garbage: never store it.
@@ -205,14 +214,14 @@ class SharedStorageConnector(StoreConnectorBase):
         if not todo:
             return
         self._suspect_keys.difference_update(todo)
-        paged = self._paged
+        paged = self._paged_blocks()
         if paged.direct:
             for key, block_id in todo.items():
                 self._save_failures += self._write(key, paged.parts(block_id))
             return
         keys = list(todo)
         rows, buffer = paged.gather([todo[key] for key in keys])
-        views = memoryview(rows.numpy()).cast("B")
+        views = byte_view(rows)
         nbytes = paged.block_nbytes
 
         def write_row(position: int) -> None:

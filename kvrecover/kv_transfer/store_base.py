@@ -23,12 +23,13 @@ Each connector's own settings record extends `StoreSettings`.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -53,6 +54,19 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
 # A sync load's read of some transfers: (transfers, cancelled) -> one result per transfer.
 SyncRead = Callable[[list["BlockTransfer"], threading.Event], list[Any]]
+
+
+ItemT = TypeVar("ItemT")
+
+
+def prefix_before_none(items: Sequence[ItemT | None]) -> list[ItemT]:
+    """The items before the first None (e.g. a load's verified blocks)."""
+    prefix: list[ItemT] = []
+    for item in items:
+        if item is None:
+            break
+        prefix.append(item)
+    return prefix
 
 
 # Bounds of a duration setting in seconds (an upper bound keeps timers sane).
@@ -88,7 +102,7 @@ class BlockTransfer:
 
     request_id: str
     block_ids: list[int]
-    keys: list[bytes]
+    keys: Sequence[bytes]  # slices of the request's block hashes (a tuple)
     is_async: bool = False
 
 
@@ -167,14 +181,15 @@ class StoreConnectorBase(KVConnectorBase):
         num_tokens = max(0, end * self.block_size - num_computed_tokens)
         return num_tokens, self.async_load and num_tokens > 0
 
-    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the store holds (one batched call)."""
         if not keys:
             return 0
         present = self.store.exists_many(keys)
         return next((i for i, found in enumerate(present) if not found), len(keys))
 
-    def _new_load(self, request: KVRequestView, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+    def _new_load(self, request: KVRequestView, block_ids: list[int],
+                  keys: Sequence[bytes]) -> BlockTransfer:
         """The transfer that loads `keys` into `block_ids` for `request`."""
         return BlockTransfer(request.request_id, block_ids, keys, is_async=self.async_load)
 
@@ -253,7 +268,7 @@ class StoreConnectorBase(KVConnectorBase):
             try:
                 tasks.append(self._readers.start(
                     f"kv-load-{group[0].request_id}",
-                    lambda cancelled, group=group: read(group, cancelled)))
+                    functools.partial(read, group)))
             except StoreStuck as error:
                 tasks.append(error)
         results: list[Any] = []

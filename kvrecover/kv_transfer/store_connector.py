@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from kvrecover.kv_transfer.block_store import (
     BlockLoadError,
-    BlockStore,
     StoredBlock,
     payload_checksum,
 )
@@ -41,26 +42,64 @@ from kvrecover.kv_transfer.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,
+    prefix_before_none,
 )
 
-__all__ = ["BlockStoreConnector", "BlockTransfer", "StorageConnectorMetadata"]
+__all__ = ["BatchedBlockStore", "BlockStoreConnector", "BlockTransfer", "StorageConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
+
+
+class BatchedBlockStore(Protocol):
+    """What `BlockStoreConnector` needs of a store: batched lookups, reads and writes,
+    and the entry codec (`block_store.BlockCodec`); `BlockStore` (a folder) and
+    `RedisBlockStore` are two."""
+
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether an entry exists for each key (not yet verified)."""
+        ...
+
+    def read_many(self, keys: list[bytes]) -> list[bytes | BlockLoadError]:
+        """Each key's raw entry, or the BlockLoadError that reading it gave."""
+        ...
+
+    def write_many(self, entries: list[tuple[bytes, memoryview]]) -> int:
+        """Store each (key, encoded entry); how many writes failed (never raises)."""
+        ...
+
+    def parse(self, key: bytes, raw: bytes) -> StoredBlock:
+        """Verify a raw entry; raise BlockLoadError if it is bad."""
+        ...
+
+    def new_entry(self) -> tuple[bytearray, torch.Tensor]:
+        """A blank entry and a writable view of its payload as one block."""
+        ...
+
+    def seal(self, key: bytes, entry: bytearray) -> memoryview:
+        """Write the header of a filled entry from `new_entry`."""
+        ...
+
+    def encode(self, key: bytes, block: torch.Tensor) -> memoryview:
+        """The stored form of one block."""
+        ...
+
+    def recycle(self, entries: Sequence[tuple[bytes, memoryview | bytes]]) -> None:
+        """Take back written entries for reuse by `new_entry`."""
+        ...
 
 
 class BlockStoreConnector(StoreConnectorBase):
     """Saves and loads KV blocks through the block store `_open_store` returns (see
     module docstring); subclasses supply the store."""
 
-    def _open_store(self) -> BlockStore:
+    def _open_store(self) -> BatchedBlockStore:
         """The block store this connector reads and writes (both roles call it once, at
-        construction): an object with `exists_many`, `read_many`, `write_many`,
-        `parse`, `encode`, `new_entry`, `seal` and `recycle` (see `block_store`)."""
+        construction)."""
         raise NotImplementedError(f"{type(self).__name__} must say where its blocks live")
 
     # ----- worker role ----------------------------------------------------------------
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        metadata = self._get_metadata_of(StorageConnectorMetadata)
         synchronous = []
         for transfer in metadata.loads:
             if transfer.is_async:
@@ -121,12 +160,13 @@ class BlockStoreConnector(StoreConnectorBase):
     def _install(self, transfer: BlockTransfer, blocks: list[StoredBlock | None]) -> None:
         """Copy the leading verified blocks into the cache; report every block from the
         first bad one on as invalid."""
-        count = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
+        loaded = prefix_before_none(blocks)
+        count = len(loaded)
         if count:
             block_ids = transfer.block_ids[:count]
-            scatter_blocks(self._kv_caches, block_ids, [block.tensor for block in blocks[:count]])
+            scatter_blocks(self._kv_caches, block_ids, [block.tensor for block in loaded])
             if self.verify_after_load:
-                count = self._verified_prefix(block_ids, blocks[:count])
+                count = self._verified_prefix(block_ids, loaded)
         if count < len(blocks):
             self._invalid_block_ids.update(transfer.block_ids[count:])
             self._failed_requests.add(transfer.request_id)
@@ -145,7 +185,7 @@ class BlockStoreConnector(StoreConnectorBase):
         return self._read_blocks([transfer], cancelled)[0]
 
     def wait_for_save(self) -> None:
-        metadata: StorageConnectorMetadata = self._get_connector_metadata()
+        metadata = self._get_metadata_of(StorageConnectorMetadata)
         # KV computed on top of a failed load is garbage: never store it.
         skipped = self._failed_requests | self._discarded_saves
         blocks = {key: block_id for transfer in metadata.saves
@@ -166,7 +206,7 @@ class BlockStoreConnector(StoreConnectorBase):
         self.store.recycle(entries)
         return failures
 
-    def _missing(self, store: BlockStore, blocks: dict[bytes, int]) -> list[bytes]:
+    def _missing(self, store: BatchedBlockStore, blocks: dict[bytes, int]) -> list[bytes]:
         """The keys `store` lacks, or holds an entry of that failed to load."""
         keys = list(blocks)
         present = store.exists_many(keys)

@@ -35,16 +35,21 @@ it), `loaded` (verified from it), `failed` (missing or bad there),
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import BlockStore, StoredBlock
+from kvrecover.kv_transfer.block_store import StoredBlock
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.store_base import StoreSettings
-from kvrecover.kv_transfer.store_connector import BlockStoreConnector, BlockTransfer
+from kvrecover.kv_transfer.store_base import StoreSettings, prefix_before_none
+from kvrecover.kv_transfer.store_connector import (
+    BatchedBlockStore,
+    BlockStoreConnector,
+    BlockTransfer,
+)
 from kvrecover.options import REQUIRED, from_dict, option
 
 if TYPE_CHECKING:
@@ -110,7 +115,7 @@ class Tier:
     saves: bool
 
     @property
-    def store(self) -> BlockStore:
+    def store(self) -> BatchedBlockStore:
         return self.connector.store
 
 
@@ -133,7 +138,7 @@ class TieredConnector(BlockStoreConnector):
         self._counts = {f"kv_tier{i}_{name}_blocks": 0
                         for i in range(len(self.tiers)) for name in COUNTERS}
 
-    def _open_store(self) -> BlockStore:
+    def _open_store(self) -> BatchedBlockStore:
         from kvrecover.kv_transfer.registry import connector_class
 
         entries = self.settings.connectors
@@ -161,7 +166,7 @@ class TieredConnector(BlockStoreConnector):
         self._counts[f"kv_tier{tier}_{name}_blocks"] += amount
 
     # ----- scheduler role -------------------------------------------------------------
-    def _count_stored_prefix(self, request: KVRequestView, keys: list[bytes]) -> int:
+    def _count_stored_prefix(self, request: KVRequestView, keys: Sequence[bytes]) -> int:
         first_tiers: list[int | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -174,11 +179,12 @@ class TieredConnector(BlockStoreConnector):
                 if found:
                     first_tiers[position] = tier.index
             pending = [position for position in pending if first_tiers[position] is None]
-        count = next((i for i, tier in enumerate(first_tiers) if tier is None), len(keys))
-        self._lookups[request.request_id] = first_tiers[:count]
-        return count
+        planned = prefix_before_none(first_tiers)
+        self._lookups[request.request_id] = planned
+        return len(planned)
 
-    def _new_load(self, request: KVRequestView, block_ids: list[int], keys: list[bytes]) -> BlockTransfer:
+    def _new_load(self, request: KVRequestView, block_ids: list[int],
+                  keys: Sequence[bytes]) -> BlockTransfer:
         first_tiers = self._lookups.pop(request.request_id, [])[: len(keys)]
         first_tiers += [self._first_load_tier()] * (len(keys) - len(first_tiers))
         for tier in first_tiers:
