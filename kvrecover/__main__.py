@@ -2,6 +2,6 @@
 
 import sys
 
-from kvrecover.cli import main
+from kvrecover.entrypoints.cli.main import main
 
 sys.exit(main())

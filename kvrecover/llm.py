@@ -7,6 +7,7 @@ from typing import Any
 
 from kvrecover.config import ENGINE_OPTIONS, EngineArgs
 from kvrecover.engine.engine import Engine
+from kvrecover.engine.snapshot import EngineSnapshot
 from kvrecover.options import option_fields, reject_unknown
 from kvrecover.outputs import RequestOutput
 from kvrecover.sampling import SamplingParams
@@ -53,6 +54,10 @@ class LLM:
     def stats(self) -> dict[str, int]:
         """A snapshot of the engine's counters."""
         return self.engine.stats.snapshot()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters, queue sizes and KV cache use now (between steps)."""
+        return self.engine.snapshot()
 
     def get_tokenizer(self) -> Any:
         """The tokenizer used to encode prompts and decode outputs."""

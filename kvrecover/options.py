@@ -42,7 +42,8 @@ class OptionSpec:
     `kind`), `format` a value back into a flag's string. `describe` replaces the
     generated "what is allowed" text; `shown` writes the rejected value into the
     message (default: repr; a secret-bearing value shows itself redacted).
-    `flag=False` keeps an option off the CLI.
+    `flag=False` keeps an option off the CLI. `nargs` (argparse's, e.g. "+") makes a
+    flag take several values, the option their list (`parse` then reads each one).
     """
 
     help: str
@@ -60,6 +61,7 @@ class OptionSpec:
     metavar: str | None = None
     flag: bool = True
     describe: str | None = None
+    nargs: str | None = None
 
     def allowed(self, or_none: bool = True) -> str:
         """What the option accepts, in words (for error messages); `describe` overrides.
@@ -245,6 +247,8 @@ def add_flags(
             continue
         if default is not None and spec.choices is None:
             help_text += f" (default: {default})"
+        if spec.nargs is not None:
+            kwargs["nargs"] = spec.nargs
         parser.add_argument(
             flag_name(f.name), type=_cli_parser(f.name, spec), choices=spec.choices,
             metavar=spec.metavar, help=help_text, **kwargs,
@@ -291,9 +295,16 @@ def to_argv(record: Any, skip: Iterable[str] = ()) -> list[str]:
             continue
         if spec.kind is bool:
             argv.append(flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:])
+        elif spec.nargs is not None:
+            argv += [flag_name(f.name), *(spec.format(item) for item in value)]
         elif value is not None:
             argv += [flag_name(f.name), spec.format(value)]
     return argv
+
+
+def redacted(_value: Any) -> str:
+    """`shown` for a secret: an error message never repeats it."""
+    return "<redacted>"
 
 
 def path_or_none(value: Any) -> Any:

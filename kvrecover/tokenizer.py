@@ -17,6 +17,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as FastTokenizer
+    from transformers import PreTrainedTokenizerBase
 
 # What no prompt, message or stop string may hold: a lone UTF-16 surrogate (it has no
 # UTF-8 encoding) and NUL (never text; C-string code along the way truncates at it).
@@ -44,8 +49,9 @@ class Tokenizer:
         tokenizer_json = model_dir / "tokenizer.json"
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self._fast = None
-        self._hf = None
+        # Exactly one of the two is set: `tokenizers` on tokenizer.json, else transformers.
+        self._fast: FastTokenizer | None = None
+        self._hf: PreTrainedTokenizerBase | None = None
         if tokenizer_json.is_file():
             from tokenizers import Tokenizer as FastTokenizer
 
@@ -67,18 +73,27 @@ class Tokenizer:
             return None
         if self._fast is not None:
             return self._fast.token_to_id(token)
-        return self._hf.convert_tokens_to_ids(token)
+        token_id = self._transformers().convert_tokens_to_ids(token)
+        return token_id if isinstance(token_id, int) else None  # a list: for a list of tokens
 
     def encode(self, text: str, field: str = "text") -> list[int]:
         """Token ids of a prompt, with the special tokens the checkpoint adds; a
         ValueError naming `field` for text that `check_text` refuses."""
         check_text(text, field)
-        if self._hf is not None:
-            return self._hf.encode(text)
-        return self._fast.encode(text, add_special_tokens=True).ids
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=True).ids
+        return self._transformers().encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""
-        if self._hf is not None:
-            return self._hf.decode(token_ids, skip_special_tokens=True)
-        return self._fast.decode(token_ids, skip_special_tokens=True)
+        if self._fast is not None:
+            return self._fast.decode(token_ids, skip_special_tokens=True)
+        text = self._transformers().decode(token_ids, skip_special_tokens=True)
+        if not isinstance(text, str):  # a list: only for a batch of id lists
+            raise TypeError(f"decoding one list of token ids gave {type(text).__name__}")
+        return text
+
+    def _transformers(self) -> PreTrainedTokenizerBase:
+        if self._hf is None:  # the constructor set `_fast` or raised
+            raise RuntimeError("the tokenizer has no transformers backend")
+        return self._hf

@@ -22,7 +22,8 @@ import httpx
 import uvicorn
 from serving_utils import free_port
 
-from kvrecover.entrypoints.proxy import ProxyConfig, build_proxy_app
+from kvrecover.entrypoints.proxy.app import build_proxy_app
+from kvrecover.entrypoints.proxy.config import ProxyConfig
 
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 256
@@ -199,7 +200,7 @@ class InProcessProxy:
     def __init__(self, prefill: list[str], decode: list[str], **settings: Any) -> None:
         # Health checks time out after the interval: 0.25 s leaves a loaded machine
         # room, while a migrated-from instance is soon back up for the next request.
-        config = ProxyConfig(prefill, decode, **{"health_interval_s": 0.25, "timeout_s": 5.0,
+        config = ProxyConfig(prefill, decode, **{"health_check_interval": 0.25, "timeout": 5.0,
                                                  **settings})
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"

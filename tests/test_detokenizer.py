@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import build_tokenizer
 
-from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
 from kvrecover.tokenizer import Tokenizer
 
 

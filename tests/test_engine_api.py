@@ -178,6 +178,31 @@ def test_abort_before_the_first_step(llm):
     assert engine.step() == []
 
 
+def test_snapshot_reports_queues_kv_use_and_counters(llm):
+    """`LLM.snapshot()` (what `/metrics` shows): the queues, the fraction of usable KV
+    blocks in use, and the counters, as the scheduler and the block pool see them."""
+    pool = llm.engine.scheduler.kv_manager.pool
+    idle = llm.snapshot()
+    assert (idle.num_running, idle.num_waiting, idle.kv_cache_usage) == (0, 0, 0.0)
+    assert idle.stats == llm.stats
+    llm.engine.add_request("snap-a", {"prompt_token_ids": PROMPTS[0]}, greedy(5))
+    llm.engine.add_request("snap-b", {"prompt_token_ids": PROMPTS[1]}, greedy(5))
+    waiting = llm.snapshot()
+    assert (waiting.num_running, waiting.num_waiting, waiting.kv_cache_usage) == (0, 2, 0.0)
+    llm.engine.step()
+    running = llm.snapshot()
+    in_use = pool.num_usable_blocks - pool.num_free_blocks
+    assert in_use > 0
+    assert (running.num_running, running.num_waiting) == (2, 0)
+    assert running.kv_cache_usage == in_use / pool.num_usable_blocks
+    assert running.stats == llm.stats
+    assert running.stats["prompt_tokens_computed"] > idle.stats["prompt_tokens_computed"]
+    llm.engine.abort_request("snap-a")
+    llm.engine.abort_request("snap-b")
+    done = llm.snapshot()
+    assert (done.num_running, done.num_waiting, done.kv_cache_usage) == (0, 0, 0.0)
+
+
 def test_duplicate_request_id_is_rejected(llm):
     engine = llm.engine
     engine.add_request("dup", {"prompt_token_ids": PROMPTS[0]}, greedy(2))

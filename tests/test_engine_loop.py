@@ -9,7 +9,7 @@ import pytest
 from conftest import build_tiny_model, random_prompts
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.entrypoints.engine_loop import EngineLoop
+from kvrecover.entrypoints.server.engine_loop import EngineLoop
 
 WAIT_S = 60.0
 
@@ -58,7 +58,7 @@ def test_a_burst_of_arrivals_on_an_idle_engine_shares_the_first_step(model_dir, 
     the first request waits for the rest of the burst before it steps."""
     import time
 
-    from kvrecover.entrypoints import engine_loop as module
+    from kvrecover.entrypoints.server import engine_loop as module
 
     monkeypatch.setattr(module, "BURST_GAP_S", 0.5)  # wide: the test machine is slow
     monkeypatch.setattr(module, "BURST_MAX_S", 2.0)

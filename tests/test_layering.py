@@ -94,6 +94,31 @@ def test_fabricated_violations_are_reported(tmp_path, capsys):
     assert "15 layering violation(s)" in capsys.readouterr().out
 
 
+def test_the_roles_of_entrypoints_stand_apart(tmp_path):
+    """Server and proxy share only entrypoints/openai/; that shared layer imports
+    neither, and neither imports the CLI (issue 20, point 6)."""
+    root = fake_package(tmp_path, {
+        "entrypoints/proxy/app.py": "from kvrecover.entrypoints.server.app import read\n",
+        "entrypoints/server/app.py": "import kvrecover.entrypoints.proxy.checks\n",
+        "entrypoints/openai/responses.py": "from kvrecover.entrypoints.server import x\n",
+        "entrypoints/server/serving.py": "from kvrecover.entrypoints.cli.main import main\n",
+        # Allowed: each role uses the shared layer and itself; the CLI uses them all.
+        "entrypoints/proxy/request.py": ("from kvrecover.entrypoints.openai.http import y\n"
+                                         "from kvrecover.entrypoints.proxy.app import z\n"),
+        "entrypoints/cli/main.py": ("from kvrecover.entrypoints.server.app import a\n"
+                                    "from kvrecover.entrypoints.proxy.app import b\n"),
+    })
+    found = {(v.module, v.imported) for v in find_violations(root)}
+    assert found == {
+        ("kvrecover.entrypoints.proxy.app", "kvrecover.entrypoints.server.app.read"),
+        ("kvrecover.entrypoints.server.app", "kvrecover.entrypoints.proxy.checks"),
+        ("kvrecover.entrypoints.openai.responses", "kvrecover.entrypoints.server.x"),
+        ("kvrecover.entrypoints.server.serving", "kvrecover.entrypoints.cli.main.main"),
+    }
+    reasons = {v.module: v.reason for v in find_violations(root)}
+    assert "beside" in reasons["kvrecover.entrypoints.proxy.app"]
+
+
 def test_an_unplaced_module_is_a_violation(tmp_path):
     root = fake_package(tmp_path, {"newcomer.py": "from kvrecover.kv_layout import x\n"})
     [violation] = find_violations(root)

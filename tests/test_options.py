@@ -102,13 +102,18 @@ def connector_settings_classes() -> dict[str, type]:
 
 def every_record() -> list[type]:
     from kvrecover.config import SchedulerConfig
-    from kvrecover.entrypoints.demo import DemoArgs
+    from kvrecover.entrypoints.cli.listen import ListenArgs
+    from kvrecover.entrypoints.cli.serve import ServeArgs
+    from kvrecover.entrypoints.cli.serve_demo import DemoArgs
+    from kvrecover.entrypoints.proxy.config import ProxyConfig
+    from kvrecover.entrypoints.server.app import ServerConfig
     from kvrecover.kv_transfer.faults import FaultRule
     from kvrecover.kv_transfer.tiered import TierEntry
     from kvrecover.scenario import DecodeArgs, ScenarioArgs
 
     return [EngineArgs, SamplingParams, KVTransferConfig, SchedulerConfig, ScenarioArgs,
-            DecodeArgs, DemoArgs, FaultRule, TierEntry, *connector_settings_classes().values()]
+            DecodeArgs, DemoArgs, ListenArgs, ServeArgs, ServerConfig, ProxyConfig, FaultRule,
+            TierEntry, *connector_settings_classes().values()]
 
 
 def test_every_field_of_every_record_is_a_declared_option_with_help():
@@ -133,6 +138,8 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     ("decode", ["EngineArgs", "ScenarioArgs", "DecodeArgs"], ("kv_transfer_config",)),
     ("scenario", ["EngineArgs", "ScenarioArgs"], ("kv_transfer_config",)),
     ("serve-demo", ["EngineArgs", "DemoArgs"], ("kv_transfer_config",)),
+    ("serve", ["EngineArgs", "ListenArgs", "ServeArgs"], ()),
+    ("proxy", ["ProxyConfig", "ListenArgs"], ()),
 ])
 def test_every_command_line_option_has_its_flag_and_help(command, records, skipped):
     by_name = {r.__name__: r for r in every_record()}
@@ -192,6 +199,85 @@ def test_a_misspelt_tier_key_says_did_you_mean():
     with pytest.raises(ValueError, match=r"unknown connectors\[0\] key 'kv_rle'; did you mean "
                                          r"'kv_role'\?"):
         TieredConnector.check_settings(config)
+
+
+# ----- the HTTP commands: serve and proxy ----------------------------------------------------
+def serving_args(argv: list[str]) -> argparse.Namespace:
+    from kvrecover.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_proxy_flags_build_its_config_and_round_trip():
+    from kvrecover.entrypoints.cli.listen import ListenArgs
+    from kvrecover.entrypoints.proxy.config import ProxyConfig
+    from kvrecover.options import from_namespace, to_argv
+
+    namespace = serving_args(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1",
+                              "http://d:2", "--max-retries", "0", "--timeout", "3",
+                              "--health-check-interval", "0.5", "--port", "9001"])
+    config = from_namespace(ProxyConfig, namespace)
+    assert config == ProxyConfig(["http://p:1"], ["http://d:1", "http://d:2"], max_retries=0,
+                                 timeout=3.0, health_check_interval=0.5)
+    assert from_namespace(ListenArgs, namespace) == ListenArgs("127.0.0.1", 9001)
+    assert from_namespace(ProxyConfig, serving_args(["proxy", *to_argv(config)])) == config
+    assert from_namespace(ProxyConfig, serving_args(["proxy"])) == ProxyConfig()
+
+
+def test_serve_flags_build_their_records():
+    from kvrecover.entrypoints.cli.listen import ListenArgs
+    from kvrecover.entrypoints.cli.serve import ServeArgs
+    from kvrecover.options import from_namespace
+
+    namespace = serving_args(["serve", "--host", "0.0.0.0", "--port", "0", "--api-key",
+                              "s3cret", "--served-model-name", "tiny", "--max-num-seqs", "3"])
+    assert from_namespace(ListenArgs, namespace) == ListenArgs("0.0.0.0", 0)
+    serve = from_namespace(ServeArgs, namespace)
+    assert serve == ServeArgs("tiny", "s3cret") and "s3cret" not in repr(serve)
+    assert engine_args_from_namespace(namespace).max_num_seqs == 3
+    assert from_namespace(ServeArgs, serving_args(["serve"])) == ServeArgs()
+
+
+@pytest.mark.parametrize("record, values, message", [
+    ("ProxyConfig", {"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
+    ("ProxyConfig", {"timeout": 0}, "timeout must be a finite number > 0, got 0"),
+    ("ProxyConfig", {"health_check_interval": float("nan")}, "health_check_interval must be"),
+    ("ProxyConfig", {"decode": ["http://d:1", 7]}, "decode must be a list of URLs"),
+    ("ListenArgs", {"port": 65536}, "port must be an integer >= 0 and <= 65535"),
+    ("ListenArgs", {"host": ""}, "host must be a host name or address"),
+    ("ServerConfig", {"model_name": "m", "max_body_bytes": 0}, "max_body_bytes must be"),
+])
+def test_bad_serving_options_name_the_option(record, values, message):
+    by_name = {r.__name__: r for r in every_record()}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        by_name[record](**values)
+
+
+def test_a_secret_never_appears_in_an_error_or_a_repr():
+    from kvrecover.entrypoints.cli.serve import ServeArgs
+    from kvrecover.entrypoints.server.app import ServerConfig
+
+    with pytest.raises(ValueError) as info:
+        ServerConfig("m", api_key=["s3cret"])
+    assert "api_key must be a string" in str(info.value) and "s3cret" not in str(info.value)
+    with pytest.raises(ValueError) as info:
+        ServeArgs(api_key=["s3cret"])
+    assert "s3cret" not in str(info.value)
+    assert "s3cret" not in repr(ServerConfig("m", api_key="s3cret"))
+
+
+@pytest.mark.parametrize("record, key, near", [
+    ("ProxyConfig", "max_retry", "max_retries"),
+    ("ProxyConfig", "health_interval", "health_check_interval"),
+    ("ServeArgs", "served_model", "served_model_name"),
+    ("ListenArgs", "hots", "host"),
+])
+def test_a_misspelt_serving_option_says_did_you_mean(record, key, near):
+    from kvrecover.options import from_dict
+
+    by_name = {r.__name__: r for r in every_record()}
+    with pytest.raises(ValueError, match=f"unknown serving option '{key}'; did you mean '{near}'"):
+        from_dict(by_name[record], {key: 1}, "serving option")
 
 
 def test_from_dict_names_a_missing_required_option():

@@ -17,10 +17,10 @@ from conftest import build_tiny_model
 from serving_utils import add_chat_template, free_port
 
 from kvrecover import LLM
-from kvrecover.entrypoints.chat_template import ChatTemplate
-from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
-from kvrecover.entrypoints.engine_loop import EngineLoop
-from kvrecover.entrypoints.server import ServerConfig, build_app
+from kvrecover.entrypoints.server.app import ServerConfig, build_app
+from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.server.engine_loop import EngineLoop
 
 WAIT_S = 60.0
 BODY = {"prompt": "the capital of france is", "max_tokens": 30, "temperature": 0,

@@ -5,5 +5,6 @@ Its public API is `__all__`; entrypoints import nothing else from here
 """
 
 from kvrecover.engine.engine import Engine
+from kvrecover.engine.snapshot import EngineSnapshot
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineSnapshot"]

@@ -15,6 +15,7 @@ from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.resolve import ResolvedConfig, resolve_config
 from kvrecover.engine.scheduler import Scheduler
+from kvrecover.engine.snapshot import EngineSnapshot
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
@@ -131,6 +132,10 @@ class Engine:
         if self.closed:
             return False
         return self._in_flight is not None or self.scheduler.has_unfinished()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The counters, queue sizes and KV cache use now; call between steps."""
+        return EngineSnapshot.of(self.scheduler, self.stats)
 
     def close(self) -> None:
         """Stop for good: land an in-flight step, then shut both connector roles down

@@ -1,2 +1,2 @@
-"""Online serving: the OpenAI-compatible server (`kvrecover serve`) and the
-prefill/decode proxy (`kvrecover proxy`)."""
+"""Online serving and the command line, by role: `openai/` (what both apps share),
+`server/` (`kvrecover serve`), `proxy/` (`kvrecover proxy`), `cli/` (every command)."""

@@ -16,6 +16,9 @@ hints under `if TYPE_CHECKING:` and imports inside functions included. The rules
   kv_transfer imports nothing from the worker;
 - entrypoints reach the engine only through `llm` and the names the engine package
   declares public (its `__all__`), never `worker`, `models` or `ops`;
+- inside entrypoints, the server and the proxy stand side by side and share only
+  `entrypoints.openai`, which imports neither; only the CLI imports them
+  (`ENTRYPOINT_ROLES`);
 - no circles: neither between modules nor between the parts of the house.
 
 Prints one line per violation or circle and exits 1 if there is any, else exits 0.
@@ -49,6 +52,13 @@ ENTRYPOINTS = "kvrecover.entrypoints"
 ENTRYPOINTS_FORBIDDEN = ("kvrecover.engine", "kvrecover.worker", "kvrecover.models",
                          "kvrecover.ops")
 PUBLIC_API_PACKAGE = "kvrecover.engine"
+# The roles inside entrypoints, floor by floor: the CLI starts the server and the proxy,
+# which stand side by side over what they share (OpenAI's formats, the HTTP plumbing).
+ENTRYPOINT_ROLES: dict[str, int] = {
+    "kvrecover.entrypoints.cli": 2,
+    "kvrecover.entrypoints.server": 1, "kvrecover.entrypoints.proxy": 1,
+    "kvrecover.entrypoints.openai": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,7 @@ def _broken_rule(module: str, part: str, imported: str, target_part: str,
     if target_part not in HOUSE:
         return f"{target_part} has no floor in the house: place it in layering.HOUSE"
     if part == target_part:
-        return None
+        return _broken_role_rule(module, imported)
     if HOUSE[target_part] > HOUSE[part]:
         return f"runs back up the house: {part} is below {target_part}"
     if (part, target_part) in SIDEWAYS_FORBIDDEN:
@@ -145,6 +155,21 @@ def _broken_rule(module: str, part: str, imported: str, target_part: str,
         return (f"entrypoints use kvrecover.llm and the public names of {PUBLIC_API_PACKAGE} "
                 f"({', '.join(sorted(public)) or 'none declared'}), no internals")
     return None
+
+
+def _broken_role_rule(module: str, imported: str) -> str | None:
+    role, target = _role(module), _role(imported)
+    if role is None or target is None or role == target:
+        return None
+    if ENTRYPOINT_ROLES[target] > ENTRYPOINT_ROLES[role]:
+        return f"runs back up the entrypoints: {role} is below {target}"
+    if ENTRYPOINT_ROLES[target] == ENTRYPOINT_ROLES[role]:
+        return f"{role} stands beside {target}; share code through kvrecover.entrypoints.openai"
+    return None
+
+
+def _role(module: str) -> str | None:
+    return next((role for role in ENTRYPOINT_ROLES if _within(module, role)), None)
 
 
 def _read_package(package_dir: Path) -> _Package:

@@ -17,6 +17,7 @@ from kvrecover.sampling import SamplingParams
 from kvrecover.tokenizer import check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
 
 
 class ApiError(Exception):
@@ -129,17 +130,16 @@ class _GenerationFields(BaseModel):
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ApiError(400, f"stop takes at most 4 strings, got {len(self.stop)}",
                            param="stop")
-        values = {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
-            "max_tokens": max_tokens,
-            "seed": self.seed,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos,
-        }
         try:
-            return SamplingParams(**values)
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                max_tokens=max_tokens,
+                seed=self.seed,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+            )
         except ValueError as error:
             param = str(error).split(" ", 1)[0]
             raise ApiError(400, str(error), param=param) from error
@@ -174,12 +174,7 @@ class CompletionRequest(_GenerationFields):
 
     def engine_prompt(self) -> str | dict[str, list[int]]:
         """The one prompt, as the engine takes it; a batch of prompts is a 400."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt must be one prompt, got a batch of {len(prompt)}",
-                               param="prompt")
-            prompt = prompt[0]
+        prompt = self._single_prompt()
         if self.echo or self.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo")
         if isinstance(prompt, str):
@@ -189,6 +184,20 @@ class CompletionRequest(_GenerationFields):
         if not prompt:
             raise ApiError(400, "prompt must not be an empty list of token ids", param="prompt")
         return {"prompt_token_ids": list(prompt)}
+
+    def _single_prompt(self) -> str | list[int]:
+        """The request's one prompt, text or token ids; a batch of several is a 400."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        first = prompt[0] if prompt else None
+        if isinstance(first, (str, list)):  # a batch: list[str] or list[list[int]]
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt must be one prompt, got a batch of {len(prompt)}",
+                               param="prompt")
+            return first
+        # Validation chose list[int] (the union's lists are homogeneous): all are ints.
+        return [token_id for token_id in prompt if isinstance(token_id, int)]
 
     def max_new_tokens(self) -> int:
         """`max_tokens`, or OpenAI's default of 16."""

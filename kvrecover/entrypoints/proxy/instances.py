@@ -4,7 +4,7 @@ A background task asks every instance's `/health` each interval and marks it up
 or down; a request that cannot even connect marks its instance down at once, so
 the next request skips it until a health check brings it back. A healthy
 instance's `/health` also says its `vocab_size` and `max_model_len`, which the
-proxy checks its answers against (`proxy_checks.py`).
+proxy checks its answers against (`checks.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvrecover.entrypoints.openai_shapes import ShapeError, load_json
+from kvrecover.entrypoints.openai.shapes import ShapeError, load_json
 
 logger = logging.getLogger(__name__)
 

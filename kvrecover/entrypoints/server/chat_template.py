@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvrecover.entrypoints.protocol import ApiError, checked_text
+from kvrecover.entrypoints.openai.protocol import ApiError, checked_text
 
 
 class ChatTemplate:

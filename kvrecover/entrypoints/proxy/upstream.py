@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from kvrecover.entrypoints.openai_shapes import ErrorAnswer, ShapeError, load_json, parse_shape
-from kvrecover.entrypoints.proxy_checks import Piece, piece_from_event
-from kvrecover.entrypoints.proxy_instances import Instance
+from kvrecover.entrypoints.openai.shapes import ErrorAnswer, ShapeError, load_json, parse_shape
+from kvrecover.entrypoints.proxy.checks import Piece, piece_from_event
+from kvrecover.entrypoints.proxy.instances import Instance
 
 PieceCheck = Callable[[Piece], None]  # raises ValueError for a piece the proxy must not take
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvrecover.entrypoints.openai_shapes import (
+from kvrecover.entrypoints.openai.shapes import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -35,7 +35,7 @@ from kvrecover.entrypoints.openai_shapes import (
     ShapeError,
     parse_shape,
 )
-from kvrecover.entrypoints.proxy_instances import Instance
+from kvrecover.entrypoints.proxy.instances import Instance
 
 # Without a vocabulary size from the instance: no engine stores token ids wider than int32.
 MAX_TOKEN_ID_UNKNOWN_VOCAB = (1 << 31) - 1

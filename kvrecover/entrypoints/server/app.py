@@ -13,40 +13,43 @@ the same format.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
-from kvrecover.entrypoints.chat_template import ChatTemplate
-from kvrecover.entrypoints.engine_loop import EngineLoop
-from kvrecover.entrypoints.generation import ClientGone
-from kvrecover.entrypoints.http_errors import install_error_handlers
-from kvrecover.entrypoints.metrics import ServerMetrics
-from kvrecover.entrypoints.openai_serving import (
+from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_body
+from kvrecover.entrypoints.openai.protocol import MAX_BODY_BYTES, ApiError
+from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.server.engine_loop import EngineLoop
+from kvrecover.entrypoints.server.metrics import ServerMetrics
+from kvrecover.entrypoints.server.serving import (
     ServingState,
     create_chat_completion,
     create_completion,
 )
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.options import REQUIRED, option, redacted, validate
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
 
 
 @dataclass
 class ServerConfig:
-    """HTTP-side settings of `kvrecover serve`."""
+    """HTTP-side settings of one server's app (`kvrecover serve` builds it from its
+    flags, `ServeArgs`; tests build it directly)."""
 
-    model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
+    model_name: str = option(REQUIRED, "the model name clients send and /v1/models lists",
+                             str, check=lambda name: None if name else "a non-empty name")
+    api_key: str | None = option(
+        None, "the key every /v1/* request must send as 'Authorization: Bearer KEY'", str,
+        nullable=True, shown=redacted, repr=False)
+    max_body_bytes: int = option(MAX_BODY_BYTES, "a request body larger than this is a 413",
+                                 int, minimum=1)
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
@@ -71,10 +74,6 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
 
     install_error_handlers(app)
 
-    @app.exception_handler(ClientGone)
-    async def client_gone(_request: Request, _error: ClientGone):
-        return Response(status_code=499)  # nobody reads it: the client has left
-
     @app.get("/health")
     async def health():
         if not loop.alive:
@@ -92,7 +91,7 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         snapshot = await loop.snapshot()
-        return Response(state.metrics.render(snapshot),
+        return Response(state.metrics.render(snapshot, loop.alive),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -106,29 +105,3 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
         return await create_chat_completion(state, request, body)
 
     return app
-
-
-async def read_json_body(request: Request, max_body_bytes: int) -> Any:
-    """The JSON body, read with a size cap; a 413 or 400 otherwise."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise ApiError(413, f"the request body has {declared} bytes; the limit is "
-                            f"{max_body_bytes}", code="request_too_large")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise ApiError(413, f"the request body is over the limit of "
-                                    f"{max_body_bytes} bytes", code="request_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect as error:  # it left before its body was in
-        raise ClientGone("the client left while sending its request") from error
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as error:
-        # ValueError: invalid JSON or UTF-8, an integer past Python's digit limit;
-        # RecursionError: nesting deeper than the parser's recursion limit.
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise ApiError(400, f"the request body is not valid JSON: {reason}",
-                       code="invalid_json") from error

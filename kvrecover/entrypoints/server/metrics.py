@@ -1,7 +1,7 @@
 """Prometheus metrics of one `kvrecover serve` instance.
 
-The engine's counters (`LLM.stats`) and queue sizes are read from an engine
-snapshot at scrape time; latencies are observed by the HTTP handlers. Each server
+The engine's counters (`LLM.stats`), queue sizes and KV cache use are read from
+`LLM.snapshot()` at scrape time; latencies are observed by the HTTP handlers. Each server
 has its own registry, so several apps can live in one process (tests).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from kvrecover.entrypoints.engine_loop import LoopSnapshot
+from kvrecover.engine import EngineSnapshot
 
 PREFIX = "kvrecover"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,12 +54,13 @@ class ServerMetrics:
         if num_tokens > 1:
             self.tpot.observe((e2e - ttft) / (num_tokens - 1))
 
-    def render(self, snapshot: LoopSnapshot) -> bytes:
-        """The text exposition format, with the engine's state from `snapshot`."""
+    def render(self, snapshot: EngineSnapshot, alive: bool) -> bytes:
+        """The text exposition format, with the engine's state from `snapshot` and
+        whether its loop runs (`alive`)."""
         self.num_running.set(snapshot.num_running)
         self.num_waiting.set(snapshot.num_waiting)
         self.kv_cache_usage.set(snapshot.kv_cache_usage)
-        self.engine_alive.set(1 if snapshot.alive else 0)
+        self.engine_alive.set(1 if alive else 0)
         self.engine_counters.stats = snapshot.stats
         return generate_latest(self.registry)
 

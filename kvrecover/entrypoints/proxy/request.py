@@ -15,7 +15,7 @@
    token as if undisturbed (the instance resumes a seeded request's per-token
    seeds at `resumed_output_tokens`); unseeded sampling continues afresh.
 Every step is bounded by `max_retries`. An instance whose answer is of the wrong
-shape or impossible for the request (`proxy_checks.py`) counts as failed: at
+shape or impossible for the request (`checks.py`) counts as failed: at
 step 1 it is skipped, at step 2 failed over, at step 3 migrated away from.
 """
 
@@ -27,15 +27,15 @@ from typing import Any
 
 import httpx
 
-from kvrecover.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
-from kvrecover.entrypoints.proxy_checks import (
+from kvrecover.entrypoints.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
+from kvrecover.entrypoints.proxy.checks import (
     Piece,
     RequestLimits,
     StreamCheck,
     prefill_prompt_ids,
 )
-from kvrecover.entrypoints.proxy_instances import Instance, InstancePool, ProxyMetrics
-from kvrecover.entrypoints.proxy_upstream import (
+from kvrecover.entrypoints.proxy.instances import Instance, InstancePool, ProxyMetrics
+from kvrecover.entrypoints.proxy.upstream import (
     Retryable,
     StreamBroken,
     UpstreamStream,
@@ -115,6 +115,11 @@ class ProxiedRequest:
         first = await self._open(self.path, body)
         self._absorb(first)
         return first
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens taken for the client so far (what `usage` counts)."""
+        return len(self.generated)
 
     @property
     def decode_stream(self) -> UpstreamStream:

@@ -18,25 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from starlette.types import Receive
 
-from kvrecover.entrypoints.detokenizer import IncrementalDetokenizer
-from kvrecover.entrypoints.engine_loop import EngineLoop, OutputStream
-from kvrecover.entrypoints.metrics import ServerMetrics
-from kvrecover.entrypoints.protocol import ApiError
+from kvrecover.entrypoints.openai.http import ClientGone
+from kvrecover.entrypoints.openai.protocol import ApiError
+from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
+from kvrecover.entrypoints.server.engine_loop import EngineLoop, OutputStream
+from kvrecover.entrypoints.server.metrics import ServerMetrics
 from kvrecover.outputs import RequestOutput
 from kvrecover.sampling import SamplingParams
 
 # HTTP status of each engine error type. A KV load failure is 503: the instance is
 # healthy but could not serve this request; a proxy fails over to another one.
 ERROR_STATUS = {"invalid_request_error": 400, "kv_load_failed": 503, "internal_error": 500}
-
-
-class ClientGone(Exception):
-    """The client disconnected; the request was aborted."""
 
 
 @dataclass
@@ -91,8 +88,10 @@ class Generation:
         self.prompt_token_ids = list(output.prompt_token_ids)
         self._pending = output
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's deltas after `first()`; the last carries the finish reason."""
+        if self._pending is None:
+            raise RuntimeError("deltas() needs first() to have returned")
         try:
             output = self._pending
             while True:
@@ -108,6 +107,11 @@ class Generation:
                     raise self._error(output)
         finally:
             self.close()
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens handed out so far (what `usage` counts)."""
+        return self.num_sent_tokens
 
     def stop_watching(self) -> None:
         """Stop the disconnect watcher; called when a streamed response starts, whose
@@ -136,8 +140,8 @@ class Generation:
     def _error(self, output: RequestOutput) -> ApiError:
         self._record("error")
         error_type = output.error_type or "internal_error"
-        return ApiError(ERROR_STATUS.get(error_type, 500), output.error, error_type,
-                        code=error_type)
+        message = output.error or f"the request failed ({error_type})"
+        return ApiError(ERROR_STATUS.get(error_type, 500), message, error_type, code=error_type)
 
     def _delta(self, output: RequestOutput) -> Delta:
         completion = output.outputs[0]

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrecover.engine import EngineSnapshot
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
 
@@ -36,17 +37,6 @@ IDLE_WAIT_S = 0.05  # how long the idle thread blocks on the command queue per t
 # step, instead of the first alone while the others queue behind it.
 BURST_GAP_S = 0.003
 BURST_MAX_S = 0.02
-
-
-@dataclass
-class LoopSnapshot:
-    """What `/metrics` shows about the engine: its counters and its queues."""
-
-    stats: dict[str, int]
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of usable KV blocks in use
-    alive: bool
 
 
 @dataclass
@@ -137,10 +127,11 @@ class EngineLoop:
         """Stop a request and free its blocks (no more outputs arrive for it)."""
         self._commands.put(_Abort(request_id))
 
-    async def snapshot(self, timeout: float = 5.0) -> LoopSnapshot:
-        """Counters and queue sizes, taken by the engine thread between steps."""
+    async def snapshot(self, timeout: float = 5.0) -> EngineSnapshot:
+        """`LLM.snapshot()`, taken by the engine thread between steps (all zeros and no
+        counters once the loop is not running)."""
         if not self.alive:
-            return LoopSnapshot({}, 0, 0, 0.0, alive=False)
+            return EngineSnapshot({}, 0, 0, 0.0)
         command = _Snapshot()
         self._commands.put(command)
         return await asyncio.wait_for(asyncio.wrap_future(command.future), timeout)
@@ -194,7 +185,7 @@ class EngineLoop:
                 if self._streams.pop(command.request_id, None) is not None:
                     self.llm.engine.abort_request(command.request_id)
             else:
-                command.future.set_result(self._take_snapshot())
+                command.future.set_result(self.llm.snapshot())
 
     def _add(self, command: _Add) -> None:
         """Queue one request; whatever adding it raises ends that request alone: a
@@ -237,15 +228,6 @@ class EngineLoop:
                 stream.loop.call_soon_threadsafe(_put_all, [(stream, output)])
             except RuntimeError:  # that event loop is already closed
                 pass
-
-    def _take_snapshot(self) -> LoopSnapshot:
-        scheduler = self.llm.engine.scheduler
-        pool = scheduler.kv_manager.pool
-        usable = pool.num_usable_blocks
-        in_use = usable - pool.num_free_blocks
-        return LoopSnapshot(self.llm.engine.stats.snapshot(), len(scheduler.running),
-                            len(scheduler.waiting), in_use / usable if usable else 0.0,
-                            alive=self.alive)
 
 
 def _put_all(items: list[tuple[OutputStream, RequestOutput]]) -> None:

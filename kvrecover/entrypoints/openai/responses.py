@@ -1,0 +1,171 @@
+"""The one writer of OpenAI answers: completions and chat completions, whole or streamed.
+
+The server (from its engine's deltas) and the proxy (from its upstream pieces) both
+answer through `OpenAIResponse`, so a client gets the same format from either: a
+whole answer; or server-sent events in OpenAI's chunk format, each chunk carrying
+the new text (and, with `return_token_ids`, the new token ids and, on the first, the
+prompt's), the last one the finish reason; with `stream_options.include_usage` a
+chunk with empty `choices` and the `usage` follows (`continuous_usage_stats`, vLLM's,
+also puts the usage so far on every chunk), then `data: [DONE]`. An error after the
+first chunk ends the stream with an error event and without `[DONE]`, so no client
+takes it for a success.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvrecover.entrypoints.openai.http import internal_error
+from kvrecover.entrypoints.openai.protocol import ApiError
+
+logger = logging.getLogger(__name__)
+
+COMPLETION_OBJECT = "text_completion"  # a whole completion and its chunks alike
+CHAT_OBJECT = "chat.completion"
+CHAT_CHUNK_OBJECT = "chat.completion.chunk"
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+class Fragment(Protocol):
+    """What one step added to the answer (the server's `Delta`, the proxy's `Piece`)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class Progress(Protocol):
+    """How far a request got, for its `usage`: the prompt and the output tokens so far."""
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def usage(progress: Progress) -> dict[str, int]:
+    """OpenAI's `usage` object of a request."""
+    prompt_tokens = len(progress.prompt_token_ids or [])
+    completion_tokens = progress.num_output_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_event(body: dict[str, Any]) -> str:
+    """One server-sent event carrying `body` as JSON."""
+    return f"data: {json.dumps(body)}\n\n"
+
+
+@dataclass
+class OpenAIResponse:
+    """Writes one request's answer as the client asked: completions or chat (`chat`),
+    with or without token ids, with the usage where `stream_options` asks for it.
+    `progress` is read when a usage is written, so it counts what was sent by then."""
+
+    chat: bool
+    model: str
+    progress: Progress
+    return_token_ids: bool = False
+    final_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
+    request_id: str = ""  # default: "chatcmpl-<hex>" or "cmpl-<hex>"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model}
+
+    def _add_prompt_ids(self, body: dict[str, Any], choice: dict[str, Any]) -> None:
+        # vLLM's place for them: on the body of a chat answer, on the choice of a completion.
+        (body if self.chat else choice)["prompt_token_ids"] = self.progress.prompt_token_ids
+
+    def chunk(self, fragment: Fragment, first: bool) -> dict[str, Any]:
+        """One streamed chunk; the `first` one opens the assistant's message (chat) and
+        carries the prompt's token ids (with `return_token_ids`)."""
+        choice: dict[str, Any]
+        if self.chat:
+            delta = {"role": "assistant", "content": fragment.text} if first else \
+                {"content": fragment.text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": fragment.finish_reason}
+        else:
+            choice = {"index": 0, "text": fragment.text, "logprobs": None,
+                      "finish_reason": fragment.finish_reason}
+        body = {**self._head(CHAT_CHUNK_OBJECT if self.chat else COMPLETION_OBJECT),
+                "choices": [choice]}
+        if self.return_token_ids:
+            choice["token_ids"] = fragment.token_ids
+            if first:
+                self._add_prompt_ids(body, choice)
+        if self.continuous_usage:
+            body["usage"] = usage(self.progress)
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with `include_usage`: no choices, the usage."""
+        return {**self._head(CHAT_CHUNK_OBJECT if self.chat else COMPLETION_OBJECT),
+                "choices": [], "usage": usage(self.progress)}
+
+    def whole(self, text: str, token_ids: list[int], finish_reason: str | None
+              ) -> dict[str, Any]:
+        """The body of a non-streamed answer."""
+        choice: dict[str, Any]
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        body = {**self._head(CHAT_OBJECT if self.chat else COMPLETION_OBJECT),
+                "choices": [choice], "usage": usage(self.progress)}
+        if self.return_token_ids:
+            self._add_prompt_ids(body, choice)
+            choice["token_ids"] = token_ids
+        return body
+
+    async def collect(self, fragments: AsyncGenerator[Fragment, None]) -> dict[str, Any]:
+        """The whole answer of `fragments` (their texts and token ids joined, the last
+        finish reason given); `fragments` is closed on the way out."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        finish: str | None = None
+        async with aclosing(fragments):
+            async for fragment in fragments:
+                text.append(fragment.text)
+                token_ids.extend(fragment.token_ids)
+                finish = fragment.finish_reason or finish
+        return self.whole("".join(text), token_ids, finish)
+
+    async def events(self, fragments: AsyncGenerator[Fragment, None]) -> AsyncIterator[str]:
+        """The server-sent events of `fragments`: a chunk for each, the usage chunk when
+        asked for, `[DONE]`; an error (an `ApiError`, or any exception as a 500
+        `internal_error`) ends the stream with an error event and no `[DONE]`.
+        `fragments` is closed on the way out (a client that left included)."""
+        first = True
+        try:
+            async with aclosing(fragments):
+                async for fragment in fragments:
+                    yield sse_event(self.chunk(fragment, first))
+                    first = False
+        except ApiError as error:
+            yield sse_event(error.body())
+            return
+        except Exception as error:  # a bug after the 200 was sent: end with an error event
+            logger.exception("streaming %s failed", self.request_id)
+            yield sse_event(internal_error(error).body())
+            return
+        if self.final_usage:
+            yield sse_event(self.usage_chunk())
+        yield DONE_EVENT
