@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from redis_helpers import SilentServer
 
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import BlockLoadError
-from kvrecover.kv_transfer.redis_store import RedisBlockStore, RedisSettings, redact_url
+from kvrecover.kv_transfer.redis_store import (
+    RedisBlockStore,
+    RedisSettings,
+    io_loop,
+    redact_url,
+)
 
 LAYOUT = KVCacheLayout("test-model", torch.float32, 4, 2, 2, 8)
 KEYS = [bytes([i]) * 16 for i in range(5)]
@@ -70,6 +77,33 @@ def test_a_silent_server_costs_one_timeout_then_is_skipped_for_a_while():
         assert server.connections == connections
     finally:
         server.stop()
+
+
+def test_closing_on_the_io_thread_neither_blocks_it_nor_leaks_the_pool(redis_server):
+    """A garbage collection on `kv-redis-io` may run an engine's finalizer there, which
+    closes its stores: that close must not wait for the loop it is blocking (which froze
+    every store of the process for timeout_s + LOOP_GRACE_S)."""
+    store, other = store_at(redis_server.url, timeout_s=1.0), store_at(redis_server.url)
+    assert store.write_many([(KEYS[0], store.encode(KEYS[0], random_block(0)))]) == 0
+    assert other.exists_many(KEYS[:1]) == [True]
+    admin = redis_server.client()
+    clients = admin.info("clients")["connected_clients"]
+    took: list[float] = []
+
+    def close_there() -> None:
+        start = time.monotonic()
+        store.close()
+        took.append(time.monotonic() - start)
+
+    io_loop().call_soon_threadsafe(close_there)
+    start = time.monotonic()
+    assert other.exists_many(KEYS[:1]) == [True]  # the loop goes on serving the others
+    assert time.monotonic() - start < 0.5 and took and took[0] < 0.5
+    for _ in range(100):  # bounded: 100 x 20 ms
+        if admin.info("clients")["connected_clients"] == clients - 1:
+            break
+        time.sleep(0.02)
+    assert admin.info("clients")["connected_clients"] == clients - 1  # the pool did close
 
 
 def test_an_error_reply_fails_the_writes_without_cooling_down(redis_server):

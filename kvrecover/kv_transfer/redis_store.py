@@ -19,7 +19,8 @@ asyncio client, on one event-loop thread for every store of the process
 (`kv-redis-io`), under `asyncio.timeout` (`wait_for` on Python 3.10): a call past
 it is cancelled there, and redis-py closes the connection it was reading (a reply
 cut in the middle is never handed to the next call); no thread stays blocked on a
-slow server.
+slow server. Nothing ever waits on that thread itself: a garbage collection there
+can run an engine's finalizer, whose `close` then only schedules the disconnect.
 
 The store never raises for a store failure: a refused or dropped connection, a
 timeout or an error reply makes every block of the call missing (reads, lookups)
@@ -64,6 +65,7 @@ T = TypeVar("T")
 
 _loop_lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_closing: set[asyncio.Task] = set()  # disconnects scheduled from the loop's own thread
 
 
 def io_loop() -> asyncio.AbstractEventLoop:
@@ -178,19 +180,28 @@ class RedisBlockStore(BlockCodec):
                        _describe(error))
 
     # ----- one call, bounded as a whole ------------------------------------------------------
+    def _on_io_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs on this thread
+            return False
+
+    async def _bounded(self, operation: Callable[[], Awaitable[T]]) -> T:
+        timeout_s = self.settings.timeout_s
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(timeout_s):
+                return await operation()
+        return await asyncio.wait_for(operation(), timeout_s)  # (Python 3.10)
+
     def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run `operation()` on the I/O loop and wait for it; past `timeout_s` in all it is
         cancelled (redis-py then closes the connection it used) and redis.TimeoutError
-        raised. Any thread may call this."""
+        raised. Any thread may call this but the loop's own (RuntimeError at once there:
+        waiting would block the loop it waits for)."""
         timeout_s = self.settings.timeout_s
-
-        async def bounded() -> T:
-            if sys.version_info >= (3, 11):
-                async with asyncio.timeout(timeout_s):
-                    return await operation()
-            return await asyncio.wait_for(operation(), timeout_s)  # (Python 3.10)
-
-        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+        if self._on_io_thread():
+            raise RuntimeError("a Redis call cannot wait on the Redis I/O thread itself")
+        future = asyncio.run_coroutine_threadsafe(self._bounded(operation), self._loop)
         try:
             return future.result(timeout_s + LOOP_GRACE_S)
         # The call's own timeout, or (never expected) a stuck loop; before Python 3.11
@@ -277,9 +288,22 @@ class RedisBlockStore(BlockCodec):
         return len(failures)
 
     def close(self) -> None:
-        """Close every pooled connection (bounded by timeout_s; a failure is logged)."""
+        """Close every pooled connection (bounded by timeout_s; a failure is logged). On the
+        I/O thread (a finalizer that a garbage collection ran there) it only schedules that."""
+        if self._on_io_thread():
+            task = self._loop.create_task(self._disconnect_later())
+            _closing.add(task)  # the loop holds tasks weakly
+            task.add_done_callback(_closing.discard)
+            return
         try:
             self._call(self.pool.disconnect)
+        except Exception as error:
+            logger.warning("closing the Redis pool of %s failed: %s", self.settings.redacted_url,
+                           _describe(error))
+
+    async def _disconnect_later(self) -> None:
+        try:
+            await self._bounded(self.pool.disconnect)
         except Exception as error:
             logger.warning("closing the Redis pool of %s failed: %s", self.settings.redacted_url,
                            _describe(error))
