@@ -97,22 +97,13 @@ class BlockStoreConnector(StoreConnectorBase):
         construction)."""
         raise NotImplementedError(f"{type(self).__name__} must say where its blocks live")
 
+    # One batched read for every synchronous load of the step, under one deadline.
+    batched_sync_reads = True
+
     # ----- worker role ----------------------------------------------------------------
-    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        metadata = self._get_metadata_of(StorageConnectorMetadata)
-        synchronous = []
-        for transfer in metadata.loads:
-            if transfer.is_async:
-                self._start_async(transfer)
-            else:
-                synchronous.append(transfer)
-        if not synchronous:
-            return
-        # One batched read for every synchronous load of the step, under one deadline.
-        for transfer, blocks in zip(synchronous, self._read_now(
-                synchronous, self._read_blocks, batched=True)):
-            if blocks is not None:
-                self._install(transfer, blocks)
+    def _read_sync(self, transfers: list[BlockTransfer],
+                   cancelled: threading.Event) -> list[list[StoredBlock | None]]:
+        return self._read_blocks(transfers, cancelled)
 
     def _read_blocks(self, transfers: list[BlockTransfer],
                      cancelled: threading.Event) -> list[list[StoredBlock | None]]:
