@@ -325,6 +325,18 @@ def test_a_direct_load_checks_the_bytes_that_reached_the_cache(layout, tmp_path,
     assert block_keys[0] in worker._suspect_keys  # a later save may replace it
 
 
+def test_verify_after_load_checks_an_async_install_into_a_cpu_cache(layout, tmp_path, monkeypatch):
+    """An async load stages, and the worker copies the rows in: with the check on, a copy
+    that wrote nothing is caught in the cache; with it off it is taken on trust."""
+    _, block_keys = stored(tmp_path, layout, 3, seed=34)
+    target = random_caches(layout, 35)
+    worker = connector(tmp_path, layout, target)
+    monkeypatch.setattr(PagedBlocks, "_copy_row", staticmethod(lambda row, parts: None))
+    assert load(worker, target, [4, 5, 6], block_keys, is_async=True) == {4, 5, 6}
+    worker.verify_after_load = False
+    assert not load(worker, target, [4, 5, 6], block_keys, is_async=True)
+
+
 @pytest.mark.parametrize("device", STAGED)
 def test_verify_after_load_catches_a_garbled_scatter(layout, tmp_path, device, monkeypatch):
     _, block_keys = stored(tmp_path, layout, 4, seed=24)

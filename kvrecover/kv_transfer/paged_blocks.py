@@ -11,7 +11,9 @@ own, still in the CPU's cache when it is copied into the block's slices and hash
 there, copy and hash fenced by the load's `ReadCancel` (`reader_threads`), so the
 load costs about what reading into the cache did. Other loads stage whole entries
 in rows of a pooled host buffer (`stage`, read by several threads: `staged_io`) and
-`install` copies them into the cache later; saves elsewhere `gather` the other way.
+`install` copies them into the cache later (into a CPU cache block by block, each
+block hashed right after its copy for `verify_after_load`); saves elsewhere
+`gather` the other way.
 
 On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
 the read), each chunk of rows goes up on a side stream as soon as it is read, and
@@ -214,6 +216,10 @@ class PagedBlocks:
         cache afterwards (see the module docstring); returns how many leading blocks
         passed (all of them without a check)."""
         count = len(block_ids)
+        if self.direct:
+            passed = self._install_direct(block_ids, staged.host, checksums)
+            self.release(staged.host)
+            return passed
         self._scatter(block_ids, staged)
         self.release(staged.host, staged.uploaded)
         if checksums is None:
@@ -230,6 +236,19 @@ class PagedBlocks:
             mismatched |= (back != rows[:, layer].view(bits)).reshape(count, -1).any(dim=1)
         bad = mismatched.nonzero().flatten().tolist()  # the one host sync of a checked load
         return bad[0] if bad else count
+
+    def _install_direct(self, block_ids: list[int], staging: torch.Tensor,
+                        checksums: list[int] | None) -> int:
+        """`install` into a direct cache: each row copied into its block's slices and, with
+        `checksums`, hashed there while it is still in the CPU's cache; stops at the first
+        block that differs."""
+        rows, nbytes = byte_view(staging), self.block_nbytes
+        for position, block_id in enumerate(block_ids):
+            parts = self.parts(block_id)
+            self._copy_row(rows[position * nbytes : (position + 1) * nbytes], parts)
+            if checksums is not None and parts_checksum(parts) != checksums[position]:
+                return position
+        return len(block_ids)
 
     def _device_blocks(self, staged: StagedRows, count: int) -> torch.Tensor:
         """The uploaded rows as blocks [count, *block_shape] in the cache's dtype."""
