@@ -16,7 +16,8 @@ A store that hangs for good would otherwise leave one stuck thread per load: whi
 `MAX_ABANDONED_READS` abandoned reads of one connector are still running, a new load
 fails at once (`StoreStuck`: its blocks are invalid and recomputed) instead of starting
 another thread. Reads already running when the cap is reached may still be abandoned
-after it, so the stuck threads stay below the cap plus the loads in flight at once.
+after it, so the stuck reads stay below the cap plus the loads in flight at once (a
+read of many blocks may itself run on up to `io_threads` threads: `staged_io`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Every load reads on a thread of its own and waits for it only until its deadline
 (`reader_threads`), so a store that trickles or hangs costs a load at most
 `load_timeout_s`, and a sync load never blocks the engine longer.
 
-Both the folder connector (`shared_storage`, zero-copy file <-> cache) and the
-batched connector over any store (`store_connector`: Redis, tiers) build on
+Both the folder connector (`shared_storage`, one file per block, one system call
+each way) and the batched connector over any store (`store_connector`: Redis, tiers) build on
 `StoreConnectorBase`, which also starts each step's loads (`start_load_kv`: async
 ones on their threads, sync ones read at once); each keeps its own read, install and
 save path (`_read_sync`, `_read_async`, `_install`, `wait_for_save`), the only part
