@@ -285,3 +285,29 @@ def test_seed_nodes_that_never_answer_cost_a_bounded_wait(tiny_llama):
         llm.close()
     finally:
         silent.stop()
+
+
+# ----- the reference scenario on a cluster -------------------------------------------------
+@pytest.mark.slow
+def test_scenario_runs_against_a_cluster(tmp_path, cluster):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import build_tiny_model
+
+    from kvrecover import scenario
+
+    model = build_tiny_model(tmp_path / "model", seed=4, max_position_embeddings=4096)
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvrecover", "scenario", "--model", str(model), "--device", "cpu",
+         "--workdir", str(tmp_path / "work"), "--store", cluster.url],
+        capture_output=True, text=True, timeout=1200, env=environment)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+    assert not (tmp_path / "work" / scenario.STORAGE_DIR).exists()  # the KV went to the cluster
+    assert sum(1 for keys in cluster.keys().values() if keys) == 3
+    stats = json.loads((tmp_path / "work" / "decode_output.stats.json").read_text())
+    assert stats["prompt_tokens_external"] > 0
