@@ -49,6 +49,7 @@ from kvrecover.kv_transfer.redis_store import (
     _describe,
 )
 from kvrecover.kv_transfer.redis_urls import is_cluster_url, parse_cluster_url
+from kvrecover.kv_transfer.redis_writes import chunked_writes
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ class RedisClusterBlockStore(RedisBlockStore):
             require_full_coverage=False,  # the slots of a lost node are its keys' failure
             driver_info=None,
         )
+        # RedisCluster takes no connection class: every node (the seeds it made, and
+        # those discovered later, from these shared kwargs) gets the chunked writes.
+        kwargs = self.client.get_connection_kwargs()
+        kwargs["connection_class"] = chunked_writes(kwargs["connection_class"])
+        for node in self.client.startup_nodes:
+            node.connection_class = kwargs["connection_class"]
         self._refresh: asyncio.Task | None = None
         # Discover the nodes now, in the background, while they are (most likely) all up:
         # the first call then finds the slot map ready (or discovers it, bounded, itself).

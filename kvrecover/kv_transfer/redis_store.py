@@ -56,6 +56,7 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import SETTING_LABEL
 from kvrecover.kv_transfer.block_store import BlockCodec, BlockLoadError
 from kvrecover.kv_transfer.redis_urls import redact_url, url_problem
+from kvrecover.kv_transfer.redis_writes import chunked_writes
 from kvrecover.options import option, validate
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class RedisBlockStore(BlockCodec):
         if self._password and urlsplit(url).password is None:
             options["password"] = self._password
         self.pool = redis.asyncio.BlockingConnectionPool.from_url(url, **options)
+        # (set here: from_url takes the connection class from the URL's scheme)
+        self.pool.connection_class = chunked_writes(self.pool.connection_class)
         self.client: Any = redis.asyncio.Redis(connection_pool=self.pool)
 
     def __repr__(self) -> str:
