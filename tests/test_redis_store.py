@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import pytest
 import torch
@@ -59,6 +60,29 @@ def test_entries_are_gathered_in_place_and_recycled(redis_server):
     assert again is entry  # reused, not a fresh (page-faulting) buffer
     store.recycle([(KEYS[0], b"not made by new_entry")])  # ignored
     assert store.new_entry()[0] is not entry
+
+
+def test_a_batch_of_large_entries_is_sent_without_copying_it_whole(redis_server):
+    """A pipeline of SETs goes to the socket entry by entry, from the entries' own memory
+    (redis-py's asyncio writer joined the whole batch into one bytes and buffered it:
+    half the synchronous client's save rate, issue 29)."""
+    layout = KVCacheLayout("test-model-large", torch.float32, 16, 4, 8, 128)  # 512 KiB
+    store = RedisBlockStore(layout, RedisSettings(url=redis_server.url))
+    keys = [bytes([i]) * 16 for i in range(16)]
+    entries = []
+    for key in keys:
+        entry, payload = store.new_entry()
+        payload.fill_(float(key[0]))
+        entries.append((key, store.seal(key, entry)))
+    assert store.write_many(entries[:1]) == 0  # connected before measuring
+    tracemalloc.start()
+    try:
+        assert store.write_many(entries) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * store.entry_nbytes, f"{peak} bytes allocated to send 16 entries"
+    assert store.read_many(keys[-1:]) == [bytes(entries[-1][1])]
 
 
 def test_a_silent_server_costs_one_timeout_then_is_skipped_for_a_while():
