@@ -49,6 +49,7 @@ from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import PREFIX_SIZE, BlockStore
+from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
@@ -220,13 +221,14 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
 
 
 def profile_load(bench: ConnectorBench, repeats: int) -> list[tuple[str, float]]:
-    """Seconds per phase of one staged load of every block (best of `repeats`): the
-    reads alone, reads with their checks, `PagedBlocks.stage` on 1 and on io_threads
-    threads (uploads included on a GPU), then the install with and without the check."""
+    """Seconds per phase of one load of every block (best of `repeats`): the reads
+    alone, reads with their checks, `PagedBlocks.stage` on 1 and on io_threads threads
+    (uploads included on a GPU), then the install with and without the check; on a CPU
+    cache also `PagedBlocks.load_direct` (a sync load's path) on 1 and io_threads threads."""
     connector, paged, store = bench.connector, bench.connector._paged, bench.connector.store
     count, nbytes = len(bench.keys), paged.block_nbytes
     transfer = BlockTransfer("profile", bench.block_ids, bench.keys)
-    never = threading.Event()
+    never = ReadCancel()
     host = paged.staging(count)
     rows = memoryview(host.numpy()).cast("B")
     prefix = bytearray(PREFIX_SIZE)
@@ -251,16 +253,24 @@ def profile_load(bench: ConnectorBench, repeats: int) -> list[tuple[str, float]]
             assert all(isinstance(result, int) for result in results)
         return run
 
-    staged, _ = paged.stage(count, lambda position, row: connector._read_entry(
+    staged, results = paged.stage(count, lambda position, row: connector._read_entry(
         transfer, position, [row], never), never, connector.io_threads)
+    checksums = [result for result in results if isinstance(result, int)]
+    assert len(checksums) == count
 
     def install(checked: bool) -> Callable[[], None]:
         def run() -> None:
             staged.host = paged.staging(count)  # install hands it back each time
-            passed = paged.install(bench.block_ids, staged, [0] * count if checked else None)
-            # (The CPU check re-hashes against the fake checksums; the GPU one compares bits.)
-            assert passed == (0 if checked and not paged.on_gpu else count)
+            passed = paged.install(bench.block_ids, staged, checksums if checked else None)
+            assert passed == count
             synchronize(bench.device)
+        return run
+
+    def direct(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            results = paged.load_direct(bench.block_ids, lambda position, row: connector._read_entry(
+                transfer, position, [row], never, check_payload=False), never, threads)
+            assert all(isinstance(result, int) for result in results)
         return run
 
     phases = [("readv into rows, 1 thread", read_only),
@@ -269,7 +279,9 @@ def profile_load(bench: ConnectorBench, repeats: int) -> list[tuple[str, float]]
               *[(f"stage, {threads} threads", stage(threads))
                 for threads in sorted({2, 4, connector.io_threads, 16}) if threads > 1],
               ("install: scatter", install(False)),
-              ("install: scatter + check", install(True))]
+              ("install: scatter + check", install(True)),
+              *[(f"load_direct (sync), {threads} thread(s)", direct(threads))
+                for threads in sorted({1, connector.io_threads}) if paged.direct]]
     times = best_times([(run, lambda: None) for _, run in phases], repeats)
     paged.release(host)
     return [(name, seconds) for (name, _), seconds in zip(phases, times)]

@@ -29,7 +29,7 @@ from conftest import (
 from kvrecover import KVTransferConfig
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockStore
-from kvrecover.kv_transfer.reader_threads import MAX_ABANDONED_READS
+from kvrecover.kv_transfer.reader_threads import MAX_ABANDONED_READS, ReadCancel, ReadTimedOut
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
@@ -196,6 +196,68 @@ def test_stuck_reads_are_bounded_in_number_then_fail_at_once(layout_cpu_caches, 
     finally:
         worker.shutdown()
     assert 1 <= len(stuck_reads) <= MAX_ABANDONED_READS
+
+
+def test_an_abandoned_read_never_writes_the_cache_after_its_deadline(layout_cpu_caches, tmp_path,
+                                                                    stuck_reads, monkeypatch):
+    """A sync load into a CPU cache copies each block in itself: once its deadline has
+    passed, a read that comes unstuck must not overwrite what the engine put there since
+    (here NaN, as the fault injector does to failed blocks)."""
+    layout, caches = layout_cpu_caches
+    store = BlockStore(tmp_path, layout)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for key in keys:
+        store.write(key, caches[0].new_ones(store.block_shape))
+    copies = []  # the reads that got as far as copying into the cache
+    write_unless_set = ReadCancel.write_unless_set
+
+    def spied(self, write):
+        copies.append(self)
+        return write_unless_set(self, write)
+
+    monkeypatch.setattr(ReadCancel, "write_unless_set", spied)
+    config = KVTransferConfig("SharedStorageConnector", "kv_consumer", {
+        "shared_storage_path": str(tmp_path), "load_timeout_s": 0.05})
+    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
+    worker.register_kv_caches(caches)
+    assert worker._paged.direct
+    try:
+        worker.bind_connector_metadata(StorageConnectorMetadata(
+            loads=[BlockTransfer("r", [1, 2, 3], keys)]))
+        worker.start_load_kv(caches)
+        assert worker.get_block_ids_with_load_errors() == {1, 2, 3}
+        for cache in caches:
+            cache[:, 1:4].fill_(float("nan"))
+        stuck_reads.release()
+        assert wait_until(lambda: copies, 10)  # the read came unstuck and tried to copy
+    finally:
+        worker.shutdown()  # joins the abandoned read
+    assert all(cache[:, 1:4].isnan().all() for cache in caches)
+
+
+def test_a_cancel_waits_for_the_copy_in_progress_and_refuses_later_ones():
+    cancel, copying, finish, order = ReadCancel(), threading.Event(), threading.Event(), []
+
+    def slow_copy() -> str:
+        copying.set()
+        finish.wait(10)
+        order.append("copied")
+        return "done"
+
+    copier = threading.Thread(target=lambda: order.append(cancel.write_unless_set(slow_copy)))
+    copier.start()
+    assert copying.wait(10)
+    canceller = threading.Thread(target=lambda: (cancel.set(), order.append("cancelled")))
+    canceller.start()
+    canceller.join(0.2)
+    assert canceller.is_alive() and not cancel.is_set()  # set() waits for the copy
+    finish.set()
+    copier.join(10)
+    canceller.join(10)
+    assert order == ["copied", "done", "cancelled"] and cancel.is_set()
+    with pytest.raises(ReadTimedOut):
+        cancel.write_unless_set(lambda: order.append("late copy"))
+    assert "late copy" not in order
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from conftest import (
 from kvrecover import LLM
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer import staged_io
+from kvrecover.kv_transfer import paged_blocks, staged_io
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import (
     PREFIX_SIZE,
@@ -281,6 +281,60 @@ def test_threaded_staged_load_stops_at_the_first_corrupt_entry(layout, tmp_path,
     assert block_keys[3] in worker._suspect_keys
     for block_id in (1, 2, 3):
         assert raw_bytes(block_of(target, block_id)) == raw_bytes(block_of(source, block_id))
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
+def test_direct_loads_on_several_threads_are_byte_identical(layout, tmp_path, monkeypatch, verify):
+    """A sync load into a CPU cache goes through bounce rows, two blocks per thread claim."""
+    monkeypatch.setattr(paged_blocks, "DIRECT_CHUNK_BYTES", 2 * layout.block_nbytes)
+    source, block_keys = stored(tmp_path, layout, 7, seed=30)
+    target = random_caches(layout, 31)
+    worker = connector(tmp_path, layout, target, io_threads=3, verify_after_load=verify)
+    assert worker._paged.direct
+    readers, read, second_reader = set(), worker.store.read_unchecked_into, threading.Event()
+
+    def spied(key, parts):
+        readers.add(threading.current_thread().name)
+        if len(readers) >= 2:
+            second_reader.set()
+        second_reader.wait(timeout=5)  # hold the reads until another thread reads too
+        return read(key, parts)
+
+    worker.store.read_unchecked_into = spied
+    loaded_ids = [8, 2, 3, 4, 6, 5, 1]
+    assert not load(worker, target, loaded_ids, block_keys, is_async=False)
+    assert len(readers) >= 2 and second_reader.is_set()
+    for saved, loaded in zip(range(1, 8), loaded_ids):
+        assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
+    assert raw_bytes(block_of(target, 7)) == raw_bytes(block_of(random_caches(layout, 31), 7))
+    assert len(worker._paged._free_bounce_rows) >= 2  # each thread's row, back for reuse
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
+def test_a_direct_load_checks_the_bytes_that_reached_the_cache(layout, tmp_path, monkeypatch,
+                                                               caplog, verify):
+    """The payload is hashed in the cache after the copy, whatever `verify_after_load`
+    says: a copy that wrote nothing is a failed block, never a loaded one."""
+    _, block_keys = stored(tmp_path, layout, 3, seed=32)
+    target = random_caches(layout, 33)
+    worker = connector(tmp_path, layout, target, verify_after_load=verify)
+    monkeypatch.setattr(PagedBlocks, "_copy_row", staticmethod(lambda row, parts: None))
+    with caplog.at_level("WARNING"):
+        assert load(worker, target, [4, 5, 6], block_keys, is_async=False) == {4, 5, 6}
+    assert "payload checksum mismatch" in caplog.text
+    assert block_keys[0] in worker._suspect_keys  # a later save may replace it
+
+
+def test_verify_after_load_checks_an_async_install_into_a_cpu_cache(layout, tmp_path, monkeypatch):
+    """An async load stages, and the worker copies the rows in: with the check on, a copy
+    that wrote nothing is caught in the cache; with it off it is taken on trust."""
+    _, block_keys = stored(tmp_path, layout, 3, seed=34)
+    target = random_caches(layout, 35)
+    worker = connector(tmp_path, layout, target)
+    monkeypatch.setattr(PagedBlocks, "_copy_row", staticmethod(lambda row, parts: None))
+    assert load(worker, target, [4, 5, 6], block_keys, is_async=True) == {4, 5, 6}
+    worker.verify_after_load = False
+    assert not load(worker, target, [4, 5, 6], block_keys, is_async=True)
 
 
 @pytest.mark.parametrize("device", STAGED)

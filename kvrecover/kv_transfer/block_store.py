@@ -232,6 +232,16 @@ class BlockCodec:
 
     def _verify(self, key: bytes, prefix: bytes | bytearray, parts: Sequence[memoryview]) -> int:
         """Check the header, then the payload held in `parts`; return the payload checksum."""
+        return self.check_payload(parts, self._check_header(key, prefix))
+
+    def check_payload(self, parts: Sequence[memoryview], checksum: int) -> int:
+        """`checksum` if the payload held in `parts` has it, else BlockLoadError."""
+        if parts_checksum(parts) != checksum:
+            raise BlockLoadError("payload checksum mismatch")
+        return checksum
+
+    def _check_header(self, key: bytes, prefix: bytes | bytearray) -> int:
+        """Check an entry's header against this layout and key; its payload checksum."""
         header = BlockHeader.unpack(prefix)
         expected = (MAGIC, VERSION, self.layout.fingerprint.encode(), key,
                     self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
@@ -241,8 +251,6 @@ class BlockCodec:
                   header.payload_nbytes)
         if actual != expected:
             raise BlockLoadError("header does not match this engine's layout or key")
-        if parts_checksum(parts) != header.payload_xxh3:
-            raise BlockLoadError("payload checksum mismatch")
         return header.payload_xxh3
 
     def _check_parts(self, parts: Sequence[memoryview]) -> None:
@@ -331,6 +339,12 @@ class BlockStore(BlockCodec):
         """Read one entry straight into its parts (writable; see the module docstring)
         and verify it; returns the payload checksum. After a BlockLoadError the parts
         hold garbage. (Parts of the wrong total size fail the length or checksum test.)"""
+        return self.check_payload(parts, self.read_unchecked_into(key, parts))
+
+    def read_unchecked_into(self, key: bytes, parts: Sequence[memoryview]) -> int:
+        """`read_into` but for the payload check: the stored payload checksum, once the
+        header passed, for the caller to check wherever the payload ends up
+        (`check_payload`)."""
         prefix = bytearray(PREFIX_SIZE)
         try:
             fd = self._open_entry(key)
@@ -342,7 +356,7 @@ class BlockStore(BlockCodec):
             raise BlockLoadError(f"cannot read entry: {error}") from error
         if count != PREFIX_SIZE + self.payload_nbytes:  # the file shrank after the size check
             raise BlockLoadError(f"entry ended after {count} bytes")
-        return self._verify(key, prefix, parts)
+        return self._check_header(key, prefix)
 
     def read(self, key: bytes) -> StoredBlock:
         """Read and verify one block."""

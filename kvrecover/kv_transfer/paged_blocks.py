@@ -4,11 +4,16 @@ Each layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim]; a 
 block is [layers, 2, block_size, kv_heads, head_dim]. On the CPU one block's bytes are
 2 x layers contiguous slices of the caches, its "parts" in file order (`block_store`),
 so an entry is written from the cache itself with no copy in between ("direct").
-Loads always stage whole entries in rows of a pooled host buffer (`stage`, read by
-several threads: `staged_io`), never straight into the cache: a read abandoned at
-its deadline may still write later, and must only write rows of its own; `install`
-copies them into the cache with one indexed copy per layer; saves elsewhere `gather`
-the other way.
+No load reads straight into the cache: a read abandoned at its deadline may still
+write later, and must only write memory of its own. A sync load on the CPU
+(`load_direct`) reads each entry into a one-block bounce row of the reading thread's
+own, still in the CPU's cache when it is copied into the block's slices and hashed
+there, copy and hash fenced by the load's `ReadCancel` (`reader_threads`), so the
+load costs about what reading into the cache did. Other loads stage whole entries
+in rows of a pooled host buffer (`stage`, read by several threads: `staged_io`) and
+`install` copies them into the cache later (into a CPU cache block by block, each
+block hashed right after its copy for `verify_after_load`); saves elsewhere
+`gather` the other way.
 
 On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
 the read), each chunk of rows goes up on a side stream as soon as it is read, and
@@ -32,10 +37,20 @@ from typing import Any
 
 import torch
 
-from kvrecover.kv_transfer.block_store import byte_view, parts_checksum, payload_checksum
+from kvrecover.kv_transfer.block_store import (
+    BlockLoadError,
+    byte_view,
+    parts_checksum,
+    payload_checksum,
+)
+from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
 
 MAX_FREE_STAGING = 4  # staging buffers kept for reuse (async loads in flight at once)
+MAX_FREE_BOUNCE_ROWS = 16  # one-block rows kept for direct loads (one per reading thread)
+# Rows a thread of a direct load claims at a time: a helper thread costs about one
+# block's read to start, so a load of a few blocks stays on one thread.
+DIRECT_CHUNK_BYTES = 4 << 20
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size integer views
 
 
@@ -74,6 +89,7 @@ class PagedBlocks:
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
         self._free_staging: list[tuple[torch.Tensor, Any]] = []  # (buffer, event or None)
+        self._free_bounce_rows: list[memoryview] = []
         self._staging_lock = threading.Lock()
         self._upload_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
 
@@ -109,7 +125,60 @@ class PagedBlocks:
                 self._free_staging.sort(key=lambda entry: entry[0].shape[0])
                 del self._free_staging[0]
 
+    def _bounce_row(self) -> memoryview:
+        """A one-block row for a direct load to read into (`_give_back` it once read and
+        copied: only the thread that read into it may, so no late read ever lands in a
+        row that another load uses)."""
+        with self._staging_lock:
+            if self._free_bounce_rows:
+                return self._free_bounce_rows.pop()
+        return memoryview(bytearray(self.block_nbytes))
+
+    def _give_back(self, row: memoryview) -> None:
+        with self._staging_lock:
+            if len(self._free_bounce_rows) < MAX_FREE_BOUNCE_ROWS:
+                self._free_bounce_rows.append(row)
+
     # ----- loads -------------------------------------------------------------------
+    def load_direct(self, block_ids: list[int], read_row: Callable[[int, memoryview], int],
+                    cancelled: ReadCancel, threads: int) -> list[RowResult]:
+        """Load entries 0..len(block_ids)-1 into the given cache blocks (direct caches
+        only) on up to `threads` threads: `read_row(position, row)` reads an entry into a
+        bounce row and returns its stored payload checksum (header checked); the row is
+        then copied into the block and the block hashed there, both under `cancelled`'s
+        fence, so nothing is written once `cancelled.set()` has returned. A block whose
+        hash differs fails (BlockLoadError); failed blocks hold garbage. The hash is of
+        the cache's own bytes: the check `verify_after_load` asks for. Results as
+        `staged_io.read_rows`."""
+
+        def load_one(position: int) -> int:
+            row = self._bounce_row()
+            try:
+                checksum = read_row(position, row)
+                parts = self.parts(block_ids[position])
+
+                def copy_and_check() -> int:
+                    self._copy_row(row, parts)
+                    if parts_checksum(parts) != checksum:
+                        raise BlockLoadError("payload checksum mismatch")
+                    return checksum
+
+                return cancelled.write_unless_set(copy_and_check)
+            finally:
+                self._give_back(row)
+
+        return read_rows(len(block_ids), load_one, cancelled, threads,
+                         max(1, DIRECT_CHUNK_BYTES // self.block_nbytes))
+
+    @staticmethod
+    def _copy_row(row: memoryview, parts: list[memoryview]) -> None:
+        """Copy a block's bytes from `row` into its parts."""
+        offset = 0
+        for part in parts:
+            end = offset + part.nbytes
+            part[:] = row[offset:end]
+            offset = end
+
     def stage(self, count: int, read_row: Callable[[int, memoryview], int],
               cancelled: threading.Event, threads: int) -> tuple[StagedRows, list[RowResult]]:
         """Read `count` entries into staging rows, `read_row(position, row)` each (it
@@ -147,6 +216,10 @@ class PagedBlocks:
         cache afterwards (see the module docstring); returns how many leading blocks
         passed (all of them without a check)."""
         count = len(block_ids)
+        if self.direct:
+            passed = self._install_direct(block_ids, staged.host, checksums)
+            self.release(staged.host)
+            return passed
         self._scatter(block_ids, staged)
         self.release(staged.host, staged.uploaded)
         if checksums is None:
@@ -163,6 +236,19 @@ class PagedBlocks:
             mismatched |= (back != rows[:, layer].view(bits)).reshape(count, -1).any(dim=1)
         bad = mismatched.nonzero().flatten().tolist()  # the one host sync of a checked load
         return bad[0] if bad else count
+
+    def _install_direct(self, block_ids: list[int], staging: torch.Tensor,
+                        checksums: list[int] | None) -> int:
+        """`install` into a direct cache: each row copied into its block's slices and, with
+        `checksums`, hashed there while it is still in the CPU's cache; stops at the first
+        block that differs."""
+        rows, nbytes = byte_view(staging), self.block_nbytes
+        for position, block_id in enumerate(block_ids):
+            parts = self.parts(block_id)
+            self._copy_row(rows[position * nbytes : (position + 1) * nbytes], parts)
+            if checksums is not None and parts_checksum(parts) != checksums[position]:
+                return position
+        return len(block_ids)
 
     def _device_blocks(self, staged: StagedRows, count: int) -> torch.Tensor:
         """The uploaded rows as blocks [count, *block_shape] in the cache's dtype."""

@@ -6,13 +6,18 @@ its own, and the load waits for it only until its deadline (`load_timeout_s`). P
 it the read is abandoned: its `cancelled` event is set (reads check it between
 entries, an injected hang waits on it) and whatever it returns later is dropped.
 An abandoned read only ever writes memory of its own (staging rows, host buffers),
-never the KV cache, so giving up on it is safe.
+never the KV cache, so giving up on it is safe. A read that copies into the cache
+itself (a folder's sync load on the CPU) does so only through its `cancelled`
+event's `write_unless_set`: once `set()` has returned, no such copy is running and
+none will start (the copy is a memory copy, never I/O, so `set()` waits for at most
+one block's).
 
 A store that hangs for good would otherwise leave one stuck thread per load: while
 `MAX_ABANDONED_READS` abandoned reads of one connector are still running, a new load
 fails at once (`StoreStuck`: its blocks are invalid and recomputed) instead of starting
 another thread. Reads already running when the cap is reached may still be abandoned
-after it, so the stuck threads stay below the cap plus the loads in flight at once.
+after it, so the stuck reads stay below the cap plus the loads in flight at once (a
+read of many blocks may itself run on up to `io_threads` threads: `staged_io`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 MAX_ABANDONED_READS = 4  # stuck reads one connector keeps waiting on before it refuses loads
 
@@ -35,12 +40,36 @@ class ReadTimedOut(Exception):
     """A read was still running at its load's deadline (it was abandoned)."""
 
 
+ResultT = TypeVar("ResultT")
+
+
+class ReadCancel(threading.Event):
+    """A read's `cancelled` flag, which also fences the read's writes into the KV cache
+    (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._writes = threading.Lock()
+
+    def set(self) -> None:
+        with self._writes:  # waits for a copy in progress to end
+            super().set()
+
+    def write_unless_set(self, write: Callable[[], ResultT]) -> ResultT:
+        """`write()`'s result, or ReadTimedOut (and nothing written) if the read is
+        cancelled; `set()` waits while `write` runs."""
+        with self._writes:
+            if self.is_set():
+                raise ReadTimedOut("the load was given up: nothing more goes into the cache")
+            return write()
+
+
 @dataclass
 class StoreRead:
     """A read running on its own thread: the result to come and how to cancel it."""
 
     future: concurrent.futures.Future
-    cancelled: threading.Event
+    cancelled: ReadCancel
     thread: threading.Thread
 
 
@@ -53,13 +82,13 @@ class ReaderThreads:
         self._abandoned: list[StoreRead] = []
         self._lock = threading.Lock()
 
-    def start(self, name: str, read: Callable[[threading.Event], Any]) -> StoreRead:
+    def start(self, name: str, read: Callable[[ReadCancel], Any]) -> StoreRead:
         """Run `read(cancelled)` on a new daemon thread called `name`. Raises StoreStuck
         (starting nothing) while `max_abandoned` abandoned reads are still running."""
         if self.num_stuck() >= self.max_abandoned:
             raise StoreStuck(f"{self.max_abandoned} earlier reads of this store are still "
                              "stuck past their deadline")
-        cancelled = threading.Event()
+        cancelled = ReadCancel()
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:

@@ -14,15 +14,18 @@ every store connector (`store_base`, which also holds the scheduler role,
 the async-load bookkeeping and shutdown; this module keeps only the folder's own
 load and save path).
 
-Every load reads and verifies into staging rows (host memory of its own) on a
-reader thread (`reader_threads`), and the worker copies the rows into the cache
-itself: a sync load waits for its reader until `load_timeout_s` at most, an async
-one until the worker reports it finished. A file read stuck in the kernel (a hung
-NFS mount) therefore costs a load at most its deadline and can never write into
-cache blocks later, when they may belong to someone else; its thread is abandoned
-(bounded in number). `io_threads` threads read a load's entries (`staged_io`); on a
-GPU the rows are pinned and reused, each chunk going up on a side stream while the
-next ones are read, one indexed copy per layer puts them in the cache, and
+Every load runs on a reader thread (`reader_threads`) and never reads a file into
+the cache itself: a sync load waits for its reader until `load_timeout_s` at most,
+an async one until the worker reports it finished. A file read stuck in the kernel
+(a hung NFS mount) therefore costs a load at most its deadline and can never write
+into cache blocks later, when they may belong to someone else; its thread is
+abandoned (bounded in number). `io_threads` threads read a load's entries
+(`staged_io`). A sync load on the CPU reads each entry into a small bounce row and
+copies it into its block under the load's write fence, hashing it there, so its
+check is on the cache's own bytes (`PagedBlocks.load_direct`); async loads and GPU
+loads verify into staging rows that the worker copies into the cache. On a GPU the
+rows are pinned and reused, each chunk going up on a side stream while the next
+ones are read, one indexed copy per layer puts them in the cache, and
 `verify_after_load` compares the cache's blocks with the verified rows
 (`paged_blocks` says what that proves). Saves on the CPU write from the cache
 itself (`paged_blocks`); GPU saves gather on the device, come down in one copy, and
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,7 +47,8 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore, byte_view
 from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
-from kvrecover.kv_transfer.staged_io import write_rows
+from kvrecover.kv_transfer.reader_threads import ReadCancel, ReadTimedOut
+from kvrecover.kv_transfer.staged_io import RowResult, write_rows
 from kvrecover.kv_transfer.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
@@ -69,10 +72,11 @@ MAX_IO_THREADS = 8  # default `io_threads`: beyond this the per-entry Python wor
 @dataclass(frozen=True)
 class LoadedBlock:
     """A block that `_read_blocks` read and verified: its payload checksum and where
-    its bytes are (row `position` of the staged rows)."""
+    its bytes are (row `position` of the staged rows, or None: in its cache block,
+    checked there)."""
 
     checksum: int
-    staging: StagedRows
+    staging: StagedRows | None
     position: int
 
 
@@ -125,41 +129,50 @@ class SharedStorageConnector(StoreConnectorBase):
         return self._paged
 
     def _read_sync(self, transfers: list[BlockTransfer],
-                   cancelled: threading.Event) -> list[list[LoadedBlock | None]]:
+                   cancelled: ReadCancel) -> list[list[LoadedBlock | None]]:
         # Each sync load has a reader of its own (`batched_sync_reads` is False).
-        return [self._read_blocks(transfers[0], cancelled)]
+        return [self._read_blocks(transfers[0], cancelled, into_cache=self._paged_blocks().direct)]
 
-    def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
-        """Read and verify a request's blocks into staging rows (on a reader thread);
-        None from the first failure on."""
+    def _read_blocks(self, transfer: BlockTransfer, cancelled: ReadCancel,
+                     into_cache: bool) -> list[LoadedBlock | None]:
+        """Read and verify a request's blocks (on a reader thread) into staging rows, or
+        `into_cache` (a direct cache, `PagedBlocks.load_direct`); None from the first
+        failure on."""
         paged = self._paged_blocks()
-
-        def read_row(position: int, row: memoryview) -> int:
-            return self._read_entry(transfer, position, [row], cancelled)
-
-        staged, results = paged.stage(len(transfer.block_ids), read_row, cancelled, self.io_threads)
+        staged: StagedRows | None = None
+        results: list[RowResult]
+        if into_cache:
+            results = paged.load_direct(transfer.block_ids, lambda position, row: self._read_entry(
+                transfer, position, [row], cancelled, check_payload=False), cancelled, self.io_threads)
+        else:
+            staged, results = paged.stage(len(transfer.block_ids), lambda position, row: (
+                self._read_entry(transfer, position, [row], cancelled)), cancelled, self.io_threads)
         blocks: list[LoadedBlock | None] = []
         for position, result in enumerate(results):
             if not isinstance(result, int):
                 self._log_failure(transfer.keys[position], result)
                 break
             blocks.append(LoadedBlock(result, staged, position))
-        if not blocks:
+        if staged is not None and not blocks:
             paged.release(staged.host, staged.uploaded)
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
     def _read_entry(self, transfer: BlockTransfer, position: int, parts: list[memoryview],
-                    cancelled: threading.Event) -> int:
-        """Read and verify entry `position` of the transfer into `parts`; its checksum."""
+                    cancelled: ReadCancel, check_payload: bool = True) -> int:
+        """Read entry `position` of the transfer into `parts` and check it (its payload
+        too unless not `check_payload`: the caller checks it where it ends up); its
+        stored payload checksum."""
         key = transfer.keys[position]
         if self._read_filter is None:
-            return self.store.read_into(key, parts)
+            if check_payload:
+                return self.store.read_into(key, parts)
+            return self.store.read_unchecked_into(key, parts)
         raw = self._read_filter(transfer.request_id, transfer.block_ids[position], key,
                                 self.store.read_raw(key), cancelled)
         return self.store.parse_into(key, raw, parts)
 
     def _log_failure(self, key: bytes, error: BaseException | None) -> None:
-        if error is None:  # not read: the load was cancelled (its deadline passed)
+        if error is None or isinstance(error, ReadTimedOut):  # the load was given up
             return
         if isinstance(error, BlockLoadError):
             logger.warning("KV block %s failed to load: %s", key.hex(), error)
@@ -167,15 +180,16 @@ class SharedStorageConnector(StoreConnectorBase):
         else:
             logger.warning("KV block %s failed to load: %r", key.hex(), error)
 
-    def _read_async(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
-        return self._read_blocks(transfer, cancelled)
+    def _read_async(self, transfer: BlockTransfer, cancelled: ReadCancel) -> list[LoadedBlock | None]:
+        # Staged: an async load must not write the cache before the worker confirms it.
+        return self._read_blocks(transfer, cancelled, into_cache=False)
 
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
-        """Copy the leading verified blocks into the cache; report every block from the
-        first bad one on as invalid."""
+        """Copy the leading verified blocks into the cache unless they were loaded there;
+        report every block from the first bad one on as invalid."""
         loaded = prefix_before_none(blocks)
         count = len(loaded)
-        if count:
+        if count and loaded[0].staging is not None:
             checksums = [block.checksum for block in loaded]
             count = self._paged_blocks().install(transfer.block_ids[:count], loaded[0].staging,
                                                  checksums if self.verify_after_load else None)

@@ -5,8 +5,8 @@ Every load reads on a thread of its own and waits for it only until its deadline
 (`reader_threads`), so a store that trickles or hangs costs a load at most
 `load_timeout_s`, and a sync load never blocks the engine longer.
 
-Both the folder connector (`shared_storage`, zero-copy file <-> cache) and the
-batched connector over any store (`store_connector`: Redis, tiers) build on
+Both the folder connector (`shared_storage`, one file per block, one system call
+each way) and the batched connector over any store (`store_connector`: Redis, tiers) build on
 `StoreConnectorBase`, which also starts each step's loads (`start_load_kv`: async
 ones on their threads, sync ones read at once); each keeps its own read, install and
 save path (`_read_sync`, `_read_async`, `_install`, `wait_for_save`), the only part
@@ -44,7 +44,13 @@ from kvrecover.kv_transfer.base import (
     KVConnectorRole,
     ReadFilter,
 )
-from kvrecover.kv_transfer.reader_threads import ReaderThreads, ReadTimedOut, StoreRead, StoreStuck
+from kvrecover.kv_transfer.reader_threads import (
+    ReadCancel,
+    ReaderThreads,
+    ReadTimedOut,
+    StoreRead,
+    StoreStuck,
+)
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
@@ -55,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
 # A sync load's read of some transfers: (transfers, cancelled) -> one result per transfer.
-SyncRead = Callable[[list["BlockTransfer"], threading.Event], list[Any]]
+SyncRead = Callable[[list["BlockTransfer"], ReadCancel], list[Any]]
 
 
 ItemT = TypeVar("ItemT")
@@ -130,7 +136,7 @@ class AsyncLoad:
     transfer: BlockTransfer
     future: concurrent.futures.Future
     deadline: float
-    cancelled: threading.Event
+    cancelled: ReadCancel
     thread: threading.Thread | None
 
 
@@ -252,13 +258,13 @@ class StoreConnectorBase(KVConnectorBase):
             if blocks is not None:
                 self._install(transfer, blocks)
 
-    def _read_sync(self, transfers: list[BlockTransfer], cancelled: threading.Event) -> list[Any]:
+    def _read_sync(self, transfers: list[BlockTransfer], cancelled: ReadCancel) -> list[Any]:
         """Read and verify a group of sync loads on a reader thread, off the cache (one
         transfer, or all of the step's where `batched_sync_reads`); one result per
         transfer, for `_install`."""
         raise NotImplementedError(f"{type(self).__name__} does not load synchronously")
 
-    def _read_async(self, transfer: BlockTransfer, cancelled: threading.Event) -> Any:
+    def _read_async(self, transfer: BlockTransfer, cancelled: ReadCancel) -> Any:
         """Read and verify one async load's blocks on its thread, off the cache; the
         result goes to `_install` once the worker reports the load finished."""
         raise NotImplementedError(f"{type(self).__name__} does not load asynchronously")
@@ -276,7 +282,7 @@ class StoreConnectorBase(KVConnectorBase):
             refused: concurrent.futures.Future = concurrent.futures.Future()
             refused.set_exception(error)
             self._async_loads[transfer.request_id] = AsyncLoad(
-                transfer, refused, deadline, threading.Event(), None)
+                transfer, refused, deadline, ReadCancel(), None)
             return
         self._async_loads[transfer.request_id] = AsyncLoad(
             transfer, task.future, deadline, task.cancelled, task.thread)
