@@ -43,14 +43,19 @@ class Usage(_Shape):
         return self
 
 
-class CompletionChoice(_Shape):
-    """One choice of a completion, streamed (the new text) or whole."""
+class _Choice(_Shape):
+    """What every choice carries, whatever holds its text."""
 
     index: Count
-    text: str
     finish_reason: FinishReason | None
     logprobs: Any = None
     token_ids: TokenIds | None = None
+
+
+class CompletionChoice(_Choice):
+    """One choice of a completion, streamed (the new text) or whole."""
+
+    text: str
     prompt_token_ids: TokenIds | None = None
 
 
@@ -61,14 +66,10 @@ class ChatDelta(_Shape):
     content: str | None = None
 
 
-class ChatStreamChoice(_Shape):
+class ChatStreamChoice(_Choice):
     """One choice of a chat chunk."""
 
-    index: Count
     delta: ChatDelta
-    finish_reason: FinishReason | None
-    logprobs: Any = None
-    token_ids: TokenIds | None = None
 
 
 class ChatMessage(_Shape):
@@ -78,14 +79,10 @@ class ChatMessage(_Shape):
     content: str | None
 
 
-class ChatChoice(_Shape):
+class ChatChoice(_Choice):
     """One choice of a whole chat answer."""
 
-    index: Count
     message: ChatMessage
-    finish_reason: FinishReason | None
-    logprobs: Any = None
-    token_ids: TokenIds | None = None
 
 
 class _Answer(_Shape):
