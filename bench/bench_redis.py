@@ -14,7 +14,12 @@ bytes, `--batch-blocks` blocks per round trip (a step's worth):
   one pipeline of size-bounded GETRANGEs (a hostile oversized value is never read
   whole), verify, scatter into the cache per step (`start_load_kv`), with
   `verify_after_load` on and off. The ratio to raw is the figure (goal >= 0.7);
-- the SharedStorageConnector on a folder (--dir, /dev/shm by default) for scale.
+- the SharedStorageConnector on a folder (--dir, /dev/shm by default) for scale;
+- with --cluster, the same through a three-node Redis Cluster started on loopback
+  ports (tests/redis_cluster_helpers.py), next to a raw redis-py cluster pipeline
+  (SET / GET, grouped by node by redis-py), same run; then the time to first token
+  of a prompt whose KV is in the cluster: all nodes up, one of three killed, and no
+  connector (all computed), on a small random model.
 
 Without --url a private redis-server (no persistence) is started on a free
 loopback port and stopped afterwards. The store is flushed before each save;
@@ -33,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+import redis.cluster
 import torch
 import xxhash
 
@@ -91,7 +97,8 @@ def batches(items: list, size: int) -> list[list]:
 
 
 def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megabytes: int,
-                 batch: int, repeats: int) -> list[tuple[str, str, float, float]]:
+                 batch: int, repeats: int, cluster_url: str | None = None,
+                 ) -> list[tuple[str, str, float, float]]:
     """Rows of (layout, operation, GB/s, ratio to raw redis-py)."""
     num_blocks = max(batch, megabytes * (1 << 20) // layout.block_nbytes)
     nbytes = num_blocks * layout.block_nbytes
@@ -121,9 +128,34 @@ def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megab
             values = client.mget(chunk)
             assert all(v is not None for v in values)
 
+    cluster = None if cluster_url is None else redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode(*seed.split(":"))
+                       for seed in cluster_url.split("://")[1].split(",")])
+
+    def cluster_flush() -> None:
+        assert cluster is not None
+        cluster.flushdb(target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+
+    def cluster_raw_save() -> None:
+        assert cluster is not None
+        for chunk in batches(list(zip(raw_keys, payloads)), batch):
+            pipeline = cluster.pipeline(transaction=False)
+            for key, payload in chunk:
+                pipeline.set(key, payload)
+            pipeline.execute()
+
+    def cluster_raw_load() -> None:
+        assert cluster is not None
+        for chunk in batches(raw_keys, batch):
+            pipeline = cluster.pipeline(transaction=False)
+            for key in chunk:
+                pipeline.get(key)
+            assert all(v is not None for v in pipeline.execute())
+
     def connector(kind: str) -> BlockStoreConnector:
-        if kind == "redis":
-            config = KVTransferConfig("RedisConnector", "kv_both", {"url": url})
+        if kind in ("redis", "cluster"):
+            config = KVTransferConfig("RedisConnector", "kv_both",
+                                      {"url": url if kind == "redis" else cluster_url})
             made = RedisConnector(config, KVConnectorRole.WORKER, layout)
         else:
             config = KVTransferConfig("SharedStorageConnector", "kv_both",
@@ -165,21 +197,35 @@ def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megab
     def nothing() -> None:
         pass
 
-    saves = best_times({
+    save_runs = {
         "raw": (flush, raw_save),
         "redis": (flush, save_with(redis_connector)),
         "folder": (reset_folder, save_with(folder_connector)),
-    }, repeats)
-    flush()
-    raw_save()
-    save_with(redis_connector)()
-    loads = best_times({
+    }
+    load_runs = {
         "raw": (nothing, raw_load),
         "redis": (nothing, load_with(redis_connector)),
         "redis-unverified": (nothing, load_with(unverified)),
         "folder": (nothing, load_with(folder_connector)),
-    }, repeats)
-    for made in (redis_connector, unverified):
+    }
+    connectors = [redis_connector, unverified]
+    if cluster is not None:
+        cluster_connector = connector("cluster")
+        connectors.append(cluster_connector)
+        save_runs["cluster-raw"] = (cluster_flush, cluster_raw_save)
+        save_runs["cluster"] = (cluster_flush, save_with(cluster_connector))
+        load_runs["cluster-raw"] = (nothing, cluster_raw_load)
+        load_runs["cluster"] = (nothing, load_with(cluster_connector))
+    saves = best_times(save_runs, repeats)
+    flush()
+    raw_save()
+    save_with(redis_connector)()
+    if cluster is not None:
+        cluster_flush()
+        cluster_raw_save()
+        save_with(cluster_connector)()
+    loads = best_times(load_runs, repeats)
+    for made in connectors:
         made.shutdown()
     flush()
     reset_folder()
@@ -191,7 +237,16 @@ def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megab
         return (f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)", operation,
                 nbytes / seconds / 1e9, reference / seconds)
 
-    return [
+    cluster_rows = [] if cluster is None else [
+        row("save: raw redis-py cluster pipeline SET", saves["cluster-raw"], t_raw_save),
+        row("save: RedisConnector, 3-node cluster", saves["cluster"], saves["cluster-raw"]),
+        row("load: raw redis-py cluster pipeline GET", loads["cluster-raw"], t_raw_load),
+        row("load: RedisConnector, 3-node cluster", loads["cluster"], loads["cluster-raw"]),
+    ]
+    if cluster is not None:
+        cluster_flush()
+        cluster.close()
+    return cluster_rows + [
         row("save: raw redis-py pipeline SET", t_raw_save, t_raw_save),
         row("save: RedisConnector wait_for_save", t_redis_save, t_raw_save),
         row("save: SharedStorageConnector (folder)", t_folder_save, t_raw_save),
@@ -200,6 +255,48 @@ def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megab
         row("load: RedisConnector, verify_after_load=True", t_redis_load, t_raw_load),
         row("load: SharedStorageConnector (folder)", t_folder_load, t_raw_load),
     ]
+
+
+def time_to_first_token(cluster, folder: Path, prompt_tokens: int, repeats: int) -> dict[str, float]:
+    """Best time to first token (seconds) of a `prompt_tokens` prompt whose KV a producer
+    stored in `cluster`: all nodes up; one of three killed (its blocks recomputed, the
+    others loaded); no connector. A fresh engine per measurement, warmed up first."""
+    from conftest import build_tiny_model
+
+    from kvrecover import LLM, SamplingParams
+
+    model = build_tiny_model(folder / "model", hidden_size=256, intermediate_size=512,
+                             num_hidden_layers=6, num_attention_heads=8,
+                             num_key_value_heads=4, max_position_embeddings=4096)
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def engine(role: str | None) -> LLM:
+        transfer = None if role is None else KVTransferConfig(
+            "RedisConnector", role, {"url": cluster.url, "timeout_s": 2.0})
+        llm = LLM(str(model), device="cpu", block_size=16, max_num_batched_tokens=512,
+                  num_kv_blocks=4 * prompt_tokens // 16, kv_transfer_config=transfer)
+        llm.generate([{"prompt_token_ids": [5] * 40}], params)  # warm-up (nothing stored)
+        return llm
+
+    def ttft(role: str | None, prompt: list[int]) -> float:
+        llm = engine(role)
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params)
+        elapsed = time.perf_counter() - started
+        llm.close()
+        return elapsed
+
+    prompts = [torch.randint(2, 384, (prompt_tokens,), generator=generator).tolist()
+               for _ in range(2 * repeats)]
+    producer = engine("kv_producer")
+    producer.generate([{"prompt_token_ids": p} for p in prompts], params)
+    producer.close()
+    best = {"cluster, all 3 nodes up": min(ttft("kv_consumer", p) for p in prompts[:repeats]),
+            "no connector (all computed)": min(ttft(None, p) for p in prompts[:repeats])}
+    cluster.nodes[0].kill()
+    best["cluster, 1 of 3 nodes killed"] = min(ttft("kv_consumer", p) for p in prompts[repeats:])
+    return best
 
 
 def main() -> None:
@@ -211,14 +308,25 @@ def main() -> None:
     parser.add_argument("--batch-blocks", type=int, default=32, help="blocks per round trip (32)")
     parser.add_argument("--repeats", type=int, default=5, help="best of N (5)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="also through a 3-node Redis Cluster, and its time to first token")
+    parser.add_argument("--prompt-tokens", type=int, default=2048,
+                        help="prompt length of the time-to-first-token runs (2048)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="kvrecover_bench_redis_", dir=args.dir))
-    server = None
+    server = cluster = None
     try:
         url = args.url
         if url is None:
             server, url = start_server(root)
+        if args.cluster:
+            import sys
+
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from redis_cluster_helpers import RedisClusterProcesses
+
+            cluster = RedisClusterProcesses().start()
         version = redis.Redis.from_url(url).info("server")["redis_version"]
         print(f"redis {version} at {url.split('@')[-1]}, redis-py {redis.__version__}, "
               f"{args.batch_blocks} blocks per round trip, best of {args.repeats}\n")
@@ -226,10 +334,20 @@ def main() -> None:
         for name, layout in LAYOUTS.items():
             for layout_name, operation, rate, ratio in bench_layout(
                 name, layout, url, root / "folder", args.megabytes, args.batch_blocks,
-                args.repeats,
+                args.repeats, None if cluster is None else cluster.url,
             ):
                 print(f"{layout_name:<34}{operation:<48}{rate:>8.2f}{ratio:>8.2f}")
+        if cluster is not None:
+            print("\n(cluster rows: 'x raw' is the raw cluster pipeline against the raw one-"
+                  "server pipeline, the connector against the raw cluster pipeline)")
+            print(f"\ntime to first token, {args.prompt_tokens}-token prompt, best of "
+                  f"{args.repeats}:")
+            for case, seconds in time_to_first_token(cluster, root, args.prompt_tokens,
+                                                     args.repeats).items():
+                print(f"  {case:<34}{seconds * 1000:>9.1f} ms")
     finally:
+        if cluster is not None:
+            cluster.cleanup()
         if server is not None:
             server.terminate()
             server.wait(timeout=30)

@@ -48,8 +48,9 @@ class ScenarioArgs:
         Path("kvrecover_scenario"), "folder for the KV store and the output files", Path,
         convert=_as_path, metavar="DIR")
     store: str | None = option(
-        None, "keep the KV in Redis (redis://[:password@]host:port/db, unix:///path.sock) "
-        "instead of <workdir>/local_storage", str, nullable=True, metavar="URL")
+        None, "keep the KV in Redis (redis://[:password@]host:port/db, unix:///path.sock, or "
+        "a cluster: redis+cluster://host:port[,host:port...]) instead of "
+        "<workdir>/local_storage", str, nullable=True, metavar="URL")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -161,7 +161,8 @@ class FaultyProxy(_LoopbackListener):
     client sends GETRANGE (a block load), `on_load` runs before the bytes go on:
     "kill" kills the server (the load's connection drops mid-load), "blackhole"
     swallows that and all later traffic while keeping the sockets open (the load
-    times out)."""
+    times out). The fault is in place before any client's later bytes go on, so no
+    load, on any connection, is answered after the first one was seen."""
 
     def __init__(self, upstream_port: int, on_load: str, kill: Callable[[], None] | None = None):
         if on_load not in ("kill", "blackhole"):
@@ -171,11 +172,14 @@ class FaultyProxy(_LoopbackListener):
         self.kill = kill
         self.triggered = threading.Event()
         self.blackholed = False
+        # Held from seeing a client's bytes until they went on (or were swallowed): another
+        # connection's load can never slip through between the trigger and the fault.
+        self._fault_lock = threading.Lock()
         super().__init__()
 
     def _serve(self, client: socket.socket) -> None:
         try:
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            upstream = connect_upstream(self.upstream_port)
         except OSError:
             client.close()
             return
@@ -189,20 +193,28 @@ class FaultyProxy(_LoopbackListener):
                 data = source.recv(1 << 16)
                 if not data:
                     break
-                if from_client and b"GETRANGE" in data and not self.triggered.is_set():
-                    self.triggered.set()
-                    if self.on_load == "kill":
-                        self.kill()
-                    else:
-                        self.blackholed = True
-                if self.blackholed:
-                    continue  # swallowed: the peer waits for an answer that never comes
-                target.sendall(data)
+                if from_client:
+                    with self._fault_lock:
+                        self._forward_request(data, target)
+                elif not self.blackholed:  # else swallowed, like everything after the trigger
+                    target.sendall(data)
         except OSError:
             pass
         if not self.blackholed:
             for sock in (source, target):
                 _close(sock)
+
+    def _forward_request(self, data: bytes, upstream: socket.socket) -> None:
+        """Send a client's bytes on, unless the fault swallows them; the first load
+        triggers the fault first (the caller holds `_fault_lock`)."""
+        if b"GETRANGE" in data and not self.triggered.is_set():
+            self.triggered.set()
+            if self.on_load == "kill":
+                self.kill()
+            else:
+                self.blackholed = True
+        if not self.blackholed:  # else the peer waits for an answer that never comes
+            upstream.sendall(data)
 
 
 class TricklingProxy(_LoopbackListener):
@@ -221,7 +233,7 @@ class TricklingProxy(_LoopbackListener):
 
     def _serve(self, client: socket.socket) -> None:
         try:
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            upstream = connect_upstream(self.upstream_port)
         except OSError:
             client.close()
             return
@@ -282,7 +294,22 @@ class SilentServer(_LoopbackListener):
         self._track(client)  # held open, never answered
 
 
+def connect_upstream(port: int) -> socket.socket:
+    """A connection to the server on 127.0.0.1:`port` (5 s to connect); reads on it then
+    wait as long as the server is silent: a proxy never drops an idle connection itself."""
+    upstream = socket.create_connection(("127.0.0.1", port), timeout=5)
+    upstream.settimeout(None)
+    return upstream
+
+
 def _close(sock: socket.socket) -> None:
+    """Close `sock` so that the peer sees it at once, even while another thread is
+    blocked reading it (a bare close() leaves that connection open until the read
+    returns)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # never connected, or already shut down
     try:
         sock.close()
     except OSError:

@@ -6,7 +6,7 @@ message). The engine therefore enforces a deadline on every async load itself
 does. Blocks that a load nobody waits for any more may still write (its request
 was aborted, failed, or gave up on it at the deadline) are orphaned: held, never
 reused, until the worker confirms that the load finished or was cancelled
-(rule 7). Until its deadline an orphan keeps the engine stepping so the
+(rule 7; the holding is `held_blocks.py`'s, shared with the sends of ended requests). Until its deadline an orphan keeps the engine stepping so the
 confirmation is collected; after it, it no longer does, and if no confirmation
 ever comes its blocks stay held.
 """
@@ -15,15 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-@dataclass
-class OrphanedLoad:
-    """Blocks held on behalf of a load whose request no longer waits for it."""
-
-    block_ids: list[int]
-    deadline: float
+from kvrecover.engine.held_blocks import BlockHolds, HeldBlocks
 
 
 class AsyncLoadTracker:
@@ -33,7 +26,12 @@ class AsyncLoadTracker:
         self.timeout_s = timeout_s
         self.clock = clock
         self._deadlines: dict[str, float] = {}
-        self.orphans: dict[str, OrphanedLoad] = {}
+        self._orphans = BlockHolds(clock)  # held until the worker confirms the load
+
+    @property
+    def orphans(self) -> dict[str, HeldBlocks]:
+        """The orphaned loads' held blocks, by request id."""
+        return self._orphans.holds
 
     def start(self, request_id: str) -> None:
         """The scheduler parked the request in WAITING_FOR_REMOTE_KVS: its load starts now."""
@@ -52,24 +50,17 @@ class AsyncLoadTracker:
 
     def orphan(self, request_id: str, block_ids: list[int]) -> None:
         """Hold `block_ids` (their references pass to the tracker) until the load is confirmed."""
-        deadline = self._deadlines.pop(request_id, self.clock())
-        previous = self.orphans.get(request_id)
-        if previous is not None:  # a second unconfirmed load of the same id: keep both
-            block_ids = previous.block_ids + block_ids
-        self.orphans[request_id] = OrphanedLoad(block_ids, deadline)
+        # A second unconfirmed load of the same id keeps both sets of blocks.
+        self._orphans.hold(request_id, block_ids, self._deadlines.pop(request_id, self.clock()))
 
     def confirm(self, request_id: str) -> list[int] | None:
         """The worker confirmed an orphaned load: its block ids (to release), else None."""
-        orphan = self.orphans.pop(request_id, None)
-        return None if orphan is None else orphan.block_ids
+        return self._orphans.release(request_id)
 
     def is_orphaned(self, request_id: str) -> bool:
         """Whether an unconfirmed load of this request may still write blocks."""
-        return request_id in self.orphans
+        return self._orphans.is_held(request_id)
 
     def awaiting_confirmation(self) -> bool:
         """Whether an orphaned load is still within its deadline (worth stepping for)."""
-        if not self.orphans:
-            return False
-        now = self.clock()
-        return any(orphan.deadline > now for orphan in self.orphans.values())
+        return self._orphans.awaiting_confirmation()

@@ -156,7 +156,7 @@ class KVLoads:
         if self.connector is not None:
             keep = self.connector.request_finished(request, list(request.block_ids))
             if keep and request.block_ids:
-                self.sends.hold(request.request_id, self.kv_manager.take_blocks(request, 0))
+                self.sends.hold_until_sent(request.request_id, self.kv_manager.take_blocks(request, 0))
         self.recovery.forget(request.request_id)
 
     # ----- with the step's output -----------------------------------------------------------
@@ -178,7 +178,7 @@ class KVLoads:
 
     def finish_sends(self, finished_sending: Iterable[str]) -> None:
         """Release the blocks of the ended requests the worker reported sent."""
-        if self.sends.sends:
+        if self.sends.holds:
             self.kv_manager.release_blocks(self.sends.confirm(finished_sending))
 
     def recover(self, output: ModelRunnerOutput, loaded: list[Request],

@@ -9,7 +9,7 @@ share a full block, read-only, as it may share any cached block).
 Bounds (the connector is not trusted to report):
 - the engine keeps stepping for a report (so the worker collects it) until the
   deadline, the connector's load deadline counted from the request's end; after it
-  the blocks stay held until a report comes, as orphaned loads do (`async_loads.py`):
+  the blocks stay held until a report comes, as orphaned loads do (`held_blocks.py` holds both):
   reusing blocks a connector may still read could store wrong KV. A waiting request
   that cannot fit without them then ends with an error instead of waiting forever;
 - an aborted request is held the same way (its send may be under way);
@@ -23,46 +23,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+
+from kvrecover.engine.held_blocks import BlockHolds
 
 
-@dataclass
-class PendingSend:
-    """Blocks held for one ended request until the connector reports it sent."""
-
-    block_ids: list[int]
-    deadline: float
-
-
-class PendingSends:
-    """The held blocks of ended requests whose sends are unconfirmed, by request id."""
+class PendingSends(BlockHolds):
+    """The held blocks of ended requests whose sends are unconfirmed, by request id
+    (`is_held`: whether the connector may still read blocks of an ended request of
+    this id)."""
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
         self.timeout_s = timeout_s
-        self.clock = clock
-        self.sends: dict[str, PendingSend] = {}
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
+    def hold_until_sent(self, request_id: str, block_ids: list[int]) -> None:
         """Hold `block_ids` (their references pass here) until `request_id` is reported sent."""
-        self.sends[request_id] = PendingSend(block_ids, self.clock() + self.timeout_s)
+        self.hold(request_id, block_ids, self.clock() + self.timeout_s)
 
     def confirm(self, request_ids: Iterable[str]) -> list[int]:
         """The worker reported these requests sent: the block ids to release now
         (ids of requests not held here are ignored)."""
         released: list[int] = []
         for request_id in request_ids:
-            send = self.sends.pop(request_id, None)
-            if send is not None:
-                released += send.block_ids
+            released += self.release(request_id) or []
         return released
-
-    def is_pending(self, request_id: str) -> bool:
-        """Whether the connector may still read blocks of an ended request of this id."""
-        return request_id in self.sends
-
-    def awaiting_confirmation(self) -> bool:
-        """Whether an unconfirmed send is still within its deadline (worth stepping for)."""
-        if not self.sends:
-            return False
-        now = self.clock()
-        return any(send.deadline > now for send in self.sends.values())

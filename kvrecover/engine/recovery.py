@@ -1,6 +1,6 @@
 """KV load failure recovery: decides what a failed load rolls back, fails and uncaches.
 
-This module alone decides (DESIGN.md, rules 1-7); it never touches blocks or
+This module alone decides (docs/ARCHITECTURE.md, recovery rules 1-7); it never touches blocks or
 queues. The scheduler hands it the step's invalid block ids and the requests
 that hold blocks, and gets back a `RecoveryPlan`; the scheduler applies the
 plan (`kv_loads.py`) and the KV cache manager executes its block operations.

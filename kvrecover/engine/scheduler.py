@@ -74,7 +74,7 @@ class Scheduler:
             # The connector could not tell the old load's report from a new one's.
             raise ValueError(f"request id {request.request_id!r} is still in use by an "
                              "async KV load that the connector has not confirmed")
-        if self.kv_loads.sends.is_pending(request.request_id):
+        if self.kv_loads.sends.is_held(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is still in use by a KV "
                              "send that the connector has not reported finished")
         self.requests[request.request_id] = request

@@ -1,7 +1,7 @@
 """The KV connector contract (modelled on vLLM's v1 connector).
 
 A connector class is instantiated twice: once with role SCHEDULER inside the
-scheduler and once with role WORKER inside the model runner. The two instances
+scheduler and once with role WORKER beside the model runner. The two instances
 talk only through the metadata object that the scheduler-role instance builds in
 `build_connector_meta` each step and the worker-role instance receives in
 `bind_connector_metadata`, and through the worker's step output (finished loads,
@@ -28,7 +28,8 @@ probes a connector with `hasattr`.
 The engine does not trust a connector: an exception from any method, or an
 answer outside the contract below, is contained and becomes a KV load failure
 of the requests it touches (`kvrecover/engine/scheduler_connector.py` on the
-scheduler side, the model runner on the worker side), logged once per kind.
+scheduler side, `kvrecover/worker/kv_connector.py` on the worker side), logged once
+per kind.
 The engine also enforces the deadline `load_timeout_s` on every async load.
 """
 

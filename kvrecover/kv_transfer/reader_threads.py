@@ -8,10 +8,11 @@ entries, an injected hang waits on it) and whatever it returns later is dropped.
 An abandoned read only ever writes memory of its own (staging rows, host buffers),
 never the KV cache, so giving up on it is safe.
 
-A store that hangs for good would otherwise leave one stuck thread per load: at most
-`MAX_ABANDONED_READS` abandoned reads of one connector may still be running; while
-that many are, a new load fails at once (`StoreStuck`: its blocks are invalid and
-recomputed) instead of starting another thread.
+A store that hangs for good would otherwise leave one stuck thread per load: while
+`MAX_ABANDONED_READS` abandoned reads of one connector are still running, a new load
+fails at once (`StoreStuck`: its blocks are invalid and recomputed) instead of starting
+another thread. Reads already running when the cap is reached may still be abandoned
+after it, so the stuck threads stay below the cap plus the loads in flight at once.
 """
 
 from __future__ import annotations

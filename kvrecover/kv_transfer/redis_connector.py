@@ -7,7 +7,10 @@ and decode on different machines share KV through one server.
 Settings (`RedisConnectorSettings`, keys of `kv_connector_extra_config`):
   url              redis://[user:password@]host:port/db, rediss://..., unix:///path.sock
                    (valkey:// and valkeys:// are accepted as aliases); default
-                   redis://127.0.0.1:6379/0
+                   redis://127.0.0.1:6379/0. A Redis (or Valkey) Cluster:
+                   redis+cluster://[user:password@]host:port[,host:port...], its seed
+                   nodes (rediss+cluster:// for TLS): a prompt's blocks spread over the
+                   nodes, and a lost node costs only its blocks (redis_cluster_store)
   key_prefix       prepended to every key ("kvrecover:")
   ttl_s            expiry of stored blocks in seconds (None: never expire)
   timeout_s        bound on each call to the server as a whole: waiting for a pooled
@@ -28,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvrecover.kv_transfer.redis_cluster_store import open_redis_store
 from kvrecover.kv_transfer.redis_store import RedisBlockStore, RedisSettings
 from kvrecover.kv_transfer.store_base import StoreSettings
 from kvrecover.kv_transfer.store_connector import BlockStoreConnector
@@ -44,7 +48,7 @@ class RedisConnector(BlockStoreConnector):
     settings_class = RedisConnectorSettings
 
     def _open_store(self) -> RedisBlockStore:
-        return RedisBlockStore(self.layout, self.settings)
+        return open_redis_store(self.layout, self.settings)
 
     def _default_load_timeout_s(self) -> float:
         # One read call (bounded by timeout_s as a whole), its verification, and room to spare.

@@ -124,24 +124,10 @@ class SharedStorageConnector(StoreConnectorBase):
             raise RuntimeError(f"{type(self).__name__}: register_kv_caches was not called")
         return self._paged
 
-    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        metadata = self._get_metadata_of(StorageConnectorMetadata)
-        synchronous = []
-        for transfer in metadata.loads:
-            if transfer.is_async:
-                self._start_async(transfer)
-            else:
-                synchronous.append(transfer)
-        if not synchronous:
-            return
-
-        # Each load on its own reader, all at once, under the step's one deadline.
-        def read(group: list[BlockTransfer], cancelled: threading.Event) -> list:
-            return [self._read_blocks(group[0], cancelled)]
-
-        for transfer, blocks in zip(synchronous, self._read_now(synchronous, read, batched=False)):
-            if blocks is not None:
-                self._install(transfer, blocks)
+    def _read_sync(self, transfers: list[BlockTransfer],
+                   cancelled: threading.Event) -> list[list[LoadedBlock | None]]:
+        # Each sync load has a reader of its own (`batched_sync_reads` is False).
+        return [self._read_blocks(transfers[0], cancelled)]
 
     def _read_blocks(self, transfer: BlockTransfer, cancelled: threading.Event) -> list[LoadedBlock | None]:
         """Read and verify a request's blocks into staging rows (on a reader thread);

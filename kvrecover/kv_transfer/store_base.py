@@ -7,8 +7,10 @@ Every load reads on a thread of its own and waits for it only until its deadline
 
 Both the folder connector (`shared_storage`, zero-copy file <-> cache) and the
 batched connector over any store (`store_connector`: Redis, tiers) build on
-`StoreConnectorBase`; each keeps its own load and save path (`start_load_kv`,
-`wait_for_save`, `_read_async`, `_install`), the only part where they differ.
+`StoreConnectorBase`, which also starts each step's loads (`start_load_kv`: async
+ones on their threads, sync ones read at once); each keeps its own read, install and
+save path (`_read_sync`, `_read_async`, `_install`, `wait_for_save`), the only part
+where they differ.
 
 Settings shared by all of them (`StoreSettings`, keys of `kv_connector_extra_config`):
   async_load           load in a background thread while the request waits (False)
@@ -135,9 +137,12 @@ class AsyncLoad:
 class StoreConnectorBase(KVConnectorBase):
     """A connector whose KV blocks live in a block store, one entry per block keyed by
     the prefix-chain hash. Subclasses say where (`_open_store`) and how blocks move
-    (`start_load_kv`, `wait_for_save`, `_read_async`, `_install`)."""
+    (`_read_sync`, `_read_async`, `_install`, `wait_for_save`)."""
 
     settings_class = StoreSettings
+    # A step's sync loads are read as one group (one batched store read) rather than
+    # each on its own reader thread.
+    batched_sync_reads = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -229,6 +234,29 @@ class StoreConnectorBase(KVConnectorBase):
     # ----- worker role ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._kv_caches = kv_caches
+
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        """Start the step's async loads on their threads; read its sync loads now
+        (`_read_now`, under one deadline) and install what they read."""
+        metadata = self._get_metadata_of(StorageConnectorMetadata)
+        synchronous = []
+        for transfer in metadata.loads:
+            if transfer.is_async:
+                self._start_async(transfer)
+            else:
+                synchronous.append(transfer)
+        if not synchronous:
+            return
+        results = self._read_now(synchronous, self._read_sync, batched=self.batched_sync_reads)
+        for transfer, blocks in zip(synchronous, results):
+            if blocks is not None:
+                self._install(transfer, blocks)
+
+    def _read_sync(self, transfers: list[BlockTransfer], cancelled: threading.Event) -> list[Any]:
+        """Read and verify a group of sync loads on a reader thread, off the cache (one
+        transfer, or all of the step's where `batched_sync_reads`); one result per
+        transfer, for `_install`."""
+        raise NotImplementedError(f"{type(self).__name__} does not load synchronously")
 
     def _read_async(self, transfer: BlockTransfer, cancelled: threading.Event) -> Any:
         """Read and verify one async load's blocks on its thread, off the cache; the

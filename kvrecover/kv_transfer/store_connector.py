@@ -42,7 +42,6 @@ from kvrecover.kv_transfer.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,
-    prefix_before_none,
 )
 
 __all__ = ["BatchedBlockStore", "BlockStoreConnector", "BlockTransfer", "StorageConnectorMetadata"]
@@ -97,28 +96,19 @@ class BlockStoreConnector(StoreConnectorBase):
         construction)."""
         raise NotImplementedError(f"{type(self).__name__} must say where its blocks live")
 
+    # One batched read for every synchronous load of the step, under one deadline.
+    batched_sync_reads = True
+
     # ----- worker role ----------------------------------------------------------------
-    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        metadata = self._get_metadata_of(StorageConnectorMetadata)
-        synchronous = []
-        for transfer in metadata.loads:
-            if transfer.is_async:
-                self._start_async(transfer)
-            else:
-                synchronous.append(transfer)
-        if not synchronous:
-            return
-        # One batched read for every synchronous load of the step, under one deadline.
-        for transfer, blocks in zip(synchronous, self._read_now(
-                synchronous, self._read_blocks, batched=True)):
-            if blocks is not None:
-                self._install(transfer, blocks)
+    def _read_sync(self, transfers: list[BlockTransfer],
+                   cancelled: threading.Event) -> list[list[StoredBlock | None]]:
+        return self._read_blocks(transfers, cancelled)
 
     def _read_blocks(self, transfers: list[BlockTransfer],
                      cancelled: threading.Event) -> list[list[StoredBlock | None]]:
         """Read and verify the transfers' blocks with one batched store read (on a reader
-        thread); per transfer a list with None from its first failure on. `cancelled`
-        (set at the load's deadline) ends the work early."""
+        thread); per transfer a list with None for each block that failed. `cancelled`
+        (set at the load's deadline) ends the work early (None from there on)."""
         raws = self.store.read_many([key for transfer in transfers for key in transfer.keys])
         results, start = [], 0
         for transfer in transfers:
@@ -129,15 +119,15 @@ class BlockStoreConnector(StoreConnectorBase):
 
     def _verified_blocks(self, transfer: BlockTransfer, raws: list[bytes | BlockLoadError],
                          cancelled: threading.Event) -> list[StoredBlock | None]:
-        """Parse a transfer's raw entries; None from the first failure on."""
+        """Parse a transfer's raw entries; None for each bad one. Every block is checked,
+        so that only the blocks that failed are reported (a cluster node lost costs its
+        own blocks, not every block after its first)."""
         blocks: list[StoredBlock | None] = []
         for block_id, key, raw in zip(transfer.block_ids, transfer.keys, raws):
             if cancelled.is_set():
                 break
-            block = self._verified_block(transfer.request_id, block_id, key, raw, cancelled)
-            if block is None:
-                break
-            blocks.append(block)
+            blocks.append(self._verified_block(transfer.request_id, block_id, key, raw,
+                                               cancelled))
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
     def _verified_block(self, request_id: str, block_id: int, key: bytes,
@@ -158,27 +148,30 @@ class BlockStoreConnector(StoreConnectorBase):
         return None
 
     def _install(self, transfer: BlockTransfer, blocks: list[StoredBlock | None]) -> None:
-        """Copy the leading verified blocks into the cache; report every block from the
-        first bad one on as invalid."""
-        loaded = prefix_before_none(blocks)
-        count = len(loaded)
-        if count:
-            block_ids = transfer.block_ids[:count]
+        """Copy the verified blocks into the cache; report every other block as invalid
+        (the scheduler recomputes from the first invalid one)."""
+        pairs = list(zip(transfer.block_ids, blocks))
+        invalid = [block_id for block_id, block in pairs if block is None]
+        block_ids = [block_id for block_id, block in pairs if block is not None]
+        loaded = [block for _, block in pairs if block is not None]
+        if loaded:
             scatter_blocks(self._kv_caches, block_ids, [block.tensor for block in loaded])
             if self.verify_after_load:
-                count = self._verified_prefix(block_ids, loaded)
-        if count < len(blocks):
-            self._invalid_block_ids.update(transfer.block_ids[count:])
+                invalid += self._mismatched(block_ids, loaded)
+        if invalid:
+            self._invalid_block_ids.update(invalid)
             self._failed_requests.add(transfer.request_id)
 
-    def _verified_prefix(self, block_ids: list[int], blocks: list[StoredBlock]) -> int:
-        """How many leading blocks hold, in the engine's own cache, the stored bytes."""
-        for position, cached in enumerate(gather_blocks(self._kv_caches, block_ids)):
-            if payload_checksum(cached) != blocks[position].checksum:
+    def _mismatched(self, block_ids: list[int], blocks: list[StoredBlock]) -> list[int]:
+        """The blocks that do not hold, in the engine's own cache, the stored bytes."""
+        mismatched = []
+        for block_id, block, cached in zip(block_ids, blocks,
+                                           gather_blocks(self._kv_caches, block_ids)):
+            if payload_checksum(cached) != block.checksum:
                 logger.warning("KV block %d does not match its stored checksum after the load",
-                               block_ids[position])
-                return position
-        return len(blocks)
+                               block_id)
+                mismatched.append(block_id)
+        return mismatched
 
     def _read_async(self, transfer: BlockTransfer,
                     cancelled: threading.Event) -> list[StoredBlock | None]:

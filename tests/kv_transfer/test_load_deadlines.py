@@ -161,8 +161,10 @@ def test_a_stuck_folder_read_ends_each_load_at_its_deadline(tiny_llama, pristine
     assert ids == no_connector_ids(tiny_llama)
     assert seconds < ENGINE_BOUND_S
     assert_recovered(llm)
-    # A store that hangs for good does not collect a thread per load.
-    assert num_stuck <= MAX_ABANDONED_READS
+    # A store that hangs for good does not collect a thread per load: past the cap no read
+    # starts; reads already running when it is reached (at most one per request) may still
+    # be abandoned after it. The cap alone: test_stuck_reads_are_bounded_in_number_then_fail_at_once.
+    assert num_stuck <= MAX_ABANDONED_READS + len(KV_PROMPTS)
 
 
 def test_stuck_reads_are_bounded_in_number_then_fail_at_once(layout_cpu_caches, tmp_path,

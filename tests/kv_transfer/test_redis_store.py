@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import time
+import tracemalloc
+
 import pytest
 import torch
 from redis_helpers import SilentServer
 
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import BlockLoadError
-from kvrecover.kv_transfer.redis_store import RedisBlockStore, RedisSettings, redact_url
+from kvrecover.kv_transfer.redis_store import (
+    RedisBlockStore,
+    RedisSettings,
+    io_loop,
+    redact_url,
+)
 
 LAYOUT = KVCacheLayout("test-model", torch.float32, 4, 2, 2, 8)
 KEYS = [bytes([i]) * 16 for i in range(5)]
@@ -54,6 +62,29 @@ def test_entries_are_gathered_in_place_and_recycled(redis_server):
     assert store.new_entry()[0] is not entry
 
 
+def test_a_batch_of_large_entries_is_sent_without_copying_it_whole(redis_server):
+    """A pipeline of SETs goes to the socket entry by entry, from the entries' own memory
+    (redis-py's asyncio writer joined the whole batch into one bytes and buffered it:
+    half the synchronous client's save rate, issue 29)."""
+    layout = KVCacheLayout("test-model-large", torch.float32, 16, 4, 8, 128)  # 512 KiB
+    store = RedisBlockStore(layout, RedisSettings(url=redis_server.url))
+    keys = [bytes([i]) * 16 for i in range(16)]
+    entries = []
+    for key in keys:
+        entry, payload = store.new_entry()
+        payload.fill_(float(key[0]))
+        entries.append((key, store.seal(key, entry)))
+    assert store.write_many(entries[:1]) == 0  # connected before measuring
+    tracemalloc.start()
+    try:
+        assert store.write_many(entries) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * store.entry_nbytes, f"{peak} bytes allocated to send 16 entries"
+    assert store.read_many(keys[-1:]) == [bytes(entries[-1][1])]
+
+
 def test_a_silent_server_costs_one_timeout_then_is_skipped_for_a_while():
     server = SilentServer()
     try:
@@ -70,6 +101,33 @@ def test_a_silent_server_costs_one_timeout_then_is_skipped_for_a_while():
         assert server.connections == connections
     finally:
         server.stop()
+
+
+def test_closing_on_the_io_thread_neither_blocks_it_nor_leaks_the_pool(redis_server):
+    """A garbage collection on `kv-redis-io` may run an engine's finalizer there, which
+    closes its stores: that close must not wait for the loop it is blocking (which froze
+    every store of the process for timeout_s + LOOP_GRACE_S)."""
+    store, other = store_at(redis_server.url, timeout_s=1.0), store_at(redis_server.url)
+    assert store.write_many([(KEYS[0], store.encode(KEYS[0], random_block(0)))]) == 0
+    assert other.exists_many(KEYS[:1]) == [True]
+    admin = redis_server.client()
+    clients = admin.info("clients")["connected_clients"]
+    took: list[float] = []
+
+    def close_there() -> None:
+        start = time.monotonic()
+        store.close()
+        took.append(time.monotonic() - start)
+
+    io_loop().call_soon_threadsafe(close_there)
+    start = time.monotonic()
+    assert other.exists_many(KEYS[:1]) == [True]  # the loop goes on serving the others
+    assert time.monotonic() - start < 0.5 and took and took[0] < 0.5
+    for _ in range(100):  # bounded: 100 x 20 ms
+        if admin.info("clients")["connected_clients"] == clients - 1:
+            break
+        time.sleep(0.02)
+    assert admin.info("clients")["connected_clients"] == clients - 1  # the pool did close
 
 
 def test_an_error_reply_fails_the_writes_without_cooling_down(redis_server):

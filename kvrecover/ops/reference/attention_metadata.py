@@ -13,9 +13,14 @@ requests that have a cached context; fresh prompts attend to their own new keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, ParamSpec, TypeVar
 
 import torch
+
+PlanT = TypeVar("PlanT")
+BuildArgs = ParamSpec("BuildArgs")
 
 
 @dataclass
@@ -58,6 +63,37 @@ class PrefillGroup:
     @property
     def row_end(self) -> int:
         return self.row_start + self.num_requests * self.query_len
+
+
+def write_step_kv(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the step's new `key` and `value` [T, Hkv, D] into their cache slots
+    (`slot_mapping` [T]); returns the key and value caches seen as [slots, Hkv, D]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slot_mapping, key)
+    value_cache.index_copy_(0, slot_mapping, value)
+    return key_cache, value_cache
+
+
+class PerStepPlan(Generic[PlanT]):
+    """What an attention kernel derives from a step's metadata, built once per step:
+    every layer of a step receives the same metadata object, so `get` builds anew
+    only when it is handed another one."""
+
+    def __init__(self) -> None:
+        self._meta: object | None = None
+        self._plan: PlanT | None = None
+
+    def get(self, meta: object, build: Callable[BuildArgs, PlanT],
+            *args: BuildArgs.args, **kwargs: BuildArgs.kwargs) -> PlanT:
+        """The plan of `meta`'s step: `build(*args, **kwargs)` unless `meta` built the last one."""
+        if self._plan is None or self._meta is not meta:
+            self._plan = build(*args, **kwargs)
+            self._meta = meta
+        return self._plan
 
 
 @dataclass

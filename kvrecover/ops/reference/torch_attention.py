@@ -20,6 +20,7 @@ from kvrecover.ops.reference.attention_metadata import (
     AttentionMetadata,
     ContextGather,
     PrefillGroup,
+    write_step_kv,
 )
 from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
@@ -39,9 +40,7 @@ class TorchPagedAttention(RotateThenAttend):
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        write_step_kv(kv_cache, meta.slot_mapping, key, value)
         num_rows = query.shape[0]
         rows, context = meta.decode_rows, meta.decode_context  # both None without decodes
         if (context is not None and not meta.prefills and isinstance(rows, slice)

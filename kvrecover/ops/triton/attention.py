@@ -350,6 +350,7 @@ class TritonPagedAttention:
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
+        self.decode_config = INVARIANT_DECODE if batch_invariant else FAST_DECODE
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -376,8 +377,7 @@ class TritonPagedAttention:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        decode = INVARIANT_DECODE if self.batch_invariant else FAST_DECODE
-        return paged_attention(query, kv_cache, meta, scale, decode=decode)
+        return paged_attention(query, kv_cache, meta, scale, decode=self.decode_config)
 
 
 def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:

@@ -189,15 +189,15 @@ def rms_norm(
 
 
 def rotary_(
-    rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] in place (rows may be strided)."""
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            query, key, positions, rotary.cos_cache, rotary.sin_cache,
+            query, key, positions, tables.cos_cache, tables.sin_cache,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-            rotary.cos_cache.stride(0), num_q_heads, key.shape[1],
+            tables.cos_cache.stride(0), num_q_heads, key.shape[1],
             HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(key.shape[1]), num_warps=4,
         )
@@ -239,27 +239,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class TritonOps(TorchOps):
-    """The model's small ops as fused Triton kernels; linears stay on cuBLAS."""
+    """The model's small ops as the fused Triton kernels above (each op is the launcher
+    of its name; `rotary` is `rotary_`, in place); linears stay on cuBLAS."""
 
-    def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return embedding(input_ids, weight)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+    embedding = staticmethod(embedding)
+    rms_norm = staticmethod(rms_norm)
+    rotary = staticmethod(rotary_)
+    silu_mul = staticmethod(silu_mul)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel adds `x` into `residual` in place and norms the sum."""
         return rms_norm(x, weight, eps, residual=residual), residual
-
-    def rotary(
-        self, rotary: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
-        key: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_(rotary, positions, query, key)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_mul(gate_up)
 
 
 class BatchInvariantOps(TritonOps):

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from kvrecover.ops.interface import RotaryKernel
-from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+from kvrecover.ops.reference.attention_metadata import (
+    AttentionMetadata,
+    PerStepPlan,
+    write_step_kv,
+)
 from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 KEY_ROWS_PER_THREAD = 16384  # (query token, KV head, key) triples worth one more thread
@@ -80,31 +84,21 @@ class NativeInvariantAttention(RotateThenAttend):
         self._kernel.restype = ctypes.c_int
         self.vector_path = bool(library.kvr_vector_path())
         self.num_threads = num_threads  # None: torch.get_num_threads() at each step
-        self._plan_meta: AttentionMetadata | None = None
-        self._plan: StepPlan | None = None
+        self._plans: PerStepPlan[StepPlan] = PerStepPlan()
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        check_kernel_inputs(query, key, kv_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
-        if query.dtype != kv_cache.dtype or query.dtype not in DTYPE_CODES:
-            raise ValueError(f"query dtype {query.dtype} must equal the cache dtype "
-                             f"{kv_cache.dtype}, one of {list(DTYPE_CODES)}")
-        if not kv_cache.is_contiguous():  # the kernel computes slot offsets itself
-            raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, meta.slot_mapping, key)
-        value_cache.index_copy_(0, meta.slot_mapping, value)
+        write_step_kv(kv_cache, meta.slot_mapping, key, value)
         if query.stride(-1) != 1:
             query = query.contiguous()
-        plan = self._plan_for(meta, num_kv_heads)
+        plan = self._plans.get(meta, build_step_plan, meta, num_kv_heads,
+                               self.num_threads or torch.get_num_threads())
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
         args = KvrAttentionArgs(
             query.data_ptr(), query.stride(0), query.stride(1),
@@ -118,13 +112,18 @@ class NativeInvariantAttention(RotateThenAttend):
             raise RuntimeError(f"paged attention kernel failed with code {code}")
         return out
 
-    def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int) -> StepPlan:
-        """The step's plan; every layer of a step shares `meta`, so it is built once."""
-        if self._plan is None or self._plan_meta is not meta:
-            threads = self.num_threads or torch.get_num_threads()
-            self._plan = build_step_plan(meta, num_kv_heads, threads)
-            self._plan_meta = meta
-        return self._plan
+
+def check_kernel_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """What the C kernel reads: a ValueError that says what to change for anything else."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    if query.dtype != kv_cache.dtype or query.dtype not in DTYPE_CODES:
+        raise ValueError(f"query dtype {query.dtype} must equal the cache dtype "
+                         f"{kv_cache.dtype}, one of {list(DTYPE_CODES)}")
+    if not kv_cache.is_contiguous():  # the kernel computes slot offsets itself
+        raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
 
 
 def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) -> StepPlan:

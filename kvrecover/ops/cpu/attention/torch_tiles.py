@@ -28,7 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from kvrecover.ops.interface import RotaryKernel
-from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+from kvrecover.ops.reference.attention_metadata import (
+    AttentionMetadata,
+    PerStepPlan,
+    write_step_kv,
+)
 from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 QUERY_TILE = 4  # tokens per query tile: decode pads 1 to this
@@ -62,8 +66,7 @@ class CpuInvariantAttention(RotateThenAttend):
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
         self.query_tile = query_tile
         self.key_chunk = key_chunk
-        self._plan_meta: AttentionMetadata | None = None
-        self._plan: TilePlan | None = None
+        self._plans: PerStepPlan[TilePlan] = PerStepPlan()
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,11 +76,9 @@ class CpuInvariantAttention(RotateThenAttend):
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, meta.slot_mapping, key)
-        value_cache.index_copy_(0, meta.slot_mapping, value)
-        plan = self._plan_for(meta, group, kv_cache.shape[2])
+        key_cache, value_cache = write_step_kv(kv_cache, meta.slot_mapping, key, value)
+        plan = self._plans.get(meta, build_tile_plan, meta, group, kv_cache.shape[2],
+                               self.query_tile, self.key_chunk)
         tile, chunk = self.query_tile, self.key_chunk
         rows = tile * group
         num_tiles = plan.row_index.shape[0] // tile
@@ -118,14 +119,6 @@ class CpuInvariantAttention(RotateThenAttend):
         out = out.view(num_tiles, num_kv_heads, tile, group, head_dim).transpose(1, 2)
         out = out.reshape(num_tiles * tile, num_heads, head_dim)
         return out.index_select(0, plan.output_rows).to(query.dtype)
-
-    def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> TilePlan:
-        """The step's plan; every layer of a step shares `meta`, so it is built once."""
-        if self._plan is None or self._plan_meta is not meta:
-            self._plan = build_tile_plan(meta, group, block_size, self.query_tile,
-                                         self.key_chunk)
-            self._plan_meta = meta
-        return self._plan
 
 
 def _as_float_heads(gathered: torch.Tensor, tiles: int, chunk: int) -> torch.Tensor:
