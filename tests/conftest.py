@@ -327,7 +327,8 @@ def copy_store(pristine: tuple[Path, list[list[Path]]], target: Path) -> list[li
 @pytest.fixture(autouse=True, scope="session")
 def private_checkpoint_digest_cache(tmp_path_factory):
     """Engines built by the tests cache checkpoint digests in a session folder, not in the
-    user's cache (test checkpoints are temporary; tests/test_fingerprint.py tests the cache)."""
+    user's cache (test checkpoints are temporary; tests/models/test_fingerprint.py tests
+    the cache)."""
     import kvrecover.models.fingerprint as fingerprint
 
     folder = tmp_path_factory.mktemp("digest_cache")
@@ -337,7 +338,7 @@ def private_checkpoint_digest_cache(tmp_path_factory):
     patch.undo()
 
 
-# ----- a private redis-server (tests/test_redis_connector.py, test_tiered.py) -----------
+# ----- a private redis-server (tests/kv_transfer/test_redis_connector.py, test_tiered.py) ---
 @pytest.fixture(scope="session")
 def redis_session_server():
     # Imported here so that suites without redis-py installed (the GPU machine) still load.

@@ -25,6 +25,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=1200)
 
 
+@pytest.mark.slow  # four processes, each loading the model
 def test_scenario_on_tiny_model(long_context_model, tmp_path):
     result = run_cli("scenario", "--model", str(long_context_model), "--device", "cpu",
                      "--workdir", str(tmp_path))

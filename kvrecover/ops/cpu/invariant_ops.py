@@ -2,7 +2,7 @@
 
 Linears run `ops.cpu.tiled_linear.TiledLinears` (bf16/fp16 by default, float32
 on request). Norms, rotary, SwiGLU and sampling are row-local already (the
-inherited `TorchOps` versions; `tests/test_cpu_invariant.py` proves it bit for
+inherited `TorchOps` versions; `tests/ops/test_cpu_invariant.py` proves it bit for
 bit). For bf16/fp16, RMSNorm (with its residual add) and rotary run as one C
 call each (`ops.cpu.row_ops`, row-local by construction) where the library
 builds; float32 keeps the torch versions.

@@ -4,7 +4,7 @@ Add + RMSNorm, RMSNorm and rotary, each one call instead of several torch ops
 (a C SwiGLU measured slower than torch's two vectorized ops: bench/NOTES.md).
 Every output row is computed from its own input row in a fixed order with
 float32 math, rounded where `TorchOps` rounds, so a row's bits do not depend
-on the batch or the thread count (`tests/test_row_ops.py`). Results are close
+on the batch or the thread count (`tests/ops/test_row_ops.py`). Results are close
 to, not always bit-equal with, torch's (the sum of squares runs in another
 order); the residual sum is exact-rounded and equals torch's, and rotary
 rounds step for step as `ops.reference.rotary.apply_rotary` does (bit-equal).

@@ -23,6 +23,8 @@ from fake_upstream import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow  # property tests: 40 hypothesis examples per endpoint
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MODEL = FaithfulModel()

@@ -10,7 +10,7 @@ from pathlib import Path
 import kvrecover
 from kvrecover.tools.layering import Circle, find_circles, find_violations, main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(root: Path, relative: str, source: str) -> None:

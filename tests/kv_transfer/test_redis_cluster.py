@@ -327,7 +327,7 @@ def test_scenario_runs_against_a_cluster(tmp_path, cluster):
     from kvrecover import scenario
 
     model = build_tiny_model(tmp_path / "model", seed=4, max_position_embeddings=4096)
-    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     result = subprocess.run(
         [sys.executable, "-m", "kvrecover", "scenario", "--model", str(model), "--device", "cpu",
          "--workdir", str(tmp_path / "work"), "--store", cluster.url],

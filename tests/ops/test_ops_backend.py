@@ -39,7 +39,7 @@ def test_auto_on_the_cpu_is_the_torch_reference():
     assert isinstance(backend.attention, TorchPagedAttention)
     assert type(backend.ops) is TorchOps
     assert not backend.batch_invariant
-    # batch_invariant keeps its promise on the CPU too (tests/test_cpu_invariant.py).
+    # batch_invariant keeps its promise on the CPU too (tests/ops/test_cpu_invariant.py).
     assert select_backend("auto", torch.device("cpu"), batch_invariant=True).name == "cpu_invariant"
 
 

@@ -1,7 +1,7 @@
 """FaultInjectionConnector (kv_transfer/faults.py) against a real store: hung and
 corrupted reads end as invalid blocks that are recomputed, with exactly the
 no-connector output. Connectors that misbehave in other ways (raise, lie, never
-finish): tests/test_connector_faults.py."""
+finish): tests/engine/test_connector_faults.py."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from kvrecover.kv_transfer.redis_connector import RedisConnector
 
 VOCAB = 384  # the tiny models of conftest.py
 MAX_TOKENS = 4
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A (4 full blocks) and B (3) are stored by the prefill; C is not.
 PROMPT_A = [random.Random(1).randrange(2, VOCAB) for _ in range(70)]
 PROMPT_B = [random.Random(2).randrange(2, VOCAB) for _ in range(50)]

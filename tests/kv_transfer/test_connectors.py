@@ -25,7 +25,7 @@ from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
 
 VOCAB = 384  # the tiny models of conftest.py
 MAX_TOKENS = 6
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def random_prompt(length: int, seed: int) -> list[int]:

@@ -3,7 +3,7 @@
 The real path runs here on the CPU: `ModelRunner.launch_decode` with an eager
 forward in place of the CUDA graph (`eager_overlap`), its input tokens gathered
 from the previous step's device tensor, plain host buffers and a done-event in
-place of pinned memory and CUDA events. On the GPU (tests/test_gpu.py) the same
+place of pinned memory and CUDA events. On the GPU (tests/ops/test_gpu.py) the same
 path replays CUDA graphs.
 """
 
