@@ -103,10 +103,12 @@ def test_a_silent_server_costs_one_timeout_then_is_skipped_for_a_while():
         server.stop()
 
 
-def test_closing_on_the_io_thread_neither_blocks_it_nor_leaks_the_pool(redis_server):
+def test_closing_on_the_io_thread_neither_blocks_it_nor_leaks_the_pool(own_redis_server):
     """A garbage collection on `kv-redis-io` may run an engine's finalizer there, which
     closes its stores: that close must not wait for the loop it is blocking (which froze
-    every store of the process for timeout_s + LOOP_GRACE_S)."""
+    every store of the process for timeout_s + LOOP_GRACE_S). A server of its own: the
+    connection count must not move with other tests' stores closing meanwhile."""
+    redis_server = own_redis_server()
     store, other = store_at(redis_server.url, timeout_s=1.0), store_at(redis_server.url)
     assert store.write_many([(KEYS[0], store.encode(KEYS[0], random_block(0)))]) == 0
     assert other.exists_many(KEYS[:1]) == [True]
