@@ -10,7 +10,6 @@ that node fail.
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 import tracemalloc
@@ -23,6 +22,7 @@ from conftest import greedy_token_ids
 from redis.crc import key_slot
 from redis_cluster_helpers import RedisClusterProcesses
 from redis_helpers import require_redis_server
+from test_redis_connector import MAX_TOKENS, baseline, make_llm  # the same engine and runs
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_layout import KVCacheLayout
@@ -31,7 +31,6 @@ from kvrecover.kv_transfer.redis_connector import RedisConnector
 from kvrecover.kv_transfer.redis_store import RedisSettings
 
 VOCAB = 384  # the tiny models of conftest.py
-MAX_TOKENS = 4
 BLOCK = 16
 # A: 12 loadable blocks (spread over the three nodes); B: 3; C is never stored.
 PROMPT_A = [random.Random(11).randrange(2, VOCAB) for _ in range(200)]
@@ -71,20 +70,6 @@ def cluster_transfer(url: str, role: str = "kv_both", policy: str = "recompute",
     return KVTransferConfig("HookedRedisConnector" if hooked else "RedisConnector", role,
                             {"url": url, **extra}, kv_load_failure_policy=policy,
                             kv_connector_module_path=__name__ if hooked else None)
-
-
-def make_llm(model: Path, transfer: KVTransferConfig | None = None) -> LLM:
-    return LLM(str(model), device="cpu", block_size=BLOCK, max_num_batched_tokens=64,
-               num_kv_blocks=256, kv_transfer_config=transfer)
-
-
-@functools.cache
-def _baseline(model: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    return greedy_token_ids(make_llm(Path(model)), [list(p) for p in prompts], MAX_TOKENS)
-
-
-def baseline(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return _baseline(str(model), tuple(tuple(p) for p in prompts))
 
 
 def prefill(model: Path, url: str, prompts: list[list[int]]) -> dict:
