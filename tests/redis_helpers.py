@@ -156,7 +156,28 @@ class _LoopbackListener:
                 _close(sock)
 
 
-class FaultyProxy(_LoopbackListener):
+class _UpstreamRelay(_LoopbackListener):
+    """A listener that connects each client to the redis-server at `upstream_port` and
+    runs `_relays(client, upstream)`'s two pumps (client to server, server to client)."""
+
+    upstream_port: int
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = connect_upstream(self.upstream_port)
+        except OSError:
+            client.close()
+            return
+        self._track(client, upstream)
+        for pump, args in self._relays(client, upstream):
+            threading.Thread(target=pump, args=args, daemon=True).start()
+
+    def _relays(self, client: socket.socket, upstream: socket.socket
+                ) -> list[tuple[Callable[..., None], tuple]]:
+        raise NotImplementedError
+
+
+class FaultyProxy(_UpstreamRelay):
     """Forwards TCP between clients and a redis-server on 127.0.0.1. The first time a
     client sends GETRANGE (a block load), `on_load` runs before the bytes go on:
     "kill" kills the server (the load's connection drops mid-load), "blackhole"
@@ -177,15 +198,9 @@ class FaultyProxy(_LoopbackListener):
         self._fault_lock = threading.Lock()
         super().__init__()
 
-    def _serve(self, client: socket.socket) -> None:
-        try:
-            upstream = connect_upstream(self.upstream_port)
-        except OSError:
-            client.close()
-            return
-        self._track(client, upstream)
-        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+    def _relays(self, client: socket.socket, upstream: socket.socket
+                ) -> list[tuple[Callable[..., None], tuple]]:
+        return [(self._pump, (client, upstream, True)), (self._pump, (upstream, client, False))]
 
     def _pump(self, source: socket.socket, target: socket.socket, from_client: bool) -> None:
         try:
@@ -217,7 +232,7 @@ class FaultyProxy(_LoopbackListener):
             upstream.sendall(data)
 
 
-class TricklingProxy(_LoopbackListener):
+class TricklingProxy(_UpstreamRelay):
     """Forwards TCP between clients and a redis-server on 127.0.0.1; once a client has
     sent GETRANGE (a block load) on a connection, the server's replies on it come one
     byte every `delay_s`: each socket read stays inside any socket timeout while the
@@ -231,18 +246,11 @@ class TricklingProxy(_LoopbackListener):
         self.closed_by_client = 0  # of those, how many the client closed
         super().__init__()
 
-    def _serve(self, client: socket.socket) -> None:
-        try:
-            upstream = connect_upstream(self.upstream_port)
-        except OSError:
-            client.close()
-            return
-        self._track(client, upstream)
+    def _relays(self, client: socket.socket, upstream: socket.socket
+                ) -> list[tuple[Callable[..., None], tuple]]:
         trickling = threading.Event()
-        threading.Thread(target=self._requests, args=(client, upstream, trickling),
-                         daemon=True).start()
-        threading.Thread(target=self._replies, args=(upstream, client, trickling),
-                         daemon=True).start()
+        return [(self._requests, (client, upstream, trickling)),
+                (self._replies, (upstream, client, trickling))]
 
     def _requests(self, client: socket.socket, upstream: socket.socket,
                   trickling: threading.Event) -> None:
