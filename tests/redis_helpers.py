@@ -1,5 +1,6 @@
-"""Redis test helpers: a private redis-server, and the network faults the tests inject
-(a proxy that breaks a load, one that trickles its replies, a server that never answers)."""
+"""Redis test helpers: a private redis-server, the network faults the tests inject
+(a proxy that breaks a load, one that trickles its replies, a server that never answers),
+and large sealed entries with the peak memory a call allocates (the copy-free save tests)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import subprocess
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+import torch
+
+from kvrecover.kv_layout import KVCacheLayout
 
 
 class RedisServer:
@@ -322,3 +328,27 @@ def _close(sock: socket.socket) -> None:
         sock.close()
     except OSError:
         pass
+
+
+LARGE_LAYOUT = KVCacheLayout("test-model-large", torch.float32, 16, 4, 8, 128)  # 512 KiB entries
+
+
+def sealed_entries(store: Any, count: int) -> list[tuple[bytes, Any]]:
+    """`count` (key, sealed entry) pairs of `store`, entry i filled with the value i."""
+    entries = []
+    for index in range(count):
+        key = bytes([index]) * 16
+        entry, payload = store.new_entry()
+        payload.fill_(float(index))
+        entries.append((key, store.seal(key, entry)))
+    return entries
+
+
+def peak_allocation(call: Callable[[], Any]) -> int:
+    """The peak of the bytes Python allocated while `call()` ran (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

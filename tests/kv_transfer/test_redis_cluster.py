@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import random
 import time
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import greedy_token_ids
 from redis.crc import key_slot
 from redis_cluster_helpers import RedisClusterProcesses
-from redis_helpers import require_redis_server
+from redis_helpers import LARGE_LAYOUT, peak_allocation, require_redis_server, sealed_entries
 from test_redis_connector import MAX_TOKENS, baseline, make_llm  # the same engine and runs
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.redis_cluster_store import RedisClusterBlockStore
 from kvrecover.kv_transfer.redis_connector import RedisConnector
 from kvrecover.kv_transfer.redis_store import RedisSettings
@@ -253,22 +250,13 @@ def test_slots_moving_between_lookup_and_load_still_load(tiny_llama, cluster, ho
 def test_each_node_gets_its_large_entries_without_a_copy_of_the_batch(cluster):
     """Every node's pipeline sends entry by entry from the entries' own memory (redis-py's
     asyncio writer joined each pipeline into one bytes and buffered it, issue 29)."""
-    layout = KVCacheLayout("test-model-large", torch.float32, 16, 4, 8, 128)  # 512 KiB
-    store = RedisClusterBlockStore(layout, RedisSettings(url=cluster.url))
-    keys = [bytes([i]) * 16 for i in range(24)]
-    entries = []
-    for key in keys:
-        entry, payload = store.new_entry()
-        payload.fill_(float(key[0]))
-        entries.append((key, store.seal(key, entry)))
+    store = RedisClusterBlockStore(LARGE_LAYOUT, RedisSettings(url=cluster.url))
+    entries = sealed_entries(store, 24)
     assert store.write_many(entries[:3]) == 0  # discovered and connected before measuring
-    tracemalloc.start()
-    try:
-        assert store.write_many(entries) == 0
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    failed: list[int] = []
+    peak = peak_allocation(lambda: failed.append(store.write_many(entries)))
     store.close()
+    assert failed == [0]
     assert peak < 5 * store.entry_nbytes, f"{peak} bytes allocated to send 24 entries"
     assert sum(len(found) for found in cluster.keys().values()) == 24
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-import tracemalloc
 
 import pytest
 import torch
-from redis_helpers import SilentServer
+from redis_helpers import LARGE_LAYOUT, SilentServer, peak_allocation, sealed_entries
 
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.block_store import BlockLoadError
@@ -66,23 +65,14 @@ def test_a_batch_of_large_entries_is_sent_without_copying_it_whole(redis_server)
     """A pipeline of SETs goes to the socket entry by entry, from the entries' own memory
     (redis-py's asyncio writer joined the whole batch into one bytes and buffered it:
     half the synchronous client's save rate, issue 29)."""
-    layout = KVCacheLayout("test-model-large", torch.float32, 16, 4, 8, 128)  # 512 KiB
-    store = RedisBlockStore(layout, RedisSettings(url=redis_server.url))
-    keys = [bytes([i]) * 16 for i in range(16)]
-    entries = []
-    for key in keys:
-        entry, payload = store.new_entry()
-        payload.fill_(float(key[0]))
-        entries.append((key, store.seal(key, entry)))
+    store = RedisBlockStore(LARGE_LAYOUT, RedisSettings(url=redis_server.url))
+    entries = sealed_entries(store, 16)
     assert store.write_many(entries[:1]) == 0  # connected before measuring
-    tracemalloc.start()
-    try:
-        assert store.write_many(entries) == 0
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    failed: list[int] = []
+    peak = peak_allocation(lambda: failed.append(store.write_many(entries)))
+    assert failed == [0]
     assert peak < 3 * store.entry_nbytes, f"{peak} bytes allocated to send 16 entries"
-    assert store.read_many(keys[-1:]) == [bytes(entries[-1][1])]
+    assert store.read_many([entries[-1][0]]) == [bytes(entries[-1][1])]
 
 
 def test_a_silent_server_costs_one_timeout_then_is_skipped_for_a_while():
