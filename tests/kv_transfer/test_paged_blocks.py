@@ -145,6 +145,24 @@ def load(worker: SharedStorageConnector, caches, block_ids, block_keys, is_async
     return worker.get_block_ids_with_load_errors()
 
 
+def hold_reads_until_two_threads_read(store, method: str) -> tuple[set, threading.Event]:
+    """Spy on `store.<method>(key, parts)`: each call waits (5 s at most) until a second
+    thread has read too. Returns the reading threads' names and the 'second reader' event."""
+    readers: set[str] = set()
+    second_reader = threading.Event()
+    read = getattr(store, method)
+
+    def spied(key, parts):
+        readers.add(threading.current_thread().name)
+        if len(readers) >= 2:
+            second_reader.set()
+        second_reader.wait(timeout=5)
+        return read(key, parts)
+
+    setattr(store, method, spied)
+    return readers, second_reader
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 def test_connector_round_trip_is_byte_identical(layout, tmp_path, is_async, device):
@@ -247,16 +265,7 @@ def test_threaded_staged_loads_are_byte_identical(layout, tmp_path, small_chunks
     target = random_caches(layout, 21, device)
     worker = connector(tmp_path, layout, target, io_threads=3, verify_after_load=verify)
     assert not worker._paged.direct and worker.io_threads == 3
-    readers, read_into, second_reader = set(), worker.store.read_into, threading.Event()
-
-    def spied(key, parts):
-        readers.add(threading.current_thread().name)
-        if len(readers) >= 2:
-            second_reader.set()
-        second_reader.wait(timeout=5)  # hold the reads until another thread reads too
-        return read_into(key, parts)
-
-    worker.store.read_into = spied
+    readers, second_reader = hold_reads_until_two_threads_read(worker.store, "read_into")
     loaded_ids = [8, 2, 3, 4, 6, 5, 1]
     assert not load(worker, target, loaded_ids, block_keys, is_async)
     assert len(readers) >= 2 and second_reader.is_set()  # 4 chunks of 2 rows, 3 threads
@@ -291,16 +300,8 @@ def test_direct_loads_on_several_threads_are_byte_identical(layout, tmp_path, mo
     target = random_caches(layout, 31)
     worker = connector(tmp_path, layout, target, io_threads=3, verify_after_load=verify)
     assert worker._paged.direct
-    readers, read, second_reader = set(), worker.store.read_unchecked_into, threading.Event()
-
-    def spied(key, parts):
-        readers.add(threading.current_thread().name)
-        if len(readers) >= 2:
-            second_reader.set()
-        second_reader.wait(timeout=5)  # hold the reads until another thread reads too
-        return read(key, parts)
-
-    worker.store.read_unchecked_into = spied
+    readers, second_reader = hold_reads_until_two_threads_read(worker.store,
+                                                               "read_unchecked_into")
     loaded_ids = [8, 2, 3, 4, 6, 5, 1]
     assert not load(worker, target, loaded_ids, block_keys, is_async=False)
     assert len(readers) >= 2 and second_reader.is_set()
