@@ -242,6 +242,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
+        self.add_rotary_tables(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.make_layer(config, index, backend.attention, ops)
@@ -253,6 +254,14 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             # One tensor, unless the backend repacks the LM head's weight for its
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
+
+    def add_rotary_tables(self, config: ConfigT, max_positions: int) -> None:
+        """Called by `__init__` before the layers are made: a family whose layers rotate by
+        other tables than `self.rotary` adds them here (and lists them in `rotary_tables`)."""
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """Every rotary table of the model (the model runner keeps them float32)."""
+        return [self.rotary]
 
     def make_layer(self, config: ConfigT, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:

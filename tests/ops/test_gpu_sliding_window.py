@@ -1,7 +1,7 @@
 """Sliding windows, soft-capping and the Gemma ops on the GPU (Triton): attention
 against a dense masked reference with NaN planted before every window, batch and
 chunk invariance, the (1 + w) norm and GeGLU against the torch ops, and windowed
-models (Mistral, Gemma 2) whose float32 tokens equal the CPU path's, eager and in
+models (Mistral, Gemma 2, Gemma 3) whose float32 tokens equal the CPU path's, eager and in
 CUDA graphs, with bf16 batch-invariant logits exact.
 
 Marked `gpu` and skipped without CUDA (the kernel tests also run under
@@ -139,19 +139,32 @@ def gemma2_model(tmp_path_factory):
                             final_logit_softcapping=3.0, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory):
+    """Gemma 3-shaped: five sliding layers to one full one, two rope bases, q/k norms."""
+    return build_tiny_model(tmp_path_factory.mktemp("gpu_gemma3"), model_type="gemma3_text",
+                            num_hidden_layers=6, head_dim=32, num_attention_heads=8,
+                            num_key_value_heads=2, hidden_size=128, sliding_window=24,
+                            query_pre_attn_scalar=32, rope_theta=1e6, rope_local_base_freq=1e4,
+                            rope_scaling={"rope_type": "linear", "factor": 8.0},
+                            tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("model", ["gemma2_model", "gemma3_model"])
 @pytest.mark.parametrize("enforce_eager", [True, pytest.param(False, marks=needs_cuda)])
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "invariant"])
-def test_gemma2_float32_tokens_match_cpu(gemma2_model, enforce_eager, batch_invariant):
+def test_gemma_float32_tokens_match_cpu(request, model, enforce_eager, batch_invariant):
+    model_dir = request.getfixturevalue(model)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [1, 9, 24, 130, 17, 300], 384)]
-    cpu = LLM(str(gemma2_model), device="cpu", max_num_batched_tokens=64)
+    cpu = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
     expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, GREEDY)]
-    gpu = _make_llm(gemma2_model, dtype="float32", max_num_batched_tokens=64,
+    gpu = _make_llm(model_dir, dtype="float32", max_num_batched_tokens=64,
                     enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, GREEDY)] == expected
 
 
 @needs_cuda
-@pytest.mark.parametrize("model", ["windowed_model", "gemma2_model"])
+@pytest.mark.parametrize("model", ["windowed_model", "gemma2_model", "gemma3_model"])
 def test_bf16_batch_invariant_windowed_logits_are_exact(request, model):
     """Same logits bits for one request alone (eager, big chunks) and batched (graphs,
     small chunks) on a windowed model."""
