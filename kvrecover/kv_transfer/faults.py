@@ -349,4 +349,5 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         self._active = {}
+        self.kv_caches = []
         self.inner.shutdown()
