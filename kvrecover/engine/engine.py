@@ -149,13 +149,15 @@ class Engine:
             return
         self.closed = True
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight[1].result()
-        self._shutdown_connectors()
-        self.model_runner.release()
-        if self.device.type == "cuda":
-            gc.collect()  # tensors in reference cycles (graph pools, pending steps) go first
-            torch.cuda.empty_cache()
+        try:
+            if in_flight is not None:
+                in_flight[1].result()
+        finally:  # a step that failed on the device still lets go of everything
+            self._shutdown_connectors()
+            self.model_runner.release()
+            if self.device.type == "cuda":
+                gc.collect()  # tensors in reference cycles (graph pools, pending steps) go first
+                torch.cuda.empty_cache()
 
     # ----- stepping ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
