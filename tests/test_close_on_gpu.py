@@ -27,19 +27,19 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory) -> Path:
-    """Small weights, but a KV block of 256 KiB in bf16 and 32k positions: the default
-    KV budget (a share of the GPU) binds, not the cap of max_num_seqs full sequences."""
+    """Small weights, but 128 KiB KV blocks (16 tokens, bf16) and 32k positions: the KV
+    budget (a share of the GPU) binds, not the cap of max_num_seqs full sequences."""
     return build_tiny_model(tmp_path_factory.mktemp("wide"), hidden_size=512,
                             intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                            num_key_value_heads=8, max_position_embeddings=32768)
+                            num_key_value_heads=4, max_position_embeddings=32768)
 
 
 def open_and_run(model: Path, store: Path) -> LLM:
-    """An LLM with the default KV budget (half the GPU), CUDA graphs and a connector's
-    pinned staging rows, that saved its prompts' KV and loaded it back."""
+    """An LLM whose KV budget is 40% of the GPU less what is in use, with CUDA graphs and
+    a connector's pinned staging rows, that saved its prompts' KV and loaded it back."""
     transfer = KVTransferConfig("SharedStorageConnector", "kv_both",
                                 {"shared_storage_path": str(store)})
-    llm = LLM(str(model), device="cuda:0", dtype="bfloat16", gpu_memory_utilization=0.5,
+    llm = LLM(str(model), device="cuda:0", dtype="bfloat16", gpu_memory_utilization=0.4,
               enable_prefix_caching=False, kv_transfer_config=transfer)
     for _ in range(2):  # saves, then loads what it saved
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
@@ -62,6 +62,7 @@ def test_close_gives_the_memory_back_and_a_second_llm_the_same_kv_budget(wide_mo
     baseline_reserved = torch.cuda.memory_reserved()
     first = open_and_run(wide_model, tmp_path / "first")
     first_blocks = first.engine.num_blocks
+    assert first_blocks < first.engine.config.kv_sizing.max_useful_blocks  # the budget bound
     assert torch.cuda.memory_allocated() - baseline > 10 * GIB  # the KV cache is in
     first.close()
     torch.cuda.synchronize()
