@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -138,16 +139,25 @@ class Engine:
         return EngineSnapshot.of(self.scheduler, self.stats)
 
     def close(self) -> None:
-        """Stop for good: land an in-flight step, then shut both connector roles down
-        (their in-flight loads cancelled, loader threads joined). Idempotent; unfinished
-        requests are dropped. `LLM.close()` and interpreter exit call this."""
+        """Stop for good: land an in-flight step, shut both connector roles down (their
+        in-flight loads cancelled, loader threads joined), then free the device memory:
+        the KV cache, the weights and the CUDA graphs (`ModelRunner.release`), returned
+        to the driver on CUDA so that another engine in this process can take it.
+        Idempotent; unfinished requests are dropped; the counters stay readable.
+        `LLM.close()` and interpreter exit call this."""
         if self.closed:
             return
         self.closed = True
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight[1].result()
-        self._shutdown_connectors()
+        try:
+            if in_flight is not None:
+                in_flight[1].result()
+        finally:  # a step that failed on the device still lets go of everything
+            self._shutdown_connectors()
+            self.model_runner.release()
+            if self.device.type == "cuda":
+                gc.collect()  # tensors in reference cycles (graph pools, pending steps) go first
+                torch.cuda.empty_cache()
 
     # ----- stepping ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -119,6 +119,18 @@ class ModelRunner:
         memory budget measured on the device already accounts for the weights."""
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.device)
 
+    def release(self) -> None:
+        """Drop every tensor this runner holds: the KV cache (emptying the list that
+        `kv_connector` and the connector registered), the weights, the CUDA graphs
+        with their memory pool, the step-input and token buffers. `Engine.close` calls
+        this once, after the connector shut down; the runner runs no step afterwards."""
+        self.kv_caches.clear()
+        self.graphs = None
+        self._token_buffers = None
+        # Gone rather than None: nothing may run on a released runner (the engine
+        # refuses to step once closed), and an AttributeError says so if it did.
+        del self.model, self.inputs, self.sampler
+
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Give the runner the worker-role connector and the connector the cache."""
         self.kv_connector = WorkerConnector(connector, self.kv_caches)
