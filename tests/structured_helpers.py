@@ -3,13 +3,16 @@ their output) and a small JSON-schema checker (`jsonschema` is not a dependency)
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-# Every string and number is bounded, so even random weights complete an instance.
+# Every string and number is bounded, so even random weights complete an instance. (A
+# string bounded by `maxLength` instead of a pattern would admit raw control characters
+# in xgrammar 0.2.9: JSON that does not parse.)
 PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 6},
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "admin": {"type": "boolean"},
         "color": {"enum": ["red", "green", "blue"]},
@@ -43,6 +46,8 @@ def schema_errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[s
         return errors + [f"{path}: {value!r} is not {kind}"]
     if kind == "string" and len(value) > schema.get("maxLength", len(value)):
         errors.append(f"{path}: {value!r} is too long")
+    if kind == "string" and not re.search(schema.get("pattern", ""), value):
+        errors.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
     if kind == "array":
         if len(value) > schema.get("maxItems", len(value)):
             errors.append(f"{path}: too many items")
