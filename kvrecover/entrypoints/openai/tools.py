@@ -32,15 +32,8 @@ class FunctionTool:
     """One `{"type": "function", "function": {...}}` tool of a request."""
 
     name: str
-    description: str | None
     parameters: dict[str, Any]
-
-    def openai(self) -> dict[str, Any]:
-        """The tool in OpenAI's form, as chat templates read it."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description is not None:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
+    spec: dict[str, Any]  # the tool as the client sent it, for the chat template
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ class ToolRequest:
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template; None (left out) when none may be called."""
-        return None if self.choice == "none" else [tool.openai() for tool in self.tools]
+        return None if self.choice == "none" else [tool.spec for tool in self.tools]
 
     def grammar(self) -> StructuredOutputsParams | None:
         """What the output must follow: the named function's arguments, or for
@@ -120,7 +113,7 @@ def _function_tool(tool: Any, where: str) -> FunctionTool:
     if not isinstance(parameters, dict):
         raise ApiError(400, f"{where}.function.parameters must be a JSON schema object",
                        param=f"{where}.function.parameters")
-    return FunctionTool(name, description, parameters)
+    return FunctionTool(name, parameters, tool)
 
 
 def _named_choice(tool_choice: Any) -> str:
