@@ -19,6 +19,8 @@ from kvrecover.tokenizer import check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
+# Names the tool-call parser of an answer whose tool calls stay raw text (`raw_tool_calls`).
+TOOL_CALL_PARSER_HEADER = "x-kvrecover-tool-call-parser"
 
 
 class ApiError(Exception):
@@ -242,6 +244,9 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     tools: Any = None  # checked by `openai/tools.py`
     tool_choice: Any = None
+    # kvrecover's own (the proxy's): leave tool calls as the model's text in `content`
+    # and name the parser in the TOOL_CALL_PARSER_HEADER header.
+    raw_tool_calls: bool = False
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (an assistant's earlier tool

@@ -95,6 +95,14 @@ class ToolRequest:
             json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
 
 
+def continuation_structured_outputs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The `structured_outputs` that continue a chat request `body` (a raw JSON body, as
+    the proxy has it) whose `tool_choice` forces a grammar; None when it forces none."""
+    tools = ToolRequest.of(body.get("tools"), body.get("tool_choice"))
+    grammar = None if tools is None else tools.grammar()
+    return None if grammar is None else {"json": grammar.json}
+
+
 def _function_tool(tool: Any, where: str) -> FunctionTool:
     if not isinstance(tool, dict) or tool.get("type") != "function" or \
             not isinstance(tool.get("function"), dict):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvrecover.entrypoints.openai.protocol import (
+    TOOL_CALL_PARSER_HEADER,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -90,8 +91,13 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     tools = ToolRequest.of(request.tools, request.tool_choice)
     grammar = structured_outputs_of(request.response_format, request.structured_outputs)
     answer = None
+    headers = {}
     if tools is not None:
-        answer = ToolAnswer(tools, await asyncio.to_thread(state.chat_template.tool_parser))
+        parser = await asyncio.to_thread(state.chat_template.tool_parser)
+        if request.raw_tool_calls:  # the proxy writes the calls: tell it how to parse them
+            headers[TOOL_CALL_PARSER_HEADER] = parser or ""
+        else:
+            answer = ToolAnswer(tools, parser)
         grammar = _tool_grammar(tools, grammar)
     prompt_ids = await asyncio.to_thread(state.chat_template.prompt_token_ids, conversation,
                                          None if tools is None else tools.template_tools())
@@ -104,7 +110,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
                               params, detokenizer, "chat")
     writer = OpenAIResponse(True, state.model_name, generation, request.return_token_ids,
                             final_usage, continuous_usage, request_id, tools=answer)
-    return await _answer(generation, writer, request.stream)
+    return await _answer(generation, writer, request.stream, headers)
 
 
 def _tool_grammar(tools: ToolRequest, grammar: StructuredOutputsParams | None
@@ -128,15 +134,16 @@ async def _start(state: ServingState, http: Request, request_id: str,
     return generation
 
 
-async def _answer(generation: Generation, writer: OpenAIResponse, stream: bool) -> Response:
+async def _answer(generation: Generation, writer: OpenAIResponse, stream: bool,
+                  headers: dict[str, str] | None = None) -> Response:
     if not stream:
-        return JSONResponse(await writer.collect(generation.deltas()))
+        return JSONResponse(await writer.collect(generation.deltas()), headers=headers)
     # Once streaming, Starlette watches for the disconnect and cancels the events;
     # watching here too would race it for the same ASGI message.
     generation.stop_watching()
     deltas = _worth_sending(generation.deltas(), writer.return_token_ids)
     return StreamingResponse(writer.events(deltas), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"},
+                             headers={"Cache-Control": "no-cache", **(headers or {})},
                              background=BackgroundTask(generation.close))
 
 
