@@ -43,13 +43,16 @@ def test_padding_rows_and_eos_are_banned_until_the_grammar_allows_them(compiler,
     assert state.accept(EOS) and state.is_terminated
 
 
-def test_the_mask_equals_xgrammars_own_and_leaves_other_rows_alone(compiler):
+def test_both_kernels_equal_xgrammars_own_and_leave_other_rows_alone(compiler):
     xgr = load_xgrammar()
     states = [compiler.matcher(Spec(json={"type": "object"})), None,
               compiler.matcher(Spec(regex="[0-9]{2}"))]
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
     ours = logits.clone()
     TokenBitmask(torch.device("cpu")).apply(ours, states)
+    in_torch = logits.clone()  # the kernel a GPU runs
+    TokenBitmask(torch.device("cpu"), use_torch=True).apply(in_torch, states)
+    assert torch.equal(in_torch, ours)
     theirs = logits.clone()
     bitmask = xgr.allocate_token_bitmask(3, VOCAB)
     for row, state in enumerate(states):
