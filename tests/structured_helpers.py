@@ -1,9 +1,12 @@
-"""Shared by the structured-output tests: bounded schemas (random weights must still end
-their output) and a small JSON-schema checker (`jsonschema` is not a dependency)."""
+"""Shared by the structured-output and tool-call tests: bounded schemas (random weights
+must still end their output), two families' chat templates with tool support, and a
+small JSON-schema checker (`jsonschema` is not a dependency)."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 # Every string and number is bounded, so even random weights complete an instance. (A
@@ -25,6 +28,57 @@ PERSON_SCHEMA: dict[str, Any] = {
 REGEX = r"[a-z]{2,5}-[0-9]{3}"
 CHOICES = ["positive", "negative", "neutral"]
 GRAMMAR = 'root ::= "(" [0-9] ("+" [0-9])? ")"'
+
+
+# Qwen 2.5's layout in miniature: tools in the system turn, calls in <tool_call> tags,
+# tool results in <tool_response> tags of a user turn.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<s>system: # Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools>\nFor each call return <tool_call>{\"name\": ..., \"arguments\": "
+    "...}</tool_call>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<s>assistant:"
+    "{%- for call in m.tool_calls %}\n<tool_call>\n{{ {'name': call.function.name, "
+    "'arguments': call.function.arguments} | tojson }}\n</tool_call>{%- endfor %}\n"
+    "{%- elif m.role == 'tool' %}<s>user: <tool_response>\n{{ m.content }}\n</tool_response>\n"
+    "{%- else %}<s>{{ m.role }}: {{ m.content }}\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+# Llama 3.1's layout in miniature: JSON calls with "parameters", results as ipython turns.
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<s>system: Environment: ipython\nRespond with a JSON function call in "
+    "the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+    "its value}.\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<s>assistant: "
+    "{{ {'name': m.tool_calls[0].function.name, "
+    "'parameters': m.tool_calls[0].function.arguments} | tojson }}\n"
+    "{%- elif m.role == 'tool' %}<s>ipython: {{ m.content }}\n"
+    "{%- else %}<s>{{ m.role }}: {{ m.content }}\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+WEATHER = {"type": "object",
+           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+MESSAGES = [{"role": "user", "content": "weather in paris?"}]
+CALL_TEXT = {  # what each family's model writes for one call
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+              '\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
+}
+
+
+def with_template(model_dir: Path, template: str) -> Path:
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "chat_template": template}))
+    return model_dir
 
 
 def schema_errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:

@@ -95,3 +95,42 @@ def assert_migrated(cluster, proxy, serving) -> None:
                   f'instance="{serving.url}",role="decode"') == 1
     other = next(d for d in cluster.decode if d is not serving)
     assert metric(other.url, "kvrecover_generation_tokens_total") > 0
+
+
+def test_auto_tool_calls_through_the_proxy_use_the_instances_parser(tmp_path):
+    """The proxy asks for the raw text and parses it with the parser the instance names."""
+    from conftest import build_tiny_model
+    from serving_utils import Process, free_port, in_process_server
+    from structured_helpers import CALL_TEXT, HERMES_TEMPLATE, MESSAGES, with_template
+    from structured_helpers import TOOLS as WEATHER_TOOLS
+
+    qwen_dir = with_template(build_tiny_model(tmp_path / "qwen", model_type="qwen2", seed=2),
+                              HERMES_TEMPLATE)
+    force = {"structured_outputs": {"choice": [CALL_TEXT["hermes"]]}}
+    body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "max_tokens": 200, "temperature": 0,
+            **force}
+    with in_process_server(qwen_dir) as url:
+        port = free_port()
+        proxy = Process(["proxy", "--decode", url, "--port", str(port)], port,
+                        tmp_path / "proxy.log").wait_healthy()
+        try:
+            direct = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=WAIT_S).json()
+            proxied = httpx.post(f"{proxy.url}/v1/chat/completions", json=body,
+                                 timeout=WAIT_S).json()
+            with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", timeout=WAIT_S,
+                              json={**body, "stream": True}) as response:
+                events = [json.loads(line[6:]) for line in response.iter_lines()
+                          if line.startswith("data: {")]
+        finally:
+            proxy.kill()
+    want = direct["choices"][0]
+    assert want["finish_reason"] == "tool_calls"
+    got = proxied["choices"][0]
+    assert got["finish_reason"] == "tool_calls" and got["message"]["content"] is None
+    strip = [{**call, "id": None} for call in want["message"]["tool_calls"]]
+    assert [{**call, "id": None} for call in got["message"]["tool_calls"]] == strip
+    deltas = [call for event in events for call in
+              event["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in strip]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -7,68 +7,25 @@ by themselves, so `auto` is driven by a grammar that writes the family's call te
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import build_tiny_model
 from serving_utils import in_process_server
-from structured_helpers import schema_errors
+from structured_helpers import (
+    CALL_TEXT,
+    HERMES_TEMPLATE,
+    LLAMA3_TEMPLATE,
+    MESSAGES,
+    TIME,
+    TOOLS,
+    WEATHER,
+    schema_errors,
+    with_template,
+)
 
 pytestmark = pytest.mark.slow  # servers
-
-# Qwen 2.5's layout in miniature: tools in the system turn, calls in <tool_call> tags,
-# tool results in <tool_response> tags of a user turn.
-HERMES_TEMPLATE = (
-    "{%- if tools %}<s>system: # Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}"
-    "{%- endfor %}\n</tools>\nFor each call return <tool_call>{\"name\": ..., \"arguments\": "
-    "...}</tool_call>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<s>assistant:"
-    "{%- for call in m.tool_calls %}\n<tool_call>\n{{ {'name': call.function.name, "
-    "'arguments': call.function.arguments} | tojson }}\n</tool_call>{%- endfor %}\n"
-    "{%- elif m.role == 'tool' %}<s>user: <tool_response>\n{{ m.content }}\n</tool_response>\n"
-    "{%- else %}<s>{{ m.role }}: {{ m.content }}\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<s>assistant:{% endif %}"
-)
-# Llama 3.1's layout in miniature: JSON calls with "parameters", results as ipython turns.
-LLAMA3_TEMPLATE = (
-    "{%- if tools %}<s>system: Environment: ipython\nRespond with a JSON function call in "
-    "the format {\"name\": function name, \"parameters\": dictionary of argument name and "
-    "its value}.\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<s>assistant: "
-    "{{ {'name': m.tool_calls[0].function.name, "
-    "'parameters': m.tool_calls[0].function.arguments} | tojson }}\n"
-    "{%- elif m.role == 'tool' %}<s>ipython: {{ m.content }}\n"
-    "{%- else %}<s>{{ m.role }}: {{ m.content }}\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<s>assistant:{% endif %}"
-)
-WEATHER = {"type": "object",
-           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-MESSAGES = [{"role": "user", "content": "weather in paris?"}]
-CALL_TEXT = {  # what each family's model writes for one call
-    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
-              '\n</tool_call>',
-    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
-}
-
-
-def with_template(model_dir: Path, template: str) -> Path:
-    path = model_dir / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    path.write_text(json.dumps({**config, "chat_template": template}))
-    return model_dir
-
 
 @pytest.fixture(scope="module", params=["hermes", "llama3_json"])
 def family(request, tmp_path_factory):
@@ -84,6 +41,9 @@ def family(request, tmp_path_factory):
         options = {"tool_call_parser": "llama3_json"}
     with in_process_server(model_dir, **options) as url:
         yield request.param, url, model_dir
+
+
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 def sdk(url: str) -> openai.OpenAI:
