@@ -8,9 +8,12 @@ the import arrows between them point one way: engine -> worker, both -> here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrecover.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrecover.structured.state import GrammarState
 
 # Stands in `ScheduledRequest.token_ids` for a token that the previous step is still
 # sampling on the device (overlapped decode); the worker reads it from there.
@@ -28,6 +31,9 @@ class ScheduledRequest:
     sample: bool  # the slice reaches the end of the sequence: sample a next token
     sampling_params: SamplingParams
     sample_seed: int
+    # The request's grammar matcher (structured outputs), read by the runner to mask the
+    # sampled row's logits; None for an unconstrained request.
+    grammar: GrammarState | None = None
 
 
 @dataclass

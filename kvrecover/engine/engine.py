@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -23,10 +24,12 @@ from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
+from kvrecover.structured.state import GrammarState
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from kvrecover.structured.compiler import GrammarCompiler
     from kvrecover.worker.overlap import PendingDecode
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class Engine:
         transfer = plan.transfer if plan is not None else None
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
+        self._grammars: GrammarCompiler | None = None  # built by the first structured request
         # Prefix caching and connectors key blocks by their chain hash: hash the
         # prompt once here; connectors only read `request.block_hashes`.
         self._hash_prompts = args.enable_prefix_caching or connector is not None
@@ -109,6 +113,7 @@ class Engine:
             vocab_size=self.model_config.vocab_size, block_size=self.args.block_size,
             num_blocks=self.num_blocks,
         )
+        grammar = self._grammar(sampling_params, token_ids)
         seed = sampling_params.seed
         if seed is None:
             seed = self.args.seed * 1_000_003 + self._request_counter
@@ -117,9 +122,29 @@ class Engine:
             str(request_id), text, token_ids, sampling_params, self.eos_token_ids, seed,
             self.max_model_len,
         )
+        request.grammar = grammar
         if self._hash_prompts:
             update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
         self.scheduler.add_request(request)
+
+    def _grammar(self, params: SamplingParams, token_ids: list[int]) -> GrammarState | None:
+        """The matcher of a request with `structured_outputs`, past its replayed prompt
+        tokens; a ValueError when the spec does not compile or the replay does not fit."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if spec.replay_prompt_tokens >= len(token_ids):
+            raise ValueError("structured_outputs.replay_prompt_tokens must be shorter than the "
+                             f"prompt ({len(token_ids)} tokens), got {spec.replay_prompt_tokens}")
+        if self._grammars is None:
+            from kvrecover.structured.compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(
+                self.model_dir, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        grammar = self._grammars.matcher(spec)
+        if spec.replay_prompt_tokens:
+            grammar.replay(token_ids[-spec.replay_prompt_tokens:])
+        return grammar
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; a later `step()` no longer reports it."""
@@ -138,16 +163,25 @@ class Engine:
         return EngineSnapshot.of(self.scheduler, self.stats)
 
     def close(self) -> None:
-        """Stop for good: land an in-flight step, then shut both connector roles down
-        (their in-flight loads cancelled, loader threads joined). Idempotent; unfinished
-        requests are dropped. `LLM.close()` and interpreter exit call this."""
+        """Stop for good: land an in-flight step, shut both connector roles down (their
+        in-flight loads cancelled, loader threads joined), then free the device memory:
+        the KV cache, the weights and the CUDA graphs (`ModelRunner.release`), returned
+        to the driver on CUDA so that another engine in this process can take it.
+        Idempotent; unfinished requests are dropped; the counters stay readable.
+        `LLM.close()` and interpreter exit call this."""
         if self.closed:
             return
         self.closed = True
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight[1].result()
-        self._shutdown_connectors()
+        try:
+            if in_flight is not None:
+                in_flight[1].result()
+        finally:  # a step that failed on the device still lets go of everything
+            self._shutdown_connectors()
+            self.model_runner.release()
+            if self.device.type == "cuda":
+                gc.collect()  # tensors in reference cycles (graph pools, pending steps) go first
+                torch.cuda.empty_cache()
 
     # ----- stepping ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

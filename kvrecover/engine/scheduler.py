@@ -170,6 +170,8 @@ class Scheduler:
                 continue
             if self._is_void(item, request):
                 return None  # rolled back since `previous` was scheduled: recompute it first
+            if request.grammar is not None:
+                return None  # its mask needs `previous`'s token accepted on the host first
             num_continued += 1
             num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
             if (
@@ -289,6 +291,7 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             sample_seed=request.next_sample_seed(),
+            grammar=request.grammar,
         )
 
     # ----- results ----------------------------------------------------------------

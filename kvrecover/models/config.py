@@ -154,6 +154,20 @@ def positive_field(raw: dict[str, Any], model_dir: Path, name: str,
     return float(value)
 
 
+def refuse_quantization(raw: dict[str, Any], model_dir: Path) -> None:
+    """A config with a `quantization_config` is a ValueError naming its method: kvrecover
+    runs unquantized weights only, and would misread quantized ones."""
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) \
+            else "unknown"
+        raise ValueError(
+            f"{Path(model_dir) / 'config.json'} has a quantization_config ({method!r}); "
+            "kvrecover runs unquantized (float32/bf16/fp16) checkpoints only: use the "
+            "unquantized weights of this model"
+        )
+
+
 def _eos_token_ids(model_dir: Path, raw_config: dict[str, Any]) -> list[int]:
     """EOS ids from generation_config.json, falling back to config.json."""
     ids: list[int] = []

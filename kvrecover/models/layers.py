@@ -59,8 +59,9 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-def load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
-    """Copy one checkpoint tensor (q, k, v, gate or up) into its rows of a fused weight."""
+def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:
+    """Copy one checkpoint tensor (q, k, v, gate or up) into its rows of a fused weight
+    (or of one expert's slice of a stacked weight)."""
     if loaded.shape[0] != size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit rows "

@@ -3,7 +3,8 @@
 A backend (`ops.backend.KernelBackend`) bundles one implementation of each:
 - `PagedAttention`: writes a step's K/V into the paged cache and attends, with
   rotary applied by the kernel (a backend that fuses it) or just before it;
-- `ModelOps`: the linears, norms, rotary, embedding and SwiGLU a model calls;
+- `ModelOps`: the linears, norms, rotary, embedding, SwiGLU and mixture-of-experts
+  feed-forward (`MoEKernels`) a model calls;
 - `SamplingKernels`: the device-side greedy pick of a graphed decode step;
 - `StepInputBuilder`: turns the scheduled requests into the step's inputs in the
   form that backend's attention reads (`StepInputs.attn`), and, where decode
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -120,7 +121,43 @@ class NormKernels(Protocol):
         ...
 
 
-class ModelOps(LinearKernels, NormKernels, Protocol):
+# ----- mixture of experts ------------------------------------------------------------------
+@runtime_checkable
+class ExpertWeights(Protocol):
+    """The stacked SwiGLU weights of one layer's experts (the model's
+    `models.moe.ExpertWeights` is one); a backend finds them in `prepare_weights`."""
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:  # [num_experts, 2 * intermediate, hidden]
+        ...
+
+    @property
+    def down_proj(self) -> torch.Tensor:  # [num_experts, hidden, intermediate]
+        ...
+
+    def as_linears(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
+        """One bias-free `nn.Linear` per expert for gate_up and for down, their weights
+        views of the stacked tensors (no copy)."""
+        ...
+
+
+class MoEKernels(Protocol):
+    """The experts' feed-forward of a sparse mixture-of-experts layer (routing, the
+    softmax top-k over the router logits, is the model's)."""
+
+    def moe(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` with
+        `e = topk_ids[t, j]`, for `x` [T, H], `topk_weights` [T, k] (float32 or the model
+        dtype) and `topk_ids` [T, k] (int64). Each product is summed in float32 in j order
+        (the order of the top-k, fixed) and rounded once to `x`'s dtype; each expert's
+        output is rounded to `x`'s dtype before it is weighted."""
+        ...
+
+
+class ModelOps(LinearKernels, NormKernels, MoEKernels, Protocol):
     """Every per-token op a model calls besides attention (`ops.reference.TorchOps` is the
     reference; each override rounds where it rounds)."""
 

@@ -5,7 +5,7 @@ The house, top to bottom (each part may import only the parts below it):
     entrypoints (and cli, scenario) -> llm -> engine -> worker -> models -> ops
                                                  kv_transfer (beside the worker)
     the shared vocabulary below them all: config, options, sampling, outputs,
-    kv_layout, step_messages, tokenizer, model sources
+    kv_layout, step_messages, tokenizer, model sources, structured (grammars)
 
 Read from the source with `ast` (nothing is imported), every import counts, type
 hints under `if TYPE_CHECKING:` and imports inside functions included. The rules:
@@ -43,7 +43,8 @@ HOUSE: dict[str, int] = {
     "kvrecover.ops": 1,
     **{f"kvrecover.{name}": 0 for name in (
         "config", "options", "device_defaults", "sampling", "outputs", "kv_layout",
-        "step_messages", "tokenizer", "model_source", "default_model", "cache_dir")},
+        "step_messages", "tokenizer", "model_source", "default_model", "cache_dir",
+        "structured")},
 }
 # (importer, imported) pairs on one floor that must not meet.
 SIDEWAYS_FORBIDDEN = (("kvrecover.kv_transfer", "kvrecover.worker"),)

@@ -25,6 +25,7 @@ from kvrecover.models.registry import build_model, model_class
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.interface import StepInputs, StepInputSpec
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
+from kvrecover.structured.bitmask import TokenBitmask
 from kvrecover.worker.cpu_threads import set_cpu_threads
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.kv_connector import WorkerConnector
@@ -91,6 +92,7 @@ class ModelRunner:
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
+        self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
         self.kv_connector: WorkerConnector | None = None
         self.graphs: DecodeGraphs | None = None
         self._token_buffers: TokenBuffers | None = None  # host buffers for overlapped decode tokens
@@ -119,6 +121,18 @@ class ModelRunner:
         """Allocate the paged KV cache. The engine calls this after construction, so a
         memory budget measured on the device already accounts for the weights."""
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.device)
+
+    def release(self) -> None:
+        """Drop every tensor this runner holds: the KV cache (emptying the list that
+        `kv_connector` and the connector registered), the weights, the CUDA graphs
+        with their memory pool, the step-input and token buffers. `Engine.close` calls
+        this once, after the connector shut down; the runner runs no step afterwards."""
+        self.kv_caches.clear()
+        self.graphs = None
+        self._token_buffers = None
+        # Gone rather than None: nothing may run on a released runner (the engine
+        # refuses to step once closed), and an AttributeError says so if it did.
+        del self.model, self.inputs, self.sampler
 
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Give the runner the worker-role connector and the connector the cache."""
@@ -153,10 +167,14 @@ class ModelRunner:
         a runner that overlaps decode (CUDA graphs for this batch size, or eagerly with
         `eager_overlap`). Greedy and random sampling both run on the device (`Sampler`),
         and a connector's hooks run at launch in their usual order, so loads, saves and
-        async arrivals qualify too; a step that needs per-layer hooks runs eagerly."""
+        async arrivals qualify too; a step that needs per-layer hooks runs eagerly. A
+        step with a structured-output request does not overlap (its grammar must accept
+        this step's token before the next mask exists); it still replays its graph."""
         scheduled = scheduler_output.scheduled
         if not scheduled or any(len(s.token_ids) != 1 or not s.sample for s in scheduled):
             return False
+        if any(s.grammar is not None for s in scheduled):
+            return False  # a grammar's next mask needs this step's token on the host
         return self.eager_overlap or (
             self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None
         )
@@ -252,7 +270,13 @@ class ModelRunner:
         greedy: torch.Tensor | None = None,
     ) -> SampledRows:
         """The one sampling path: the sampled rows' tokens, left on the device. `greedy`
-        (a graph's argmax) serves an all-greedy step; otherwise `Sampler` samples."""
+        (a graph's argmax) serves an all-greedy step without grammars; otherwise `Sampler`
+        samples. Rows with a grammar have their logits masked first: the forward pass was
+        launched already, so on a GPU the host fills the masks while it runs."""
+        grammars = [s.grammar for s in sampling]
+        if any(grammar is not None for grammar in grammars):
+            self.grammar_bitmask.apply(logits, grammars)
+            greedy = None
         if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
             return SampledRows(greedy)
         return self.sampler.sample(

@@ -16,8 +16,10 @@ from kvrecover.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
 from kvrecover.models.mistral import MistralConfig, MistralForCausalLM
+from kvrecover.models.mixtral import MixtralConfig, MixtralForCausalLM
 from kvrecover.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from kvrecover.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from kvrecover.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from kvrecover.models.registry import (
     MODELS,
     build_model,
@@ -64,9 +66,16 @@ def checkpoint_config(tmp_path: Path, architecture: str, **fields) -> Path:
     return folder
 
 
+# The mixture-of-experts families (their configs: tests/models/test_moe_families.py).
+MOE_FAMILIES = {
+    "MixtralForCausalLM": ({}, MixtralForCausalLM, MixtralConfig),
+    "Qwen3MoeForCausalLM": ({}, Qwen3MoeForCausalLM, Qwen3MoeConfig),
+}
+
+
 def test_every_supported_architecture_is_registered_with_a_family():
-    assert supported_architectures() == (*FAMILIES, *GEMMA_FAMILIES)
-    for architecture, (_, model, config) in {**FAMILIES, **GEMMA_FAMILIES}.items():
+    assert supported_architectures() == (*FAMILIES, *MOE_FAMILIES, *GEMMA_FAMILIES)
+    for architecture, (_, model, config) in {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES}.items():
         assert model_class(architecture) is model
         assert issubclass(model, CausalLM) and model.config_class is config
         assert issubclass(config, ModelConfig)

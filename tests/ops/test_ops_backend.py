@@ -62,13 +62,15 @@ def test_model_and_runner_share_the_backend_and_weights_are_packed_at_load(tiny_
 def test_every_backend_declares_its_features_and_names_what_is_missing():
     for backend in (select_backend("torch", CPU), select_backend("auto", CPU, dtype=torch.bfloat16),
                     select_backend("auto", CPU, batch_invariant=True)):
-        assert backend.features == BackendFeatures(sliding_window=True, logit_softcap=True)
+        assert backend.features == BackendFeatures(sliding_window=True, logit_softcap=True,
+                                                   moe=True)
         backend.check_supports(BackendFeatures(), "LlamaForCausalLM")  # a dense model runs
         backend.check_supports(BackendFeatures(sliding_window=True), "MistralForCausalLM")
+        backend.check_supports(BackendFeatures(moe=True), "MixtralForCausalLM")
     needed = BackendFeatures(moe=True, sliding_window=True, attention_sinks=True)
     assert BackendFeatures().missing(needed) == ["sliding_window", "attention_sinks", "moe"]
     assert BackendFeatures(sliding_window=True).missing(needed) == ["attention_sinks", "moe"]
-    with pytest.raises(ValueError, match=r"model GptOssForCausalLM needs attention_sinks, moe, "
+    with pytest.raises(ValueError, match=r"model GptOssForCausalLM needs attention_sinks, "
                                          r"which the 'torch' kernel backend does not support"):
         select_backend("torch", CPU).check_supports(needed, "GptOssForCausalLM")
 

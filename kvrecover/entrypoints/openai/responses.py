@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from kvrecover.entrypoints.openai.http import internal_error
 from kvrecover.entrypoints.openai.protocol import ApiError
+from kvrecover.entrypoints.openai.tools import ToolAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class OpenAIResponse:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     request_id: str = ""  # default: "chatcmpl-<hex>" or "cmpl-<hex>"
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolAnswer | None = None  # a chat request with tools: its calls' writer
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -96,10 +98,14 @@ class OpenAIResponse:
         carries the prompt's token ids (with `return_token_ids`)."""
         choice: dict[str, Any]
         if self.chat:
-            delta = {"role": "assistant", "content": fragment.text} if first else \
-                {"content": fragment.text}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": fragment.finish_reason}
+            finish = fragment.finish_reason
+            delta = {"content": fragment.text}
+            if self.tools is not None:
+                delta = self.tools.delta(fragment.text, final=finish is not None)
+                finish = self.tools.finish_reason(finish)
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": fragment.text, "logprobs": None,
                       "finish_reason": fragment.finish_reason}
@@ -123,8 +129,12 @@ class OpenAIResponse:
         """The body of a non-streamed answer."""
         choice: dict[str, Any]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                message = self.tools.message(text)
+                finish_reason = self.tools.finish_reason(finish_reason)
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": finish_reason}

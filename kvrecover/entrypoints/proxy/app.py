@@ -30,6 +30,7 @@ from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_
 from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
 from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
+from kvrecover.entrypoints.openai.tools import ToolAnswer, ToolRequest
 from kvrecover.entrypoints.proxy.checks import Piece
 from kvrecover.entrypoints.proxy.config import ProxyConfig
 from kvrecover.entrypoints.proxy.instances import InstancePool, ProxyMetrics
@@ -128,9 +129,13 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                       usage: tuple[bool, bool]) -> Response:
         await proxied.prefill()
         first = await proxied.open_decode()
+        tools = ToolRequest.of(body.get("tools"), body.get("tool_choice")) \
+            if path == CHAT else None
         writer = OpenAIResponse(path == CHAT, body.get("model") or first.model or "",
                                 proxied, bool(body.get("return_token_ids")), *usage,
-                                request_id=f"proxy-{uuid.uuid4().hex}")
+                                request_id=f"proxy-{uuid.uuid4().hex}",
+                                tools=None if tools is None else
+                                ToolAnswer(tools, proxied.tool_call_parser))
         headers = {"x-kvrecover-decode-instance": proxied.decode_stream.instance.url}
         pieces = _chain(first, proxied.pieces(first))
         if body.get("stream"):
