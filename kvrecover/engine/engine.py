@@ -25,6 +25,7 @@ from kvrecover.sampling import SamplingParams
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.model_runner import ModelRunner
+from kvrecover.worker.parallel_runner import RankSpec, TensorParallelRunner
 
 if TYPE_CHECKING:
     from kvrecover.worker.overlap import PendingDecode
@@ -59,11 +60,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(args.seed)
-        self.model_runner = ModelRunner(
-            self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
-            self.layout, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
-            attention_backend=config.attention_backend, native_kernels=args.native_kernels,
-        )
+        self.model_runner: ModelRunner | TensorParallelRunner = _model_runner(config)
         # After the weights: a GPU's budget is what they left free.
         self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
@@ -87,7 +84,8 @@ class Engine:
         # at interpreter exit, whichever comes first: no loader thread may still be inside
         # torch while the interpreter tears down (that aborts the process).
         connectors = [c for c in (self.model_runner.connector, connector) if c is not None]
-        self._shutdown_connectors = weakref.finalize(self, _shutdown, connectors)
+        self._shutdown_connectors = weakref.finalize(self, _shutdown, connectors,
+                                                     self.model_runner)
 
     # ----- requests ------------------------------------------------------------------
     def add_request(
@@ -237,7 +235,27 @@ class Engine:
         )
 
 
-def _shutdown(connectors: list) -> None:
+def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
+    """The model runner: this process's alone, or rank 0's of a tensor-parallel group."""
+    args = config.args
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(
+            config.model_config, config.model_dir, config.device, config.dtype,
+            config.max_model_len, config.layout, enforce_eager=args.enforce_eager,
+            batch_invariant=args.batch_invariant, attention_backend=config.attention_backend,
+            native_kernels=args.native_kernels,
+        )
+    return TensorParallelRunner(RankSpec(
+        config.model_config, config.model_dir, config.device, config.dtype,
+        config.max_model_len, config.layout, args.enforce_eager, args.batch_invariant,
+        config.attention_backend, args.native_kernels, args.kv_transfer_config, args.seed,
+        config.tensor_parallel_size,
+    ))
+
+
+def _shutdown(connectors: list, runner: ModelRunner | TensorParallelRunner) -> None:
+    if isinstance(runner, TensorParallelRunner):  # the other ranks' connectors first
+        runner.close()
     for connector in connectors:  # worker role first: it owns the loader threads
         try:
             connector.shutdown()
