@@ -75,6 +75,25 @@ class RankProcess:
                                   f"{message.body}")
         return message
 
+    def failure_within(self, timeout_s: float, waiting_for: str) -> RankFailedError | None:
+        """The rank's failure if within `timeout_s` it dies or reports one; None if it
+        stays silent (it may be waiting in a collective) or answers normally."""
+        if not wait([self.channel], timeout_s):
+            return None
+        try:
+            self.receive(0.0, waiting_for)
+        except RankFailedError as failure:
+            return failure
+        return None
+
+    def exit_status(self) -> str | None:
+        """How the process ended ("killed by SIGKILL", "exit code 1"), or None while
+        it runs; never waits."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
     def _exit_status(self) -> str:
         code = self.process.poll()
         if code is None:

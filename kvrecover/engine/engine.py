@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrecover.config import EngineArgs
+from kvrecover.distributed.errors import RankFailedError
 from kvrecover.engine.inputs import check_request, prompt_tokens
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
@@ -80,6 +81,7 @@ class Engine:
         # A launched, overlapped decode step: (its schedule, its pending tokens).
         self._in_flight: tuple[SchedulerOutput, PendingDecode] | None = None
         self.closed = False
+        self.failure: str | None = None  # why the engine stopped by itself (`check_health`)
         # Shuts the connectors down on close(), when the engine is garbage collected, or
         # at interpreter exit, whichever comes first: no loader thread may still be inside
         # torch while the interpreter tears down (that aborts the process).
@@ -96,7 +98,7 @@ class Engine:
     ) -> None:
         """Tokenize (if needed), validate and queue a request."""
         if self.closed:
-            raise RuntimeError("the engine is closed; create a new LLM")
+            raise RuntimeError(f"{self.failure or 'the engine is closed'}; create a new LLM")
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvrecover.SamplingParams")
@@ -158,8 +160,33 @@ class Engine:
         if self.model_runner.can_overlap(scheduler_output):
             self._in_flight = (scheduler_output, self._launch(scheduler_output))
             return self._land_in_flight(self._in_flight)
-        runner_output = self.model_runner.execute(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute(scheduler_output)
+        except RankFailedError as failure:
+            return self._fail(failure)
         return self._apply(scheduler_output, runner_output)
+
+    def check_health(self) -> str | None:
+        """None while the engine can step; else why not (a tensor-parallel rank died:
+        the engine then ends its requests and closes, as a failed step does). Cheap: a
+        server calls it between steps, so a rank that dies while idle is noticed."""
+        runner = self.model_runner
+        if self.failure is None and isinstance(runner, TensorParallelRunner):
+            failure = runner.check_ranks()
+            if failure is not None:
+                self._fail(failure)
+        return self.failure
+
+    def _fail(self, failure: RankFailedError) -> list[RequestOutput]:
+        """The model runner cannot run another step: end every request with an error
+        naming the failure, and close."""
+        self.failure = f"the engine stopped: {failure}"
+        ended = self.scheduler.end_all_with_error(self.failure)
+        outputs = [self._output(request) for request in ended]
+        for request in ended:
+            self.scheduler.pop_finished(request.request_id)
+        self.close()
+        return outputs
 
     def _launch(self, scheduler_output: SchedulerOutput,
                 previous: PendingDecode | None = None) -> PendingDecode:

@@ -175,6 +175,17 @@ class TensorParallelRunner:
         self.reports.merge(output, reports)
         return output
 
+    def check_ranks(self) -> RankFailedError | None:
+        """The group's failure, if any: a rank process that exited counts (found
+        without waiting, between steps)."""
+        if self.failure is None and not self.closed:
+            for process in self.ranks:
+                status = process.exit_status()
+                if status is not None:
+                    self._fail(RankFailedError(f"rank {process.rank} died ({status})"))
+                    break
+        return self.failure
+
     def close(self) -> None:
         """Stop every rank (their connectors shut down first) and close the group.
         Idempotent."""
@@ -205,9 +216,8 @@ class TensorParallelRunner:
         """The failure behind rank 0's error: a rank that died or failed says so on its
         channel right away; otherwise rank 0's own forward raised."""
         for process in self.ranks:
-            try:
-                process.receive(1.0, "running a step")
-            except RankFailedError as failure:
+            failure = process.failure_within(1.0, "running a step")
+            if failure is not None:
                 return failure
         return RankFailedError(f"rank 0's forward failed: {type(error).__name__}: {error}")
 
