@@ -28,6 +28,7 @@ from kvrecover.distributed.group import DistributedGroup, create_process_group
 from kvrecover.distributed.messages import RankReport, pack
 from kvrecover.distributed.rank_process import RankProcess
 from kvrecover.distributed.rank_reports import RankReports
+from kvrecover.distributed.rank_watch import RankWatch
 from kvrecover.distributed.rendezvous import open_store
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorBase
@@ -97,6 +98,7 @@ class TensorParallelRunner:
         self.reports = RankReports(spec.size)
         self.ranks: list[RankProcess] = []
         self.group: DistributedGroup | None = None
+        self.watch: RankWatch | None = None
         self.failure: RankFailedError | None = None
         self.closed = False
         timeout = spec.start_timeout_s
@@ -108,9 +110,11 @@ class TensorParallelRunner:
                 process.send(pack("start", spec.for_rank(rank, store.port)))
             for process in self.ranks:
                 process.receive(timeout, "starting")
-            group = create_process_group(store, 0, spec.size, spec.device, timeout)
+            group = create_process_group(store, 0, spec.size, spec.device,
+                                         spec.step_timeout_s)
             self.group = DistributedGroup(group, 0, spec.size,
                                           fixed_order=spec.batch_invariant)
+            self.watch = RankWatch([p.process.pid for p in self.ranks], self.group.abort)
             self.runner = spec.build_runner(self.group)
             for process in self.ranks:
                 process.receive(timeout, "loading its weights")
@@ -192,6 +196,8 @@ class TensorParallelRunner:
         if self.closed:
             return
         self.closed = True
+        if self.watch is not None:
+            self.watch.stop()  # the ranks are about to exit: that is no failure
         if self.failure is None:
             for process in self.ranks:
                 try:
@@ -228,6 +234,8 @@ class TensorParallelRunner:
         self._stop(abort=True)
 
     def _stop(self, abort: bool) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         if self.group is not None:
             if abort:
                 self.group.abort()

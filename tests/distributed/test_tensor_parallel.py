@@ -137,3 +137,13 @@ def test_a_rendezvous_port_in_use_is_replaced_by_a_free_one():
         store = open_store(port, timeout_s=5)
         assert store.port != port
         assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["prefill"], ["decode"],
+                                     ["scenario"], ["serve"], ["serve-demo"]])
+def test_every_engine_command_takes_the_tensor_parallel_size_flag(command):
+    from kvrecover.config import engine_args_from_namespace
+    from kvrecover.entrypoints.cli.main import build_parser
+
+    namespace = build_parser().parse_args([*command, "--tensor-parallel-size", "2"])
+    assert engine_args_from_namespace(namespace).tensor_parallel_size == 2
