@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.loader import attach_shard_loader
+from kvrecover.models.loader import CheckpointRename, attach_shard_loader
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.interface import BackendFeatures
 
@@ -219,6 +219,10 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         `upcast`: a caller that casts them itself)."""
         logits = self.ops.linear(hidden, self.lm_head)
         return logits.float() if upcast else logits
+
+    # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
+    # weights: `models.moe.expert_renames`); tried first.
+    checkpoint_renames: tuple[CheckpointRename, ...] = ()
 
     # Hugging Face parameter name fragments -> (our fragment, shard id).
     packed_modules = {
