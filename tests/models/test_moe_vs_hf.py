@@ -1,6 +1,6 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE) equal Hugging Face token for token.
 
-Float32 on the CPU, on tiny random checkpoints with 8 experts and top-2 (the
+Float32 on the CPU (the reference kernels, and the batch-invariant ones), on tiny random checkpoints with 8 experts and top-2 (the
 routing differs between tokens: asserted), under chunked prefill, odd block
 sizes, prefix-cache reuse and a KV budget tight enough to preempt; checkpoints
 with the classic per-expert tensors and with the fused ones `transformers`
@@ -93,6 +93,16 @@ def test_greedy_matches_hf_under_chunked_prefill(request, family, block_size):
     llm = LLM(str(model_dir), block_size=block_size, max_num_batched_tokens=64, device="cpu")
     assert generate(llm) == hf_reference(model_dir)
     assert llm.stats["prompt_tokens_computed"] == sum(map(len, PROMPTS))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_batch_invariant_kernels_match_hf(request, family):
+    """The CPU-invariant kernels (fixed-tile experts) in float32 give HF's tokens too."""
+    model_dir = request.getfixturevalue(family)
+    llm = LLM(str(model_dir), block_size=16, max_num_batched_tokens=64, device="cpu",
+              batch_invariant=True)
+    assert llm.engine.model_runner.backend.name == "cpu_invariant"
+    assert generate(llm) == hf_reference(model_dir)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
