@@ -78,8 +78,8 @@ class KernelBackend:
             )
 
 
-# What every family's kernels implement beyond dense full attention.
-MOE = BackendFeatures(moe=True)
+# The features every family's attention implements (each kernel of each family).
+EVERY_BACKEND = BackendFeatures(sliding_window=True, moe=True)
 
 # Whether bf16/fp16 on the CPU run the invariant kernels without `batch_invariant`.
 # On: with the C attention kernel they cost no more than the reference kernels in
@@ -110,7 +110,7 @@ def select_backend(
 
         triton_ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), triton_ops,
-                             step_input_builder, TritonSampling(), features=MOE,
+                             step_input_builder, TritonSampling(), features=EVERY_BACKEND,
                              batch_invariant=batch_invariant)
     if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES
                            and device.type == "cpu"):
@@ -118,7 +118,7 @@ def select_backend(
         invariant_ops = InvariantCpuOps(native_kernels=native)
         attention = invariant_cpu_attention(device, invariant_ops.rotary, native)
         return KernelBackend("cpu_invariant", attention, invariant_ops, ReferenceStepInputs,
-                             features=MOE, batch_invariant=True)
+                             features=EVERY_BACKEND, batch_invariant=True)
     ops = TorchOps()
     return KernelBackend("torch", TorchPagedAttention(ops.rotary), ops, ReferenceStepInputs,
-                         features=MOE)
+                         features=EVERY_BACKEND)
