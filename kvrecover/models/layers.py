@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.loader import attach_shard_loader
+from kvrecover.models.loader import CheckpointRename, attach_shard_loader
 from kvrecover.models.parallel_layers import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -284,6 +284,10 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         else:
             logits = self.ops.linear(hidden, head)
         return logits.float() if upcast else logits
+
+    # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
+    # weights: `models.moe.expert_renames`); tried first.
+    checkpoint_renames: tuple[CheckpointRename, ...] = ()
 
     # Hugging Face parameter name fragments -> (our fragment, shard id).
     packed_modules = {
