@@ -17,7 +17,7 @@ from kvrecover import LLM, SamplingParams
 from kvrecover.distributed.rendezvous import open_store
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.loader import load_weights, skip_weight_init
-from kvrecover.models.parallel_layers import shard_heads, vocab_range
+from kvrecover.models.parallel_layers import HeadShard, shard_heads, vocab_range
 from kvrecover.models.registry import build_model, load_model_config
 from kvrecover.ops.backend import select_backend
 
@@ -100,7 +100,7 @@ def test_a_rank_holds_exactly_its_slice_of_each_weight(tiny_qwen3, rank):
 
 def test_fewer_kv_heads_than_ranks_replicates_them():
     assert [shard_heads(8, 2, 4, rank) for rank in range(4)] == [
-        shard_heads(8, 2, 4, 0).__class__(2, 2 * rank, 1, rank // 2) for rank in range(4)]
+        HeadShard(2, 2 * rank, 1, rank // 2) for rank in range(4)]
     assert shard_heads(8, 4, 2, 1).num_kv_heads == 2 and shard_heads(8, 4, 2, 1).kv_head_start == 2
     assert vocab_range(383, 2, 1) == (192, 192)
 
