@@ -42,8 +42,8 @@ class MoETiles:
 
 
 INVARIANT_CONFIG = MoETiles(16, 64, 64, 4, 3)  # every step, in batch-invariant mode
-DECODE_CONFIG = MoETiles(16, 64, 64, 4, 3)
-PREFILL_CONFIG = MoETiles(64, 128, 64, 8, 3)
+DECODE_CONFIG = MoETiles(16, 32, 64, 4, 4)  # narrow columns: enough programs for one token
+PREFILL_CONFIG = MoETiles(64, 128, 64, 8, 3)  # bf16/fp16: 120 KiB of shared memory
 PREFILL_ASSIGNMENTS = 1024  # from here on (tokens x top-k), PREFILL_CONFIG
 
 
@@ -128,11 +128,13 @@ def _down_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-def tiles_for(num_assignments: int, batch_invariant: bool) -> MoETiles:
-    """The launch configuration of a step with `num_assignments` (tokens x top-k) rows."""
+def tiles_for(num_assignments: int, batch_invariant: bool, dtype: torch.dtype) -> MoETiles:
+    """The launch configuration of a step with `num_assignments` (tokens x top-k) rows.
+    float32 keeps the small tiles (the prefill ones would need twice the shared memory)."""
     if batch_invariant:
         return INVARIANT_CONFIG
-    return PREFILL_CONFIG if num_assignments >= PREFILL_ASSIGNMENTS else DECODE_CONFIG
+    half = dtype in (torch.bfloat16, torch.float16)
+    return PREFILL_CONFIG if half and num_assignments >= PREFILL_ASSIGNMENTS else DECODE_CONFIG
 
 
 def fused_moe(
@@ -144,7 +146,7 @@ def fused_moe(
     num_experts, hidden = gate_up.shape[0], x.shape[1]
     intermediate = down.shape[2]
     num_tokens, top_k = topk_ids.shape
-    tiles = tiles_for(num_tokens * top_k, batch_invariant)
+    tiles = tiles_for(num_tokens * top_k, batch_invariant, x.dtype)
     blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
     x = x.contiguous()
     ieee = x.dtype == torch.float32
