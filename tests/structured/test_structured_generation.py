@@ -11,7 +11,7 @@ from conftest import random_prompts
 from structured_helpers import CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX, schema_errors
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.structured.params import StructuredOutputsParams as Spec
+from kvrecover import StructuredOutputsParams as Spec
 
 VOCAB = 384
 PROMPTS = random_prompts(4, [9, 30, 3, 17], VOCAB, seed=5)
