@@ -45,4 +45,4 @@ def test_grammar_steps_replay_graphs_and_keep_the_others_overlapped(tiny_llama):
     batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [free, params, free])
     assert batch[1].outputs[0].token_ids == alone.token_ids
     # After the grammar's request ended, the other two decoded on the overlapped path.
-    assert llm.engine.stats.overlapped_steps - before >= 200 - len(alone.token_ids) - 2
+    assert llm.engine.stats.overlapped_steps - before >= 200 - len(alone.token_ids) - 10
