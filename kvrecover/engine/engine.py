@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
+from kvrecover.structured.params import StructuredOutputsParams
 from kvrecover.structured.state import GrammarState
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.model_runner import ModelRunner
@@ -79,6 +81,7 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
+        self._grammars_lock = threading.Lock()  # compile_grammar may run on another thread
         # Prefix caching and connectors key blocks by their chain hash: hash the
         # prompt once here; connectors only read `request.block_hashes`.
         self._hash_prompts = args.enable_prefix_caching or connector is not None
@@ -136,15 +139,26 @@ class Engine:
         if spec.replay_prompt_tokens >= len(token_ids):
             raise ValueError("structured_outputs.replay_prompt_tokens must be shorter than the "
                              f"prompt ({len(token_ids)} tokens), got {spec.replay_prompt_tokens}")
-        if self._grammars is None:
-            from kvrecover.structured.compiler import GrammarCompiler
-
-            self._grammars = GrammarCompiler(
-                self.model_dir, self.model_config.vocab_size, sorted(self.eos_token_ids))
-        grammar = self._grammars.matcher(spec)
+        grammar = self._grammar_compiler().matcher(spec)
         if spec.replay_prompt_tokens:
             grammar.replay(token_ids[-spec.replay_prompt_tokens:])
         return grammar
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile and cache `spec`'s grammar ahead of `add_request`; a ValueError naming
+        the problem when it does not compile. The one method that may run on another
+        thread than the engine's: the server compiles on a worker thread, so a slow
+        compile (or the first one, which loads the tokenizer) never holds up a step."""
+        self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                from kvrecover.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(
+                    self.model_dir, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; a later `step()` no longer reports it."""

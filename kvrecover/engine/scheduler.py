@@ -179,8 +179,6 @@ class Scheduler:
                 continue
             if self._is_void(item, request):
                 return None  # rolled back since `previous` was scheduled: recompute it first
-            if request.grammar is not None:
-                return None  # its mask needs `previous`'s token accepted on the host first
             num_continued += 1
             num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
             if (
