@@ -103,7 +103,7 @@ class GemmaCausalLM(CausalLM[Any]):
                              persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.embedding(input_ids, self.embed_tokens.weight) * self.embed_scale
+        return super().embed(input_ids) * self.embed_scale
 
     def gemma_layer(self, config: Any, self_attn: Attention, ops: ModelOps) -> nn.Module:
         """A Gemma decoder layer around `self_attn`: GeGLU MLP, four (1 + w) norms."""
