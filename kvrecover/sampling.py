@@ -122,6 +122,11 @@ class SamplingParams:
         None, "words never generated (as vLLM: each word's token sequence, with and "
         "without a leading space)", list, nullable=True, check=_bad_words_problem, flag=False)
 
+    resumed_output_tokens: int = option(
+        0, "the prompt's last tokens that are earlier output of this request (one a proxy "
+        "migrated): penalties, min_tokens and bad words count them as output", int,
+        minimum=0, flag=False)
+
     def __post_init__(self) -> None:
         for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
             if isinstance(getattr(self, name), tuple):

@@ -35,6 +35,9 @@ class LogitsSpec:
     allowed_token_ids: list[int] | None
     banned_token_ids: list[int]  # bad words of one token
     bad_word_sequences: list[list[int]]  # bad words of several tokens
+    # Earlier outputs ending the prompt (`SamplingParams.resumed_output_tokens`): counted
+    # as output before the request's own.
+    resumed_output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def needs_output_on_host(self) -> bool:

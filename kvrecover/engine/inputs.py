@@ -67,6 +67,9 @@ def check_request(
                 f"request {request_id!r}: {name} must be token ids in [0, {vocab_size}), "
                 f"got {ids!r:.200}"
             )
+    if params.resumed_output_tokens >= len(token_ids):
+        raise ValueError(f"request {request_id!r}: resumed_output_tokens must be shorter than "
+                         f"the prompt ({len(token_ids)} tokens), got {params.resumed_output_tokens}")
     if params.max_tokens == 0 and params.prompt_logprobs is None:
         raise ValueError(f"request {request_id!r}: max_tokens must be >= 1 unless "
                          "prompt_logprobs is set (0 scores the prompt alone)")
@@ -103,6 +106,7 @@ def logits_spec(params: SamplingParams, prompt_token_ids: list[int],
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         stop_ids |= eos_token_ids
+    resumed = params.resumed_output_tokens
     return LogitsSpec(
         prompt_token_ids=list(prompt_token_ids),
         presence_penalty=params.presence_penalty,
@@ -115,4 +119,6 @@ def logits_spec(params: SamplingParams, prompt_token_ids: list[int],
         else list(params.allowed_token_ids),
         banned_token_ids=banned,
         bad_word_sequences=sequences,
+        resumed_output_token_ids=list(prompt_token_ids[len(prompt_token_ids) - resumed:])
+        if resumed else [],
     )

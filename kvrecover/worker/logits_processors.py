@@ -60,9 +60,7 @@ class LogitsProcessors:
         slots = [self._slot_for(s) for _, s in active]
         row_index = torch.tensor([row for row, _ in active], device=self.device)
         slot_index = torch.tensor([slot.index for slot in slots], device=self.device)
-        before_min = torch.tensor(
-            [s.num_output_tokens < s.logits_spec.min_tokens for _, s in active  # type: ignore[union-attr]
-             ], device=self.device)
+        before_min = torch.tensor([_before_min_tokens(s) for _, s in active], device=self.device)
         x = logits.index_select(0, row_index) + self.bias.index_select(0, slot_index)
         banned = self.min_tokens_banned.index_select(0, slot_index) & before_min[:, None]
         x = x.masked_fill(banned, float("-inf"))
@@ -138,7 +136,8 @@ class LogitsProcessors:
             if outputs is None or len(outputs) < item.num_output_tokens:
                 raise RuntimeError(f"request {item.request_id}: its output tokens are not on "
                                    "the host to rebuild its penalty counts")
-            counted = torch.tensor(outputs[: item.num_output_tokens], dtype=torch.long)
+            resumed = item.logits_spec.resumed_output_token_ids  # type: ignore[union-attr]
+            counted = torch.tensor(resumed + outputs[: item.num_output_tokens], dtype=torch.long)
             self.counts[slot.index] = torch.bincount(counted, minlength=self.vocab_size)[
                 : self.vocab_size].to(self.device, torch.int32)
             slot.num_counted = item.num_output_tokens
@@ -164,6 +163,13 @@ class LogitsProcessors:
         self.counts[index] = 0
 
 
+def _before_min_tokens(item: ScheduledRequest) -> bool:
+    spec = item.logits_spec
+    if spec is None:
+        return False
+    return len(spec.resumed_output_token_ids) + item.num_output_tokens < spec.min_tokens
+
+
 def _id_mask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     if token_ids:
@@ -180,10 +186,11 @@ def _bad_word_bans(items: list[ScheduledRequest]) -> tuple[list[int], list[int]]
         spec = item.logits_spec
         if spec is None or not spec.bad_word_sequences:
             continue
-        outputs = item.output_token_ids or []
-        if len(outputs) != item.num_output_tokens:
+        own = item.output_token_ids or []
+        if len(own) != item.num_output_tokens:
             raise RuntimeError(f"request {item.request_id}: bad words need its outputs on "
                                "the host")
+        outputs = spec.resumed_output_token_ids + own
         for sequence in spec.bad_word_sequences:
             prefix = sequence[:-1]
             if len(outputs) >= len(prefix) and outputs[len(outputs) - len(prefix):] == prefix:

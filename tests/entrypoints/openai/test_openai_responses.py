@@ -24,6 +24,9 @@ class Fragment:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    index: int = 0
+    logprobs: dict | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
