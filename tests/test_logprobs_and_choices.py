@@ -122,3 +122,20 @@ def test_n_choices_share_the_prompt_and_are_seeded_per_choice(model_dir):
 def test_n_above_the_cap_is_an_error():
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=17)
+
+
+def test_aborting_an_n_request_aborts_every_choice(llm):
+    prompt = random_prompts(1, [20], 384, seed=15)[0]
+    engine = llm.engine
+    engine.add_request("many", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, n=3, max_tokens=50, ignore_eos=True))
+    assert {"many#0", "many#1", "many#2"} <= set(engine.scheduler.requests)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("many", {"prompt_token_ids": prompt}, SamplingParams(n=2))
+    engine.step()
+    engine.abort_request("many")
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    # The id is free again once its choices are gone.
+    engine.add_request("many", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()

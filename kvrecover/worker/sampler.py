@@ -66,7 +66,10 @@ def host_results(
 
 class TokenMask(Protocol):
     """A step of the sampling pipeline after the logits processors (a grammar's token
-    bitmask): returns the logits with the tokens `rows` may not take set to -inf."""
+    bitmask), called by `Sampler.sample_step` with the step's logits [B, V] and rows:
+    returns its input itself when it masks no row, else new logits with the tokens
+    each row may not take set to -inf (never changing its input in place: the raw
+    logits give the logprobs, and an unchanged step may take the graph's argmax)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor: ...
 
