@@ -1,11 +1,13 @@
-"""GPU benchmark: kvrecover vs Hugging Face `generate` on a Llama-3.2-1B-shaped model.
+"""GPU benchmark: kvrecover vs Hugging Face `generate` on a Llama-shaped model.
 
-Builds a random-weight bf16 checkpoint (no download), measures the device's copy
-bandwidth and bf16 matmul rate, then times prefill and decode for kvrecover
-(default, batch-invariant, eager) and HF on the same prompts, and prints a table
-with the ratios to HF and to the roofline.
+Runs the checkpoint in `--model-dir`, or writes random bf16 weights of `--shape`
+(1b: Llama-3.2-1B, the default; 8b: Llama-3.1-8B; no download), measures the
+device's copy bandwidth and bf16 matmul rate, then times prefill and decode for
+kvrecover (default, batch-invariant, eager) and HF on the same prompts, and prints
+a table with the ratios to HF and to the roofline of the shape it ran (read from
+the checkpoint's config.json).
 
-    PYTHONPATH=. python bench/bench_gpu.py [--batches 1 16 64] [--out DIR]
+    PYTHONPATH=. python bench/bench_gpu.py [--shape 1b|8b] [--batches 1 16 64] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,15 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-
-LLAMA_1B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
-    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
-)
+from model_shapes import SHAPES, ModelShape, resolve_model_dir
 
 
 def device_ceilings() -> dict[str, float]:
@@ -54,33 +48,6 @@ def _time_cuda(fn, reps: int, inner: int = 1) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / inner)
     return sorted(times)[len(times) // 2]
-
-
-def build_checkpoint(folder: Path) -> Path:
-    """A random bf16 Llama-3.2-1B-shaped checkpoint with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (folder / "model.safetensors").is_file():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model(**{k: v for k, v in LLAMA_1B.items() if k != "architectures"})
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder, safe_serialization=True)
-    config_file = folder / "config.json"
-    saved = json.loads(config_file.read_text())
-    saved["architectures"] = LLAMA_1B["architectures"]
-    config_file.write_text(json.dumps(saved))
-    vocab = {f"t{i}": i for i in range(LLAMA_1B["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t128001"}))
-    del model
-    torch.cuda.empty_cache()
-    return folder
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -230,7 +197,7 @@ def _attention_microbench(engine) -> None:
         query = torch.randn(num_tokens, heads, cache.shape[-1], device="cuda", dtype=cache.dtype)
         seconds = _time_cuda(
             lambda q=query, m=meta, s=stages, b=block_m, w=warps, d=decode: paged_attention(
-                q, cache, m, 0.125, num_stages=s, prefill_block_m=b, prefill_warps=w, decode=d
+                q, cache, m, cache.shape[-1] ** -0.5, num_stages=s, prefill_block_m=b, prefill_warps=w, decode=d
             ),
             10, inner=10,
         )
@@ -241,13 +208,24 @@ def _attention_microbench(engine) -> None:
 
 
 @torch.inference_mode()
-def matmul_configs() -> None:
+def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(out, in) of each of `shape`'s linears, the LM head included."""
+    q_size = shape.num_attention_heads * shape.head_dim
+    kv_size = shape.num_key_value_heads * shape.head_dim
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    return {"qkv": (q_size + 2 * kv_size, hidden), "o": (hidden, q_size),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter),
+            "lm_head": (shape.vocab_size, hidden)}
+
+
+def matmul_configs(shape: ModelShape) -> None:
     """Time batch-invariant matmul tile configs on prefill shapes; check each against decode rows."""
     from kvrecover.ops.triton.batch_invariant_matmul import linear
 
     configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
                (128, 256, 8, 4), (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4)]
-    for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)):
+    linears = linear_shapes(shape)
+    for n, k in (linears[name] for name in ("qkv", "o", "gate_up", "down")):
         x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         decode_rows = linear(x[:16], w)
@@ -281,13 +259,12 @@ def _time_cycling(weights: list[torch.Tensor], call) -> float:
 
 
 @torch.inference_mode()
-def decode_linears(batch: int = 16) -> None:
+def decode_linears(shape: ModelShape, batch: int = 16) -> None:
     """cuBLAS against the split-K Triton matmul on the decode linears (graph-timed, weights
     cycled through more than the L2 cache so every call streams its weight)."""
     from kvrecover.ops.triton.batch_invariant_matmul import linear
 
-    shapes = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
-              "down": (2048, 8192), "lm_head": (128256, 2048)}
+    shapes = linear_shapes(shape)
     configs = [(16, 64, 4, 4), (16, 128, 4, 4), (64, 128, 4, 4)]
     for name, (n, k) in shapes.items():
         copies = max(1, -(-400_000_000 // (2 * n * k)))
@@ -322,14 +299,15 @@ def _rates(batch, prompt_len, new_tokens, prefill_s, total_s) -> dict:
     }
 
 
-def rooflines(ceilings: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Decode: bytes per step (weights once + the batch's KV) at copy bandwidth; prefill: FLOPs."""
-    c = LLAMA_1B
-    hidden, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
-    q_size = c["num_attention_heads"] * c["head_dim"]
-    kv_size = c["num_key_value_heads"] * c["head_dim"]
-    layer_params = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
-    weight_bytes = 2 * (layers * layer_params + c["vocab_size"] * hidden)
+def rooflines(ceilings: dict, shape: ModelShape, batch: int, prompt_len: int,
+              new_tokens: int) -> dict:
+    """Decode: bytes per step (bf16 weights once, the LM head included, + the batch's KV) at
+    copy bandwidth; prefill: FLOPs at the matmul rate; both for `shape`."""
+    layers, hidden = shape.num_hidden_layers, shape.hidden_size
+    q_size = shape.num_attention_heads * shape.head_dim
+    kv_size = shape.num_key_value_heads * shape.head_dim
+    layer_params = shape.layer_params
+    weight_bytes = 2 * (layers * layer_params + shape.vocab_size * hidden)
     kv_bytes_per_token = 2 * 2 * layers * kv_size
     mean_context = prompt_len + new_tokens / 2
     step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
@@ -353,7 +331,12 @@ def main() -> None:
                         help="print kernel profiles and attention variants at batch 16")
     parser.add_argument("--matmul-configs", action="store_true",
                         help="only time the Triton matmul's configs (prefill and decode shapes)")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="write random bf16 weights of this shape (default 1b) where "
+                             "--model-dir holds no checkpoint")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the checkpoint to run (default /tmp/kvrecover-bench-llama<shape>); "
+                             "its config.json gives the roofline's shape")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args()
 
@@ -361,19 +344,24 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s"
           f"  bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     if args.matmul_configs:  # random matrices only: no checkpoint needed
-        matmul_configs()
-        decode_linears()
+        shape = (ModelShape.of(args.model_dir) if args.model_dir is not None and args.shape is None
+                 else ModelShape.from_config(SHAPES[args.shape or "1b"]))
+        matmul_configs(shape)
+        decode_linears(shape)
         return
-    model_dir = build_checkpoint(args.model_dir)
+    model_dir = resolve_model_dir(args.model_dir, args.shape)
+    shape = ModelShape.of(model_dir)
+    print(f"model: {model_dir} ({shape.label})", flush=True)
     if args.profile:
         for batch_invariant in (False, True):
             profile_steps(model_dir, 16, args.prompt_len, batch_invariant)
             _free_memory()
     mode_args = {"default": {}, "batch_invariant": {"batch_invariant": True},
                  "eager": {"enforce_eager": True}}
-    results: dict = {"ceilings": ceilings, "runs": []}
+    results: dict = {"ceilings": ceilings, "shape": {"label": shape.label, **vars(shape)},
+                     "model_dir": str(model_dir), "runs": []}
     for batch in args.batches:
-        roof = rooflines(ceilings, batch, args.prompt_len, args.new_tokens)
+        roof = rooflines(ceilings, shape, batch, args.prompt_len, args.new_tokens)
         hf = None
         if not args.no_hf:
             hf = time_hf(model_dir, batch, args.prompt_len, args.hf_new_tokens)
@@ -389,7 +377,7 @@ def main() -> None:
                   f"{run.get('decode_host_ms_per_step', float('nan')):.3f} ms", flush=True)
         results["runs"].append({"engine": "roofline", "batch": batch, **roof})
 
-    print(f"\nprompt {args.prompt_len} tokens, {args.new_tokens} new tokens "
+    print(f"\n{shape.label}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens "
           f"(HF: {args.hf_new_tokens}); bf16; tok/s, x HF, % of roofline")
     header = f"{'batch':>5} {'engine':24} {'prefill':>10} {'xHF':>6} {'%roof':>6} " \
              f"{'decode':>9} {'xHF':>6} {'%roof':>6}"

@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/bench_recovery.py [--device cpu] [--batch 4] [--prompt-tokens 512]
         [--max-tokens 8] [--rates 0 0.01 0.1 0.5 1] [--repeats 2] [--plot bench/recovery_cpu.png]
     PYTHONPATH=. python bench/bench_recovery.py --device cuda --batch 16 --prompt-tokens 1024 \
-        --plot $OUT/recovery_gpu.png
+        [--shape 1b|8b | --model-dir DIR] --plot $OUT/recovery_gpu.png
 
 A producer prefills a batch of prompts into a `SharedStorageConnector` folder. A
 consumer (policy `recompute`, prefix caching off) then runs the same batch through
@@ -20,13 +20,17 @@ its cut (the prefill of the tails minus that of the no-failure tails). The goal:
 measured extra TTFT <= 1.2 x predicted + one decode step (a sync load finds its
 failures only after the step that consumed it).
 
-"recomputed" is the engine's `kv_load_recomputed_tokens`: the tokens rolled back,
-the sampled step included; an async request that failed asks the connector once
-more (`kv_load_retry_limit`, 1 by default; `--retry-limit`), and with a persistent
-fault that second load fails again and counts again.
+"recomputed" is the engine's `kv_load_recomputed_tokens`: the tokens a failed load
+lost that the engine computed again; sync, also the token each failed request
+sampled before its failure was known. An async request that failed asks the
+connector once more (`kv_load_retry_limit`, 1 by default; `--retry-limit`): what
+that load brings back is not recomputed, and the injected faults stay on the same
+blocks, so the retry fails at the same block and async recomputes what sync does.
 
-CPU: the built-in default model (float32). CUDA: the Llama-3.2-1B shape with
-random bf16 weights, built by `bench_gpu.build_checkpoint` (no download).
+CPU: the built-in default model (float32), or the checkpoint in `--model-dir`.
+CUDA: the checkpoint in `--model-dir`, else random bf16 weights of `--shape`
+(1b: Llama-3.2-1B, the default; 8b: Llama-3.1-8B; `model_shapes.py`, no download).
+The title names the shape read from the checkpoint's config.json.
 Times are the best of --repeats; each repeat uses fresh prompts of the same shape.
 """
 
@@ -210,8 +214,12 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0, 0.01, 0.1, 0.5, 1.0])
     parser.add_argument("--repeats", type=int, default=2, help="best of N (2)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"),
-                        help="where --device cuda builds its random 1B checkpoint")
+    parser.add_argument("--shape", choices=["1b", "8b"], default=None,
+                        help="CUDA: write random bf16 weights of this shape (default 1b) where "
+                             "--model-dir holds no checkpoint")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the checkpoint to run (CUDA default: "
+                             "/tmp/kvrecover-bench-llama<shape>; CPU default: the built-in model)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of TTFT vs failure rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--retry-limit", type=int, default=None,
@@ -223,18 +231,30 @@ def main() -> None:
     if args.rates[0] != 0:
         raise ValueError(f"--rates must start with 0 (the reference row), got {args.rates}")
     block_size = 16
-    if args.device == "cuda":
-        from bench_gpu import build_checkpoint  # bench/ is on sys.path when run as a script
+    # bench/ is on sys.path when run as a script
+    from model_shapes import ModelShape, resolve_model_dir
 
-        model = str(build_checkpoint(args.model_dir))
-        llm_args = dict(model=model, device="cuda:0", dtype="bfloat16", kv_cache_memory_gb=8,
+    if args.device == "cuda":
+        model_dir = resolve_model_dir(args.model_dir, args.shape)
+        llm_args = dict(model=str(model_dir), device="cuda:0", dtype="bfloat16",
+                        kv_cache_memory_gb=8,
                         max_model_len=args.prompt_tokens + args.max_tokens + 16,
                         max_num_seqs=max(16, args.batch))
-        title = (f"Llama-3.2-1B shape bf16, {torch.cuda.get_device_name()}, "
+        title = (f"{ModelShape.of(model_dir).label} bf16, {torch.cuda.get_device_name()}, "
                  f"{args.batch} x {args.prompt_tokens} tokens")
     else:
-        llm_args = dict(model=None, device="cpu")
-        title = f"default model f32, CPU, {args.batch} x {args.prompt_tokens} tokens"
+        if args.shape is not None:
+            raise ValueError("--shape writes its checkpoint on the GPU; on the CPU give a "
+                             "checkpoint folder as --model-dir")
+        model = None if args.model_dir is None else str(args.model_dir)
+        llm_args = dict(model=model, device="cpu", dtype="float32")
+        label = "default model"
+        if args.model_dir is not None:
+            shape = ModelShape.of(args.model_dir)
+            label = shape.label
+            global MAX_TOKEN  # a small checkpoint's vocabulary bounds every prompt
+            MAX_TOKEN = min(MAX_TOKEN, shape.vocab_size)
+        title = f"{label} f32, CPU, {args.batch} x {args.prompt_tokens} tokens"
     loaded_blocks = (args.prompt_tokens - 1) // block_size  # the last token is never loaded
     plans = [make_plan(rate, args.batch, loaded_blocks, args.seed + i)
              for i, rate in enumerate(args.rates)]

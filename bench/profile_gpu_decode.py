@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_gpu import _time_cuda, build_checkpoint, device_ceilings, random_prompts  # noqa: E402
+from bench_gpu import _time_cuda, device_ceilings, random_prompts  # noqa: E402
+from model_shapes import build_checkpoint  # noqa: E402
 
 ALL = 1 << 20  # target programs: one program per segment
 # Decode attention variants against FAST_DECODE: (label, DecodeKernelConfig fields).

@@ -21,7 +21,8 @@ class LLM:
     default model. Every other argument is a keyword option of `EngineArgs`
     (listed below); an unknown keyword is an error with a "did you mean".
     `close()` (or leaving a `with LLM(...) as llm:` block) stops the connector's
-    background loads; a closed LLM generates no more.
+    background loads and frees the KV cache, the weights and the CUDA graphs; a closed
+    LLM generates no more.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
@@ -47,7 +48,8 @@ class LLM:
 
     def close(self) -> None:
         """Shut the engine down: in-flight KV loads are cancelled and their threads
-        joined. Idempotent; `generate` raises afterwards."""
+        joined, the KV cache, the weights and the CUDA graphs freed (`Engine.close`).
+        Idempotent; `generate` raises afterwards, `stats` still reads."""
         self.engine.close()
 
     @property

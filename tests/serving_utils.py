@@ -3,14 +3,18 @@ loopback ports, always killed, and a tiny checkpoint that has a chat template.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -126,3 +130,34 @@ def wait_until_idle(url: str, timeout: float = 60.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"requests still running or waiting after {timeout}s")
+
+
+@contextlib.contextmanager
+def in_process_server(model_dir: Path, **config: Any) -> Iterator[str]:
+    """`kvrecover serve`'s app on a thread of this process (uvicorn on a free loopback
+    port; no second torch to import): yields its URL. `config` goes to `ServerConfig`."""
+    import uvicorn
+
+    from kvrecover import LLM
+    from kvrecover.entrypoints.server.app import ServerConfig, build_app
+    from kvrecover.entrypoints.server.engine_loop import EngineLoop
+
+    loop = EngineLoop(lambda: LLM(str(model_dir)))
+    loop.start(timeout=START_TIMEOUT_S)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(loop, ServerConfig(config.pop("model_name", "tiny"), **config)),
+        host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(START_TIMEOUT_S)
+        loop.stop()

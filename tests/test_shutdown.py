@@ -10,9 +10,11 @@ import gc
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import random_prompts
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
@@ -97,6 +99,40 @@ def test_a_closed_llm_frees_the_way_for_a_new_one(tiny_llama, store):
         got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
         assert llm.stats["prompt_tokens_external"] > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def storage_views_of(data_ptrs: set[int]) -> list[torch.Tensor]:
+    """Every live (gc-tracked) strided tensor whose storage starts at one of `data_ptrs`."""
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)
+            and obj.layout == torch.strided and obj.untyped_storage().data_ptr() in data_ptrs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_close_releases_the_kv_cache_and_the_weights(tiny_llama, tmp_path, dtype):
+    """A closed LLM keeps no KV cache tensor and no weight alive (nor a view of the cache:
+    the connector that registered it included), even while the LLM itself is held."""
+    transfer = KVTransferConfig("SharedStorageConnector", "kv_both",
+                                {"shared_storage_path": str(tmp_path), "async_load": True})
+    llm = LLM(str(tiny_llama), device="cpu", block_size=8, dtype=dtype,
+              enable_prefix_caching=False, kv_transfer_config=transfer)
+    for _ in range(2):  # saves, then loads what it saved
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+    assert llm.stats["prompt_tokens_external"] > 0
+    runner = llm.engine.model_runner
+    cache_storages = {cache.untyped_storage().data_ptr() for cache in runner.kv_caches}
+    assert len(storage_views_of(cache_storages)) > len(runner.kv_caches)  # the connector's views
+    held = [weakref.ref(tensor) for tensor in
+            (*runner.kv_caches, *runner.model.parameters(), *runner.model.buffers())]
+    assert len(held) > 10
+    del runner
+    llm.close()
+    gc.collect()
+    assert [ref for ref in held if ref() is not None] == []
+    assert storage_views_of(cache_storages) == []
+    llm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS)
+    assert llm.stats["prompt_tokens_external"] > 0  # the counters outlive the close
 
 
 EXIT_SCRIPT = """

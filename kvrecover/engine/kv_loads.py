@@ -72,6 +72,9 @@ class KVLoads:
         self._claimed: list[Request] = []  # claimed external tokens in this step
         # Blocks a contained connector bug made untrustworthy; judged with the step's output.
         self._connector_invalid: set[int] = set()
+        # Token ranges lost by requests that may ask the connector again: what its next
+        # claim does not cover is recomputed (counted then, not when lost).
+        self._lost_until_reclaim: dict[str, tuple[int, int]] = {}
 
     # ----- while scheduling ------------------------------------------------------------
     def external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
@@ -93,6 +96,10 @@ class KVLoads:
         """Tell the connector where the request's external tokens go, and count them
         computed. If it fails, all of them are invalid (judged with the step's output)."""
         request.num_computed_tokens = num_local
+        lost = self._lost_until_reclaim.pop(request.request_id, None)
+        if lost is not None:
+            start, end = lost
+            self.stats.kv_load_recomputed_tokens += max(0, end - max(start, num_local + num_external))
         failed = False
         if self.connector is not None and not request.connector_consulted:
             request.connector_consulted = True
@@ -158,6 +165,7 @@ class KVLoads:
             if keep and request.block_ids:
                 self.sends.hold_until_sent(request.request_id, self.kv_manager.take_blocks(request, 0))
         self.recovery.forget(request.request_id)
+        self._lost_until_reclaim.pop(request.request_id, None)
 
     # ----- with the step's output -----------------------------------------------------------
     def finish_loads(self, finished_recving: Iterable[str], requests: dict[str, Request]
@@ -236,10 +244,16 @@ class KVLoads:
         if not verdict.orphan_blocks:
             self.kv_manager.make_private_from(request, verdict.first_invalid_block)
         request.num_computed_tokens = verdict.rollback_to
-        if verdict.may_reconsult:
-            request.connector_consulted = False
         self.stats.kv_load_recovered_requests += 1
-        self.stats.kv_load_recomputed_tokens += verdict.num_tokens_lost
+        if verdict.may_reconsult:  # the connector may load them again: count at that claim
+            request.connector_consulted = False
+            start, end = verdict.rollback_to, verdict.rollback_to + verdict.num_tokens_lost
+            earlier = self._lost_until_reclaim.get(request.request_id)
+            if earlier is not None:  # lost again before its claim: [start, end) grows
+                start, end = min(start, earlier[0]), max(end, earlier[1])
+            self._lost_until_reclaim[request.request_id] = (start, end)
+        else:
+            self.stats.kv_load_recomputed_tokens += verdict.num_tokens_lost
         logger.info("request %s: %s; rolled back to token %d, %d token(s) to reload or "
                     "recompute", request.request_id, verdict.error, verdict.rollback_to,
                     verdict.num_tokens_lost)

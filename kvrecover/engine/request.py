@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from kvrecover.outputs import TokenLogprob
 from kvrecover.sampling import SamplingParams, sample_seed
 from kvrecover.step_messages import LogitsSpec
+
+if TYPE_CHECKING:
+    from kvrecover.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -93,6 +97,9 @@ class Request:
         # A choice of `n` waits for this sibling's prompt KV (then finds it in the prefix
         # cache) instead of computing the same prompt beside it; cleared once admitted.
         self.prefill_after: Request | None = None
+        # Structured outputs: the matcher, advanced by every appended token (the engine
+        # sets it when the request has `sampling_params.structured_outputs`).
+        self.grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -144,12 +151,31 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.output_logprobs is not None and logprob is not None:
             self.output_logprobs.append(logprob)
+        if self.grammar is not None and self._grammar_ends(token_id):
+            return
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif len(self.output_token_ids) >= self.sampling_params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
         elif self.num_tokens >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
+
+    def _grammar_ends(self, token_id: int) -> bool:
+        """Advance the grammar past `token_id`; True when that ends the request: the
+        grammar is complete (stopped), or it forbids the token (an error: the sampler
+        masks what the grammar forbids, so only a bug gets here)."""
+        grammar = self.grammar
+        if grammar is None:
+            return False
+        if not grammar.accept(token_id):
+            self.status = RequestStatus.FINISHED_ERROR
+            self.error = f"sampled token {token_id}, which the request's grammar forbids"
+            self.error_type = "internal_error"
+            return True
+        if grammar.is_terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def next_sample_seed(self, output_index: int | None = None) -> int:
         """Seed for the token at `output_index` (default: the next one): a pure

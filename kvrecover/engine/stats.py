@@ -16,6 +16,7 @@ class EngineStats:
     num_preemptions: int = 0
     kv_load_failed_blocks: int = 0
     kv_load_recovered_requests: int = 0
+    # Tokens a failed load lost that are computed again (not those a retry loads again).
     kv_load_recomputed_tokens: int = 0
     kv_load_failed_requests: int = 0
     kv_save_failed_blocks: int = 0

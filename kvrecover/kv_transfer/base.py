@@ -261,4 +261,6 @@ class KVConnectorBase:
     def shutdown(self) -> None:
         """The engine calls this once when it closes (`LLM.close()`, garbage collection,
         interpreter exit): cancel in-flight loads and join every thread the connector
-        started, bounded in time. No other method is called afterwards."""
+        started, bounded in time, then drop every reference to the registered KV caches
+        (views and staging buffers included): the engine frees the cache next. No other
+        method is called afterwards."""

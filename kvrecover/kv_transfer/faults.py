@@ -12,7 +12,9 @@ request's loaded blocks, or a float fraction (a seeded random subset).
 `kind`: "missing" (not loaded), "error" (the read raises), "corrupt" (bytes are
 altered after the read, before verification: only the checksum catches it),
 "hang" (the read never returns; the load deadline ends it).
-A selected request stays broken on every attempt, like a persistently bad entry.
+A selected request stays broken on every attempt, like a persistently bad entry: the
+blocks its first load chose stay bad (by position in the request), so a retry from its
+first bad block on fails at that block again.
 
 Every block a load fails (each block the inner connector reports invalid, and each
 one faulted around a connector without a read hook) is filled with NaN in every
@@ -217,8 +219,10 @@ class FaultInjectionConnector(KVConnectorBase):
             raise ValueError(f"inner_connector {inner_name!r}: {error}") from error
         # A "hang" lasts well past the inner connector's (validated) load deadline.
         self.load_timeout_s = self.inner.load_timeout_s
-        # Scheduler role: which requests are broken, in order of their first load.
+        # Scheduler role: which requests are broken, in order of their first load, and
+        # their bad blocks (position in the request's block table -> kind), chosen then.
         self._load_order: dict[str, int] = {}
+        self._bad_blocks: dict[str, dict[int, str]] = {}
         self._step_faults: dict[str, dict[int, str]] = {}
         # Worker role.
         self._active: dict[str, dict[int, str]] = {}
@@ -235,15 +239,19 @@ class FaultInjectionConnector(KVConnectorBase):
         self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
         if num_external_tokens <= 0:
             return
-        load_index = self._load_order.setdefault(request.request_id, len(self._load_order))
         first = request.num_computed_tokens // self.layout.block_size
-        loaded = block_ids[first : first + num_external_tokens // self.layout.block_size]
-        rng = random.Random(f"{self.seed}:{load_index}")
-        faults: dict[int, str] = {}
-        for rule in self.rules:
-            if rule.selects_request(load_index, rng):
-                for position in rule.select_positions(len(loaded), rng):
-                    faults.setdefault(loaded[position], rule.kind)
+        end = first + num_external_tokens // self.layout.block_size
+        bad = self._bad_blocks.get(request.request_id)
+        if bad is None:  # its first load: choose them
+            load_index = self._load_order.setdefault(request.request_id, len(self._load_order))
+            rng = random.Random(f"{self.seed}:{load_index}")
+            bad = {}
+            for rule in self.rules:
+                if rule.selects_request(load_index, rng):
+                    for position in rule.select_positions(end - first, rng):
+                        bad.setdefault(first + position, rule.kind)
+            self._bad_blocks[request.request_id] = bad
+        faults = {block_ids[p]: kind for p, kind in bad.items() if first <= p < end}
         if faults:
             self._step_faults[request.request_id] = faults
 
@@ -349,4 +357,5 @@ class FaultInjectionConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         self._active = {}
+        self.kv_caches = []
         self.inner.shutdown()

@@ -122,6 +122,10 @@ class SharedStorageConnector(StoreConnectorBase):
         super().register_kv_caches(kv_caches)
         self._paged = PagedBlocks(kv_caches)
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._paged = None  # its views of the cache and its pinned rows go with it
+
     def _paged_blocks(self) -> PagedBlocks:
         """The registered caches as whole blocks (worker role, after `register_kv_caches`)."""
         if self._paged is None:

@@ -400,6 +400,7 @@ class StoreConnectorBase(KVConnectorBase):
         for load in loads:
             self._abandon(load)
         self._readers.join_abandoned(time.monotonic() + SHUTDOWN_JOIN_S)
+        self._kv_caches = []
         self._close_store()
 
     def _close_store(self) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -18,14 +20,61 @@ ShardLoader = Callable[[nn.Parameter, torch.Tensor, str], None]
 parameter: (parameter, checkpoint tensor, shard id)."""
 
 
-def attach_shard_loader(param: torch.Tensor, loader: ShardLoader) -> None:
-    """Mark `param` as fused: `load_weights` hands it its checkpoint shards via `loader`."""
+def attach_shard_loader(param: torch.Tensor, loader: ShardLoader,
+                        shards: Collection[str] | None = None) -> None:
+    """Mark `param` as fused: `load_weights` hands it its checkpoint shards via `loader`;
+    with `shards`, a checkpoint that lacks one of them is refused (unless it holds the
+    fused tensor whole)."""
     param.weight_loader = loader  # type: ignore[attr-defined]  # a hook torch does not declare
+    param.weight_shards = frozenset(shards or ())  # type: ignore[attr-defined]
+
+
+SliceLoader = Callable[[nn.Parameter, "CheckpointTensor", "str | None"], None]
+"""Copies this rank's slice of one checkpoint tensor into a tensor-parallel parameter:
+(parameter, the checkpoint tensor unread, shard id or None for an unfused weight)."""
+
+
+def attach_slice_loader(param: torch.Tensor, loader: SliceLoader) -> None:
+    """Mark `param` as a tensor-parallel slice: `load_weights` hands it the checkpoint
+    tensor unread, and `loader` reads only the rows or columns it holds."""
+    param.slice_loader = loader  # type: ignore[attr-defined]  # a hook torch does not declare
 
 
 def _shard_loader(param: nn.Parameter) -> ShardLoader:
     loader: ShardLoader = param.weight_loader  # type: ignore[attr-defined]  # see attach_shard_loader
     return loader
+
+
+@dataclass(frozen=True)
+class CheckpointRename:
+    """A checkpoint tensor name (without `model.`) that fills a parameter of another name:
+    `pattern` must match the whole name; `target` and `shard` (None: the whole tensor)
+    are `re.Match.expand` templates, e.g. per-expert tensors into a stacked weight."""
+
+    pattern: str
+    target: str
+    shard: str | None = None
+
+    def apply(self, name: str) -> tuple[str, str | None] | None:
+        """(our parameter name, shard id) when `name` matches, else None."""
+        match = re.fullmatch(self.pattern, name)
+        if match is None:
+            return None
+        return match.expand(self.target), None if self.shard is None else match.expand(self.shard)
+
+
+def _target_of(name: str, renames: tuple[CheckpointRename, ...],
+               packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    """Our parameter name and shard id for checkpoint tensor `name`."""
+    target = name.removeprefix("model.")  # HF nests the decoder under `model.`
+    for rename in renames:
+        renamed = rename.apply(target)
+        if renamed is not None:
+            return renamed
+    for fragment, (ours, shard_id) in packed.items():
+        if f".{fragment}." in target:
+            return target.replace(f".{fragment}.", f".{ours}."), shard_id
+    return target, None
 
 
 def _no_init(module: nn.Module) -> None:
@@ -122,32 +171,71 @@ class SafetensorsFile:
             self._map.madvise(mmap.MADV_DONTNEED, page_start, start + nbytes - page_start)
         return target
 
+    def read_slice(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (`dim` 0) or columns (`dim` 1) [start, start + length) of tensor `name`,
+        copied into a new tensor; only those bytes are copied (a tensor-parallel rank
+        never holds the whole tensor)."""
+        dtype, shape, begin = self.entries[name]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        start_byte = self._data_start + begin
+        if nbytes == 0 or length == 0:
+            return torch.empty(shape, dtype=dtype).narrow(dim, start, length).clone()
+        with memoryview(self._map)[start_byte : start_byte + nbytes] as view:
+            whole = torch.frombuffer(view, dtype=dtype).view(shape)
+            piece = whole.narrow(dim, start, length).clone()
+            del whole  # releases the buffer before the view closes
+        if hasattr(mmap, "MADV_DONTNEED"):
+            page_start = start_byte - start_byte % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, page_start,
+                              start_byte + nbytes - page_start)
+        return piece
+
     def close(self) -> None:
         self._map.close()
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor of a safetensors file, not yet read: a slice loader reads its part."""
+
+    file: SafetensorsFile
+    name: str
+    shape: tuple[int, ...]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def read_rows(self, start: int, length: int) -> torch.Tensor:
+        """Rows [start, start + length)."""
+        return self.file.read_slice(self.name, 0, start, length)
+
+    def read_columns(self, start: int, length: int) -> torch.Tensor:
+        """Columns [start, start + length) of a 2-D tensor."""
+        return self.file.read_slice(self.name, 1, start, length)
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copy every checkpoint tensor into `model`; fail if a parameter was never loaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    renames = getattr(model, "checkpoint_renames", ())
     loaded: set[str] = set()
+    loaded_shards: dict[str, set[str]] = {}  # fused parameter -> the shards it received
     for path in checkpoint_files(model_dir):
         handle = SafetensorsFile(path)
         try:
             for name, (dtype, shape, _) in handle.entries.items():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                target = name.removeprefix("model.")  # HF nests the decoder under `model.`
-                shard = None
-                for fragment, (ours, shard_id) in packed.items():
-                    if f".{fragment}." in target:
-                        target, shard = target.replace(f".{fragment}.", f".{ours}."), shard_id
-                        break
+                target, shard = _target_of(name, renames, packed)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
                 with torch.no_grad():
-                    if shard is None:
+                    slice_loader = getattr(param, "slice_loader", None)
+                    if slice_loader is not None:  # a tensor-parallel slice
+                        slice_loader(param, CheckpointTensor(handle, name, shape), shard)
+                    elif shard is None:
                         if param.shape != shape:
                             raise ValueError(
                                 f"checkpoint tensor {name!r} has shape {shape}, "
@@ -160,12 +248,24 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                         else:
                             param.data.copy_(handle.read_into(name))
                     else:
-                        _shard_loader(param)(param, handle.read_into(name), shard)
-                loaded.add(target)
+                        try:
+                            _shard_loader(param)(param, handle.read_into(name), shard)
+                        except ValueError as error:
+                            raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
+                if shard is None:
+                    loaded.add(target)
+                else:
+                    loaded_shards.setdefault(target, set()).add(shard)
         finally:
             handle.close()
     if getattr(model.config, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
+    for target, shards in loaded_shards.items():
+        lacking = sorted(getattr(params[target], "weight_shards", frozenset()) - shards)
+        if lacking and target not in loaded:
+            raise ValueError(f"checkpoint in {model_dir} lacks shards {', '.join(lacking[:5])} "
+                             f"of {target}; does config.json match the weights?")
+        loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:5])}")

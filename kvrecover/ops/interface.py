@@ -3,7 +3,8 @@
 A backend (`ops.backend.KernelBackend`) bundles one implementation of each:
 - `PagedAttention`: writes a step's K/V into the paged cache and attends, with
   rotary applied by the kernel (a backend that fuses it) or just before it;
-- `ModelOps`: the linears, norms, rotary, embedding and SwiGLU a model calls;
+- `ModelOps`: the linears, norms, rotary, embedding, SwiGLU and mixture-of-experts
+  feed-forward (`MoEKernels`) a model calls;
 - `SamplingKernels`: the device-side greedy pick of a graphed decode step;
 - `StepInputBuilder`: turns the scheduled requests into the step's inputs in the
   form that backend's attention reads (`StepInputs.attn`), and, where decode
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ class BackendFeatures:
     families that exist today.
     """
 
-    sliding_window: bool = False  # attention over the last W positions only
+    sliding_window: bool = False  # attention over the last W positions only (`attend`'s window)
     logit_softcap: bool = False  # tanh soft-capping of attention scores
     attention_sinks: bool = False  # a learned per-head sink logit in the softmax
     moe: bool = False  # mixture-of-experts feed-forward layers
@@ -109,7 +110,43 @@ class NormKernels(Protocol):
         ...
 
 
-class ModelOps(LinearKernels, NormKernels, Protocol):
+# ----- mixture of experts ------------------------------------------------------------------
+@runtime_checkable
+class ExpertWeights(Protocol):
+    """The stacked SwiGLU weights of one layer's experts (the model's
+    `models.moe.ExpertWeights` is one); a backend finds them in `prepare_weights`."""
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:  # [num_experts, 2 * intermediate, hidden]
+        ...
+
+    @property
+    def down_proj(self) -> torch.Tensor:  # [num_experts, hidden, intermediate]
+        ...
+
+    def as_linears(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
+        """One bias-free `nn.Linear` per expert for gate_up and for down, their weights
+        views of the stacked tensors (no copy)."""
+        ...
+
+
+class MoEKernels(Protocol):
+    """The experts' feed-forward of a sparse mixture-of-experts layer (routing, the
+    softmax top-k over the router logits, is the model's)."""
+
+    def moe(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` with
+        `e = topk_ids[t, j]`, for `x` [T, H], `topk_weights` [T, k] (float32 or the model
+        dtype) and `topk_ids` [T, k] (int64). Each product is summed in float32 in j order
+        (the order of the top-k, fixed) and rounded once to `x`'s dtype; each expert's
+        output is rounded to `x`'s dtype before it is weighted."""
+        ...
+
+
+class ModelOps(LinearKernels, NormKernels, MoEKernels, Protocol):
     """Every per-token op a model calls besides attention (`ops.reference.TorchOps` is the
     reference; each override rounds where it rounds)."""
 
@@ -139,11 +176,17 @@ class PagedAttention(Protocol[MetadataT]):
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
-        meta: MetadataT, scale: float,
+        meta: MetadataT, scale: float, *, window: int | None = None,
     ) -> torch.Tensor:
         """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by `positions` with `rotary`
         (None: no rotary), write key and `value` into the cache slots of `meta`, and
-        attend causally; returns [T, Hq, D]. May overwrite `query` and `key`."""
+        attend causally; returns [T, Hq, D]. May overwrite `query` and `key`.
+
+        `window` (the layer's sliding window, None: full attention): a query at
+        position q sees the keys at positions q - window < k <= q only (Hugging
+        Face's `sliding_window_causal`). A backend that takes it declares
+        `BackendFeatures.sliding_window`; it never reads the values of keys outside
+        every query's window (those blocks may be freed, reused or hold NaNs)."""
         ...
 
 

@@ -21,11 +21,14 @@ from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.loader import load_weights, skip_weight_init
+from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup, shard_heads
 from kvrecover.models.registry import build_model, model_class
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.interface import StepInputs, StepInputSpec
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
+from kvrecover.structured.bitmask import TokenBitmask
 from kvrecover.worker.cpu_threads import set_cpu_threads
+from kvrecover.worker.grammar_mask import GrammarMask
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.kv_connector import WorkerConnector
 from kvrecover.worker.prompt_logprobs import (
@@ -70,6 +73,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         attention_backend: str = "auto",
         native_kernels: bool | None = None,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         self.backend = select_backend(
             attention_backend, device, batch_invariant=batch_invariant, dtype=dtype,
@@ -80,21 +84,24 @@ class ModelRunner:
             model_config.architecture,
         )
         if device.type == "cpu":
-            set_cpu_threads()
+            set_cpu_threads(tp.size)
         self.device = device
         self.dtype = dtype
         self.layout = layout
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
         self.batch_invariant = batch_invariant
+        self.tp = tp
         with torch.device(device), skip_weight_init():
-            model = build_model(model_config, self.backend, max_model_len)
+            model = build_model(model_config, self.backend, max_model_len, tp)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
+        self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
+        self.sampler.token_masks.append(GrammarMask(self.grammar_bitmask))
         self.kv_connector: WorkerConnector | None = None
         self.graphs: DecodeGraphs | None = None
         self._token_buffers: TokenBuffers | None = None  # host buffers for overlapped decode tokens
@@ -103,12 +110,15 @@ class ModelRunner:
         # path on the CPU with it.
         self.eager_overlap = False
         self._failed_requests: dict[str, str] = {}  # the running step's, see ModelRunnerOutput
+        heads = shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads,
+                            tp.size, tp.rank)
         self.inputs = self.backend.step_inputs(StepInputSpec(
-            layout.block_size, model_config.num_attention_heads,
-            model_config.num_key_value_heads, max_model_len, device,
+            layout.block_size, heads.num_heads, heads.num_kv_heads, max_model_len, device,
         ))
         graph_inputs = self.inputs.for_graphs()
-        if device.type == "cuda" and not enforce_eager and graph_inputs is not None:
+        # Graphs and overlap replay one rank's step alone; ranks step together (eagerly).
+        if (device.type == "cuda" and not enforce_eager and graph_inputs is not None
+                and tp.size == 1):
             from kvrecover.worker.cuda_graphs import DecodeGraphs
 
             max_blocks = blocks_needed(max_model_len, layout.block_size)
@@ -124,6 +134,18 @@ class ModelRunner:
         memory budget measured on the device already accounts for the weights."""
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.device)
 
+    def release(self) -> None:
+        """Drop every tensor this runner holds: the KV cache (emptying the list that
+        `kv_connector` and the connector registered), the weights, the CUDA graphs
+        with their memory pool, the step-input and token buffers. `Engine.close` calls
+        this once, after the connector shut down; the runner runs no step afterwards."""
+        self.kv_caches.clear()
+        self.graphs = None
+        self._token_buffers = None
+        # Gone rather than None: nothing may run on a released runner (the engine
+        # refuses to step once closed), and an AttributeError says so if it did.
+        del self.model, self.inputs, self.sampler
+
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Give the runner the worker-role connector and the connector the cache."""
         self.kv_connector = WorkerConnector(connector, self.kv_caches)
@@ -136,11 +158,18 @@ class ModelRunner:
         self._start_step(scheduler_output, output)
         scheduled = scheduler_output.scheduled
         if scheduled:
+            sampling = [s for s in scheduled if s.sample]
+            logits = greedy = None
+            scored: list[PendingPromptLogprobs] = []
             try:
-                sampling = [s for s in scheduled if s.sample]
-                scored: list[PendingPromptLogprobs] = []
                 logits, greedy = self._forward(scheduler_output, prompt_scores=scored)
-                if logits is not None:  # None exactly when no row samples
+            except Exception as error:  # ends this step's requests, never the engine ...
+                if self.tp.size > 1:  # ... unless other ranks wait in its collectives
+                    raise
+                self._fail_step(scheduler_output, error, output)
+            # None when no row samples or the forward failed, and off rank 0.
+            if logits is not None:
+                try:
                     sampled = self._sample(logits, sampling, greedy)
                     tokens, errors = sampled.to_host()
                     for row, message in errors.items():
@@ -149,9 +178,12 @@ class ModelRunner:
                         s.request_id: t for s, t in zip(sampling, tokens) if t is not None
                     }
                     add_logprobs(output, sampled, [s.request_id for s in sampling])
+                except Exception as error:  # rank 0's alone: the group is unaffected
+                    self._fail_step(scheduler_output, error, output)
+            try:
                 for pending in scored:  # read after the tokens: the step's one wait
                     pending.add_to(output)
-            except Exception as error:  # ends this step's requests, never the engine
+            except Exception as error:
                 self._fail_step(scheduler_output, error, output)
         if self.kv_connector is not None:
             self.kv_connector.finish_step(scheduler_output, output)
@@ -162,10 +194,16 @@ class ModelRunner:
         a runner that overlaps decode (CUDA graphs for this batch size, or eagerly with
         `eager_overlap`). Greedy and random sampling both run on the device (`Sampler`),
         and a connector's hooks run at launch in their usual order, so loads, saves and
-        async arrivals qualify too; a step that needs per-layer hooks runs eagerly."""
+        async arrivals qualify too; a step that needs per-layer hooks runs eagerly. A
+        step with a structured-output request does not overlap (its grammar must accept
+        this step's token before the next mask exists); it still replays its graph."""
         scheduled = scheduler_output.scheduled
+        if self.tp.size > 1:
+            return False
         if not scheduled or any(len(s.token_ids) != 1 or not s.sample for s in scheduled):
             return False
+        if any(s.grammar is not None for s in scheduled):
+            return False  # a grammar's next mask needs this step's token on the host
         return self.eager_overlap or (
             self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None
         )
@@ -258,7 +296,7 @@ class ModelRunner:
                 prompt_scores.append(scored)
         if not any(s.sample for s in scheduled):
             return None, None
-        return self.model.logits(hidden[inputs.sample_rows]), None
+        return self.model.logits(hidden[inputs.sample_rows]), None  # None off rank 0
 
     def _step_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """The step's inputs on the device, in the form the backend's attention reads."""
@@ -269,15 +307,20 @@ class ModelRunner:
         greedy: torch.Tensor | None = None,
     ) -> SampledRows:
         """The one sampling path: the sampled rows' tokens (and logprobs), left on the
-        device. `greedy` (a graph's argmax) serves an all-greedy step without logits
-        processors or token masks; otherwise `Sampler` samples."""
+        device (`Sampler.sample_step`: logits processors, the grammar mask, then the
+        draw). `greedy` (a graph's argmax) serves an all-greedy step whose logits
+        nothing changed. Grammar masks are filled on the host after the forward pass was
+        launched, so on a GPU they overlap it."""
         return self.sampler.sample_step(logits, sampling, greedy)
 
     def _decode_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and greedy tokens for every
         row (the float32 cast and the argmax from the backend's sampling kernels)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        return self.backend.sampling.upcast_greedy(self.model.logits(hidden, upcast=False))
+        logits = self.model.logits(hidden, upcast=False)
+        if logits is None:  # graphs run at tensor_parallel_size 1 only
+            raise RuntimeError("a graphed decode step needs the whole vocabulary's logits")
+        return self.backend.sampling.upcast_greedy(logits)
 
     def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
         """Graphs run only pure decode steps whose connector has nothing to load or save."""

@@ -1,7 +1,8 @@
 """KV load failure recovery: the fault matrix and the patterns that break engines.
 
 Every recovered run must give exactly the baseline's token ids; under policy
-`fail` only the affected requests end with an error.
+`fail` only the affected requests end with an error. The matrix also runs on the
+mixture-of-experts families (Mixtral, Qwen3-MoE), in float32 and in bf16.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def fill_store(model: Path, store: Path) -> tuple[Path, Path, list[list[int]]]:
-    """Fill `store` with a producer run; returns (model, store, no-connector baseline ids)."""
+def fill_store(model: Path, store: Path, **engine) -> tuple[Path, Path, list[list[int]]]:
+    """Fill `store` with a producer run; returns (model, store, no-connector baseline ids).
+    `engine` (e.g. dtype) applies to both runs."""
     prompts = make_prompts()
     producer = KVTransferConfig("SharedStorageConnector", "kv_producer",
                                 {"shared_storage_path": str(store)})
-    LLM(str(model), device="cpu", kv_transfer_config=producer).generate(
+    LLM(str(model), device="cpu", kv_transfer_config=producer, **engine).generate(
         as_inputs(prompts), PARAMS)
-    baseline = LLM(str(model), device="cpu", max_num_batched_tokens=32).generate(
+    baseline = LLM(str(model), device="cpu", max_num_batched_tokens=32, **engine).generate(
         as_inputs(prompts), PARAMS)
     return model, store, token_ids(baseline)
 
@@ -55,6 +57,19 @@ def fill_store(model: Path, store: Path) -> tuple[Path, Path, list[list[int]]]:
 def stored(tiny_llama, tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
     """A store filled by a producer run, and the no-connector baseline token ids."""
     return fill_store(tiny_llama, tmp_path_factory.mktemp("store"))
+
+
+# The mixture-of-experts families, in float32 and in bf16 (the CPU-invariant kernels).
+MOE_CASES = [(family, dtype) for family in ("tiny_mixtral", "tiny_qwen3_moe")
+             for dtype in ("float32", "bfloat16")]
+
+
+@pytest.fixture(scope="module", params=MOE_CASES, ids=["-".join(case) for case in MOE_CASES])
+def moe_stored(request, tmp_path_factory) -> tuple[Path, Path, list[list[int]], str]:
+    """`stored` for a MoE checkpoint and dtype, plus that dtype."""
+    family, dtype = request.param
+    model = request.getfixturevalue(family)
+    return (*fill_store(model, tmp_path_factory.mktemp("moe_store"), dtype=dtype), dtype)
 
 
 def decode(model: Path, store: Path, *, async_load=False, faults=None, policy="recompute",
@@ -78,9 +93,14 @@ def decode(model: Path, store: Path, *, async_load=False, faults=None, policy="r
 @pytest.mark.parametrize("blocks", ["all", "first", "middle", "last", 0.5])
 @pytest.mark.parametrize("kind", ["missing", "error"])
 def test_recompute_matrix(stored, async_load, blocks, kind):
+    check_recompute(stored, async_load, blocks, kind)
+
+
+def check_recompute(stored, async_load, blocks, kind, **engine) -> None:
+    """The first request's `blocks` fail with `kind`; every output equals the baseline."""
     model, store, baseline = stored
     faults = [{"requests": "first", "blocks": blocks, "kind": kind}]
-    outputs, llm = decode(model, store, async_load=async_load, faults=faults)
+    outputs, llm = decode(model, store, async_load=async_load, faults=faults, **engine)
     assert token_ids(outputs) == baseline
     stats = llm.stats
     assert stats["kv_load_failed_blocks"] >= 1
@@ -93,14 +113,38 @@ def test_recompute_matrix(stored, async_load, blocks, kind):
 @pytest.mark.parametrize("blocks", ["all", "first", "middle", "last", 0.5])
 @pytest.mark.parametrize("kind", ["missing", "error"])
 def test_fail_policy_matrix(stored, async_load, blocks, kind):
+    check_fail_policy(stored, async_load, blocks, kind)
+
+
+def check_fail_policy(stored, async_load, blocks, kind, **engine) -> None:
+    """Under policy `fail` only the first request (whose `blocks` fail) ends in error."""
     model, store, baseline = stored
     faults = [{"requests": "first", "blocks": blocks, "kind": kind}]
-    outputs, llm = decode(model, store, async_load=async_load, faults=faults, policy="fail")
+    outputs, llm = decode(model, store, async_load=async_load, faults=faults, policy="fail",
+                          **engine)
     assert outputs[0].outputs[0].finish_reason == "error"
     assert outputs[0].outputs[0].token_ids == []
     assert token_ids(outputs)[1:] == baseline[1:]
     assert all(o.outputs[0].finish_reason == "length" for o in outputs[1:])
     assert llm.stats["kv_load_failed_requests"] == 1
+
+
+# The matrix on the MoE families: nothing MoE-specific in recovery, exact ids in float32
+# and bf16. A cross-section by default (each fault kind once per mode), the rest slow.
+MOE_FAST = [(False, "middle", "missing"), (True, 0.5, "error")]
+MOE_MATRIX = [(async_load, blocks, kind) for async_load in (False, True)
+              for blocks in ("all", "first", "middle", "last", 0.5)
+              for kind in ("missing", "error")]
+MOE_SLOW = [pytest.param(*case, marks=pytest.mark.slow) for case in MOE_MATRIX
+            if case not in MOE_FAST]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("async_load, blocks, kind", [*MOE_FAST, *MOE_SLOW])
+def test_moe_fault_matrix(moe_stored, policy, async_load, blocks, kind):
+    *stored, dtype = moe_stored
+    check = check_recompute if policy == "recompute" else check_fail_policy
+    check(tuple(stored), async_load, blocks, kind, dtype=dtype)
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrecover.entrypoints.cli.listen import ListenArgs, run_app
+from kvrecover.entrypoints.openai.tool_parsers import PARSERS
 from kvrecover.options import add_record_flags, from_namespace, option, redacted, validate
 
 API_KEY_ENV = "KVRECOVER_API_KEY"
@@ -29,6 +30,10 @@ class ServeArgs:
     api_key: str | None = option(
         None, f"require 'Authorization: Bearer KEY' on /v1/* (or ${API_KEY_ENV})", str,
         nullable=True, metavar="KEY", shown=redacted, repr=False)
+    tool_call_parser: str = option(
+        "auto", "how tool calls of tool_choice='auto' are parsed: auto (from the chat "
+        "template and the model family), hermes (Qwen 2.5/3) or llama3_json (Llama 3)", str,
+        choices=("auto", *PARSERS))
 
     def __post_init__(self) -> None:
         validate(self)
@@ -59,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # unset engine flags are not in the namespace (see add_flags)
     name = serve.served_model_name or getattr(args, "model", None) or MODEL_NAME
     api_key = serve.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(loop, ServerConfig(name, api_key))
+    app = build_app(loop, ServerConfig(name, api_key, tool_call_parser=serve.tool_call_parser))
     print(f"kvrecover serve: {name} on {listen.url}", file=sys.stderr, flush=True)
     try:
         run_app(app, listen)

@@ -9,6 +9,7 @@ for the engine. Every error leaves the server as `{"error": {"message", "type",
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -18,6 +19,8 @@ from kvrecover.tokenizer import check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
+# Names the tool-call parser of an answer whose tool calls stay raw text (`raw_tool_calls`).
+TOOL_CALL_PARSER_HEADER = "x-kvrecover-tool-call-parser"
 
 
 class ApiError(Exception):
@@ -114,6 +117,9 @@ class _GenerationFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's
+    # Structured outputs (checked by `openai/structured.py`): OpenAI's and vLLM's fields.
+    response_format: Any = None
+    structured_outputs: Any = None
 
     def stream_usage(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk); see `stream_usage`."""
@@ -267,6 +273,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
 
     def text(self, field: str) -> str:
         """The content as plain text (text parts joined; other parts are a 400);
@@ -292,6 +301,11 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None  # checked by `openai/tools.py`
+    tool_choice: Any = None
+    # kvrecover's own (the proxy's): leave tool calls as the model's text in `content`
+    # and name the parser in the TOOL_CALL_PARSER_HEADER header.
+    raw_tool_calls: bool = False
 
     def output_logprobs(self) -> int | None:
         """`top_logprobs` (0..20) when `logprobs` is true, as in OpenAI."""
@@ -305,18 +319,57 @@ class ChatCompletionRequest(_GenerationFields):
             return None
         return top or 0
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them."""
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (an assistant's earlier tool
+        calls with their arguments as objects, as Hugging Face templates read them)."""
         if not self.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
-        return [{"role": m.role, "content": m.text(f"messages[{i}].content")}
-                for i, m in enumerate(self.messages)]
+        conversation: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": m.role,
+                                       "content": m.text(f"messages[{i}].content")}
+            if m.tool_calls is not None:
+                message["tool_calls"] = _template_tool_calls(m.tool_calls, i)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = checked_text(m.tool_call_id,
+                                                       f"messages[{i}].tool_call_id")
+            if m.name is not None:
+                message["name"] = checked_text(m.name, f"messages[{i}].name")
+            conversation.append(message)
+        return conversation
 
     def max_new_tokens(self, room: int) -> int:
         """`max_completion_tokens` or `max_tokens`, else all the `room` left in the context."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return room if self.max_tokens is None else self.max_tokens
+
+
+def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` for the chat template: each
+    `{"id", "type": "function", "function": {"name", "arguments": <JSON text>}}` with
+    its arguments decoded (a 400 naming the call when they are not a JSON object)."""
+    rendered = []
+    for j, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{where} must be {{'type': 'function', 'function': "
+                                "{'name': ..., 'arguments': ...}}", param=where)
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:
+                raise ApiError(400, f"{where}.function.arguments must be JSON text: {error}",
+                               param=f"{where}.function.arguments") from error
+        if not isinstance(arguments, dict):
+            raise ApiError(400, f"{where}.function.arguments must be a JSON object",
+                           param=f"{where}.function.arguments")
+        rendered.append({**call, "type": "function",
+                         "function": {"name": function["name"], "arguments": arguments}})
+    return rendered
 
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from kvrecover.entrypoints.openai.http import internal_error
 from kvrecover.entrypoints.openai.logprobs import join_logprobs
 from kvrecover.entrypoints.openai.protocol import ApiError
+from kvrecover.entrypoints.openai.tools import ToolAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class OpenAIResponse:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     request_id: str = ""  # default: "chatcmpl-<hex>" or "cmpl-<hex>"
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolAnswer | None = None  # a chat request with tools: its calls' writer
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -126,10 +128,15 @@ class OpenAIResponse:
         opens = first if first_of_choice is None else first_of_choice
         choice: dict[str, Any]
         if self.chat:
-            delta = {"role": "assistant", "content": fragment.text} if opens else \
-                {"content": fragment.text}
+            finish = fragment.finish_reason
+            delta = {"content": fragment.text}
+            if self.tools is not None:
+                delta = self.tools.delta(fragment.text, final=finish is not None)
+                finish = self.tools.finish_reason(finish)
+            if opens:
+                delta = {"role": "assistant", **delta}
             choice = {"index": fragment.index, "delta": delta, "logprobs": fragment.logprobs,
-                      "finish_reason": fragment.finish_reason}
+                      "finish_reason": finish}
         else:
             choice = {"index": fragment.index, "text": fragment.text,
                       "logprobs": fragment.logprobs, "finish_reason": fragment.finish_reason}
@@ -158,18 +165,23 @@ class OpenAIResponse:
                                            prompt_logprobs)])
 
     def whole_choices(self, choices: list[_Choice]) -> dict[str, Any]:
-        """The body of a non-streamed answer of several choices (in index order)."""
+        """The body of a non-streamed answer of several choices (in index order); with
+        `tools` (one choice) the message carries the parsed tool calls."""
         body: dict[str, Any] = {**self._head(CHAT_OBJECT if self.chat else COMPLETION_OBJECT),
                                 "choices": []}
         for gathered in sorted(choices, key=lambda c: c.index):
             choice: dict[str, Any]
+            finish = gathered.finish
             if self.chat:
-                choice = {"index": gathered.index,
-                          "message": {"role": "assistant", "content": gathered.text},
-                          "logprobs": gathered.logprobs, "finish_reason": gathered.finish}
+                message = {"role": "assistant", "content": gathered.text}
+                if self.tools is not None:
+                    message = self.tools.message(gathered.text)
+                    finish = self.tools.finish_reason(finish)
+                choice = {"index": gathered.index, "message": message,
+                          "logprobs": gathered.logprobs, "finish_reason": finish}
             else:
                 choice = {"index": gathered.index, "text": gathered.text,
-                          "logprobs": gathered.logprobs, "finish_reason": gathered.finish}
+                          "logprobs": gathered.logprobs, "finish_reason": finish}
             if gathered.prompt_logprobs is not None:
                 (body if self.chat else choice)["prompt_logprobs"] = gathered.prompt_logprobs
             if self.return_token_ids:

@@ -31,6 +31,7 @@ from kvrecover.entrypoints.openai.interleave import interleave
 from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
 from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
+from kvrecover.entrypoints.openai.tools import ToolAnswer, ToolRequest
 from kvrecover.entrypoints.proxy.checks import Piece
 from kvrecover.entrypoints.proxy.config import ProxyConfig
 from kvrecover.entrypoints.proxy.instances import InstancePool, ProxyMetrics
@@ -149,9 +150,14 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         except BaseException:
             await close()
             raise
+        # Tool calls go with one choice only (`choice_bodies` does not split them).
+        tools = ToolRequest.of(body.get("tools"), body.get("tool_choice")) \
+            if path == CHAT else None
         writer = OpenAIResponse(path == CHAT, body.get("model") or firsts[0].model or "",
                                 ProxiedChoices(choices), bool(body.get("return_token_ids")),
-                                *usage, request_id=f"proxy-{uuid.uuid4().hex}")
+                                *usage, request_id=f"proxy-{uuid.uuid4().hex}",
+                                tools=None if tools is None else
+                                ToolAnswer(tools, choices[0].tool_call_parser))
         headers = {"x-kvrecover-decode-instance": choices[0].decode_stream.instance.url}
         pieces = interleave([_chain(index, first, proxied.pieces(first)) for index, (proxied, first)
                              in enumerate(zip(choices, firsts))])

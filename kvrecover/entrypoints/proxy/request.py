@@ -15,8 +15,11 @@
    as output, and its logprobs come in the client's shape). Greedy and seeded
    requests continue token for token as if undisturbed (the instance resumes a
    seeded request's per-token seeds at `resumed_output_tokens`); unseeded sampling
-   continues afresh. A request of `n` choices is `n` requests of one (choice i
-   seeded `choice_seed(seed, i)`, as an instance seeds it), each migrated alone.
+   continues afresh. A request's grammar (`response_format`, `structured_outputs`,
+   or the one its `tool_choice` forces) goes with it: the instance replays the
+   resumed tokens through a fresh matcher before it samples. A request of `n`
+   choices is `n` requests of one (choice i seeded `choice_seed(seed, i)`, as an
+   instance seeds it), each migrated alone.
 Every step is bounded by `max_retries`. An instance whose answer is of the wrong
 shape or impossible for the request (`checks.py`) counts as failed: at
 step 1 it is skipped, at step 2 failed over, at step 3 migrated away from.
@@ -30,7 +33,12 @@ from typing import Any
 
 import httpx
 
-from kvrecover.entrypoints.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ApiError
+from kvrecover.entrypoints.openai.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    TOOL_CALL_PARSER_HEADER,
+    ApiError,
+)
+from kvrecover.entrypoints.openai.tools import continuation_structured_outputs
 from kvrecover.entrypoints.proxy.checks import (
     Piece,
     RequestLimits,
@@ -54,7 +62,7 @@ CHAT = "/v1/chat/completions"
 CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
-                     "bad_words")
+                     "bad_words", "response_format", "structured_outputs")
 UNBOUNDED_MAX_TOKENS = 1 << 30  # the engine caps a request at max_model_len anyway
 
 
@@ -95,6 +103,8 @@ class ProxiedRequest:
     async def prefill(self) -> None:
         """Have a prefill instance compute and store the prompt's KV (best effort)."""
         body = {**self.body, "max_tokens": 1, "stream": False, "return_token_ids": True}
+        if self.path == CHAT and self.body.get("tools") is not None:
+            body["raw_tool_calls"] = True  # its answer is read for the prompt ids alone
         body.pop("stream_options", None)
         body.pop("max_completion_tokens", None)
         context = self.context
@@ -116,12 +126,21 @@ class ProxiedRequest:
             return
 
     async def open_decode(self) -> Piece:
-        """Start decoding somewhere; its first piece (an ApiError 503 when nowhere)."""
+        """Start decoding somewhere; its first piece (an ApiError 503 when nowhere). A
+        chat with tools asks for the model's raw text (`raw_tool_calls`): the proxy writes
+        the tool calls itself (`tool_call_parser`), whichever instances produced it."""
         body = {**self.body, "stream": True, "return_token_ids": True}
+        if self.path == CHAT and self.body.get("tools") is not None:
+            body["raw_tool_calls"] = True
         body.pop("stream_options", None)
         first = await self._open(self.path, body)
         self._absorb(first)
         return first
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        """The tool-call parser the decode instance named for its raw tool-call text."""
+        return self.decode_stream.response.headers.get(TOOL_CALL_PARSER_HEADER) or None
 
     @property
     def num_output_tokens(self) -> int:
@@ -168,6 +187,10 @@ class ProxiedRequest:
         if remaining <= 0:
             return Piece("", [], "length")
         body = {key: self.body[key] for key in CONTINUATION_KEYS if key in self.body}
+        if self.path == CHAT:  # a tool_choice that forces a grammar keeps forcing it
+            forced = continuation_structured_outputs(self.body)
+            if forced is not None:
+                body["structured_outputs"] = forced
         body.update(prompt=self.prompt_token_ids + self.generated, max_tokens=remaining,
                     stream=True, return_token_ids=True,
                     resumed_output_tokens=len(self.generated),
@@ -240,9 +263,10 @@ class ProxiedRequest:
 def choice_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The requests of one choice each that a request of `n` choices becomes: choice i
     seeded `choice_seed(seed, i)`, as an instance seeds it. An `n` the instance would
-    refuse is passed on as it is (the instance answers the 400)."""
+    refuse (out of range, or with `tools`) is passed on as it is (the instance answers
+    the 400)."""
     n = body.get("n")
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N or body.get("tools"):
         return [body]
     seed = body.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):

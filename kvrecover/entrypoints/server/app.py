@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response
 
 from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_body
 from kvrecover.entrypoints.openai.protocol import MAX_BODY_BYTES, ApiError
-from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.openai.tool_parsers import PARSERS
+from kvrecover.entrypoints.server.chat_template import AUTO_PARSER, ChatTemplate
 from kvrecover.entrypoints.server.engine_loop import EngineLoop
 from kvrecover.entrypoints.server.metrics import ServerMetrics
 from kvrecover.entrypoints.server.serving import (
@@ -47,6 +48,10 @@ class ServerConfig:
         nullable=True, shown=redacted, repr=False)
     max_body_bytes: int = option(MAX_BODY_BYTES, "a request body larger than this is a 413",
                                  int, minimum=1)
+    tool_call_parser: str = option(
+        AUTO_PARSER, "how `auto` tool calls are parsed: from the chat template and model "
+        "family, or hermes (Qwen) / llama3_json (Llama 3)", str,
+        choices=(AUTO_PARSER, *PARSERS))
 
     def __post_init__(self) -> None:
         validate(self)
@@ -58,7 +63,8 @@ def build_app(loop: EngineLoop, config: ServerConfig) -> FastAPI:
 
     engine = loop.llm.engine
     state = ServingState(loop, ServerMetrics(), config.model_name, Tokenizer(engine.model_dir),
-                         ChatTemplate(engine.model_dir), engine.max_model_len)
+                         ChatTemplate(engine.model_dir, config.tool_call_parser),
+                         engine.max_model_len)
     app = FastAPI(title="kvrecover", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 

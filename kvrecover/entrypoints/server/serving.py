@@ -24,12 +24,15 @@ from starlette.background import BackgroundTask
 from kvrecover.entrypoints.openai.interleave import interleave
 from kvrecover.entrypoints.openai.logprobs import LogprobsFormatter
 from kvrecover.entrypoints.openai.protocol import (
+    TOOL_CALL_PARSER_HEADER,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
+from kvrecover.entrypoints.openai.structured import structured_outputs_of
+from kvrecover.entrypoints.openai.tools import ToolAnswer, ToolRequest
 from kvrecover.entrypoints.server.chat_template import ChatTemplate
 from kvrecover.entrypoints.server.choices import (
     ChoicesProgress,
@@ -43,6 +46,7 @@ from kvrecover.entrypoints.server.generation import Generation
 from kvrecover.entrypoints.server.metrics import ServerMetrics
 from kvrecover.outputs import choice_request_id
 from kvrecover.sampling import SamplingParams, resumed_request_seed
+from kvrecover.structured.params import StructuredOutputsParams
 from kvrecover.tokenizer import Tokenizer
 
 
@@ -71,6 +75,7 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
     final_usage, continuous_usage = request.stream_usage()
     prompt = request.engine_prompt()
     params = request.sampling_params(request.max_new_tokens())
+    grammar = structured_outputs_of(request.response_format, request.structured_outputs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     resumed = request.resumed_token_ids()
     resumed_text = request.resumed_output_text if resumed else ""
@@ -78,6 +83,9 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
         params = replace(params, resumed_output_tokens=len(resumed))
         if params.seed is not None:  # continue the original's per-token seeds
             params = replace(params, seed=resumed_request_seed(params.seed, len(resumed)))
+        if grammar is not None:  # the grammar resumes where the first instance left it
+            grammar = replace(grammar, replay_prompt_tokens=len(resumed))
+    params = replace(params, structured_outputs=grammar)
     generations = await _start(state, http, request_id, prompt, params, request.stop_strings(),
                                "completions", resumed, resumed_text)
     echo = None
@@ -100,17 +108,45 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     _check_model(state, request.model)
     final_usage, continuous_usage = request.stream_usage()
     conversation = request.conversation()
-    prompt_ids = await asyncio.to_thread(state.chat_template.prompt_token_ids, conversation)
+    tools = ToolRequest.of(request.tools, request.tool_choice)
+    grammar = structured_outputs_of(request.response_format, request.structured_outputs)
+    answer = None
+    headers = {}
+    if tools is not None:
+        if request.n != 1:
+            raise ApiError(400, f"n must be 1 with tools, got {request.n}", param="n")
+        parser = await asyncio.to_thread(state.chat_template.tool_parser)
+        if request.raw_tool_calls:  # the proxy writes the calls: tell it how to parse them
+            headers[TOOL_CALL_PARSER_HEADER] = parser or ""
+        else:
+            answer = ToolAnswer(tools, parser)
+        grammar = _tool_grammar(tools, grammar)
+    prompt_ids = await asyncio.to_thread(state.chat_template.prompt_token_ids, conversation,
+                                         None if tools is None else tools.template_tools())
     room = max(1, state.max_model_len - len(prompt_ids))
     params = request.sampling_params(request.max_new_tokens(room))
+    params = replace(params, structured_outputs=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generations = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
                                params, request.stop_strings(), "chat")
     chunks = [choice_chunks(g, _formatter(state, params, True), None,
                             request.prompt_logprobs is not None) for g in generations]
     writer = OpenAIResponse(True, state.model_name, ChoicesProgress(generations),
-                            request.return_token_ids, final_usage, continuous_usage, request_id)
-    return await _answer(generations, interleave(chunks), writer, request.stream)
+                            request.return_token_ids, final_usage, continuous_usage, request_id,
+                            tools=answer)
+    return await _answer(generations, interleave(chunks), writer, request.stream, headers)
+
+
+def _tool_grammar(tools: ToolRequest, grammar: StructuredOutputsParams | None
+                  ) -> StructuredOutputsParams | None:
+    """The request's grammar: `tool_choice`'s (required, a named function) or its own."""
+    forced = tools.grammar()
+    if forced is None:
+        return grammar
+    if grammar is not None:
+        raise ApiError(400, "tool_choice 'required' or a named function cannot be combined "
+                            "with response_format or structured_outputs", param="tool_choice")
+    return forced
 
 
 def _formatter(state: ServingState, params: SamplingParams, chat: bool,
@@ -146,9 +182,10 @@ async def _start(state: ServingState, http: Request, request_id: str,
 
 
 async def _answer(generations: list[Generation], chunks: AsyncGenerator[Chunk, None],
-                  writer: OpenAIResponse, stream: bool) -> Response:
+                  writer: OpenAIResponse, stream: bool,
+                  headers: dict[str, str] | None = None) -> Response:
     if not stream:
-        return JSONResponse(await writer.collect(chunks))
+        return JSONResponse(await writer.collect(chunks), headers=headers)
     # Once streaming, Starlette watches for the disconnect and cancels the events;
     # watching here too would race it for the same ASGI message.
     for generation in generations:
@@ -160,7 +197,7 @@ async def _answer(generations: list[Generation], chunks: AsyncGenerator[Chunk, N
 
     return StreamingResponse(writer.events(_worth_sending(chunks, writer.return_token_ids)),
                              media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"},
+                             headers={"Cache-Control": "no-cache", **(headers or {})},
                              background=BackgroundTask(close))
 
 

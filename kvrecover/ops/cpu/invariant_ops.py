@@ -1,7 +1,10 @@
 """The CPU-invariant op set: fixed-tile linears plus row-local norms and rotary.
 
 Linears run `ops.cpu.tiled_linear.TiledLinears` (bf16/fp16 by default, float32
-on request). Norms, rotary, SwiGLU and sampling are row-local already (the
+on request), and so does each expert of a mixture-of-experts layer: its rows,
+gathered by expert, run the expert's own packed `nn.Linear` pair in the same
+proven tiles, and a token's outputs are combined in its top-k order, so its bits
+do not depend on which other tokens share its experts. Norms, rotary, SwiGLU and sampling are row-local already (the
 inherited `TorchOps` versions; `tests/ops/test_cpu_invariant.py` proves it bit for
 bit). For bf16/fp16, RMSNorm (with its residual add) and rotary run as one C
 call each (`ops.cpu.row_ops`, row-local by construction) where the library
@@ -16,7 +19,8 @@ from torch import nn
 from kvrecover.ops.cpu.row_ops import DTYPE_CODES as ROW_DTYPES
 from kvrecover.ops.cpu.row_ops import MAX_HIDDEN, NativeRowOps, native_row_ops
 from kvrecover.ops.cpu.tiled_linear import LARGE_TILE_ROWS, TILE_ROWS, TiledLinears
-from kvrecover.ops.interface import RotaryTables
+from kvrecover.ops.interface import ExpertWeights, RotaryTables
+from kvrecover.ops.reference.moe import grouped_moe
 from kvrecover.ops.reference.torch_ops import TorchOps
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -34,11 +38,43 @@ class InvariantCpuOps(TorchOps):
         self.native_kernels = native_kernels  # whether the C row kernels may be built
         self._rows: NativeRowOps | None = None  # the C row kernels, loaded at first half call
         self._rows_loaded = False
+        # Per experts module (by id, the module kept alive here): its gate_up and down
+        # linears, one per expert, packed and proven with the model's own.
+        self._experts: dict[int, tuple[ExpertWeights, list[nn.Linear], list[nn.Linear]]] = {}
 
     def prepare_weights(self, model: nn.Module) -> None:
-        """Called once after loading: pack the weights and prove the tiles
-        (`TiledLinears.prepare_weights`)."""
-        self.linears.prepare_weights(model)
+        """Called once after loading: split each experts module into per-expert linears,
+        pack every weight and prove the tiles (`TiledLinears.prepare_weights`)."""
+        expert_linears: list[nn.Linear] = []
+        for module in model.modules():
+            if isinstance(module, ExpertWeights):
+                experts: ExpertWeights = module
+                gate_up, down = experts.as_linears()
+                self._experts[id(experts)] = (experts, gate_up, down)
+                expert_linears += gate_up + down
+        self.linears.prepare_weights(nn.ModuleList([model, *expert_linears]))
+        for prepared, _, _ in self._experts.values():
+            # The packed copies replace the stacked weights (their views keep what the
+            # linears still read when nothing could be packed).
+            for param in (prepared.gate_up_proj, prepared.down_proj):
+                param.data = param.data.new_empty(0)
+
+    def moe(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """`MoEKernels.moe`, each expert's rows through its own fixed-tile linears."""
+        entry = self._experts.get(id(experts))
+        if entry is None:
+            raise ValueError("the experts' weights were not prepared: the model runner calls "
+                             "KernelBackend.prepare_weights once after loading")
+        _, gate_up, down = entry
+        linear, silu_mul = self.linears.linear, self.silu_mul
+
+        def run_expert(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            return linear(silu_mul(linear(rows, gate_up[expert])), down[expert])
+
+        return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`x @ layer.weight.T + layer.bias`, one fixed-shape call per row tile."""

@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrecover.ops.cpu.onednn import pack_linear_weights, packed_linear
-from kvrecover.ops.interface import RotaryTables
+from kvrecover.ops.interface import ExpertWeights, RotaryTables
+from kvrecover.ops.reference.moe import reference_moe
 from kvrecover.ops.reference.rotary import reference_rotary
 
 
 class TorchOps:
-    """Linears, RMSNorm, rotary and SwiGLU as plain torch ops."""
+    """Linears, RMSNorm, rotary, SwiGLU and the experts' feed-forward as plain torch ops."""
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once right after loading: pack the float32 CPU linears for oneDNN."""
@@ -60,3 +61,10 @@ class TorchOps:
         """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def moe(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """The experts' feed-forward (`MoEKernels.moe`): one matmul pair per active expert."""
+        return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)

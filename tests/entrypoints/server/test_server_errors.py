@@ -123,7 +123,7 @@ def test_a_failing_chat_template_is_a_json_500(served, monkeypatch):
     url, loop = served
     want = completion(url).json()["choices"][0]["token_ids"]
 
-    def broken(self, messages):
+    def broken(self, messages, tools=None):
         raise TypeError("simulated renderer bug")
 
     monkeypatch.setattr(ChatTemplate, "prompt_token_ids", broken)

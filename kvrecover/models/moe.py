@@ -1,0 +1,141 @@
+"""The sparse mixture-of-experts feed-forward shared by the MoE families (Mixtral, Qwen3-MoE).
+
+A router linear scores the experts, a softmax (float32) and top-k pick `k` of
+them per token, optionally renormalised to sum to one (Hugging Face's order:
+softmax, then top-k, then renormalise); the backend's `ops.moe` runs the chosen
+experts' SwiGLU and sums their weighted outputs in top-k order. Expert weights
+are stacked (`[E, 2I, H]` gate_up, `[E, H, I]` down) and load from the classic
+per-expert checkpoint tensors (`expert_renames`, the families' `checkpoint_renames`)
+or from the fused tensors `transformers` uses in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kvrecover.models.layers import load_shard
+from kvrecover.models.loader import CheckpointRename, attach_shard_loader
+
+if TYPE_CHECKING:
+    from kvrecover.ops.interface import ModelOps
+
+
+class ExpertWeights(nn.Module):
+    """The stacked SwiGLU weights of `num_experts` experts (an `ops.interface.ExpertWeights`).
+
+    Checkpoint shards are `"gate:<e>"`, `"up:<e>"` (rows of `gate_up_proj[e]`) and
+    `"down:<e>"` (`down_proj[e]`); an expert index outside the config's count is an error.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        experts = range(num_experts)
+        attach_shard_loader(self.gate_up_proj, self._load_gate_up,
+                            [f"{kind}:{e}" for kind in ("gate", "up") for e in experts])
+        attach_shard_loader(self.down_proj, self._load_down, [f"down:{e}" for e in experts])
+
+    def _expert_index(self, shard: str) -> int:
+        index = int(shard.partition(":")[2])
+        if not 0 <= index < self.num_experts:
+            raise ValueError(f"expert {index} is out of range for {self.num_experts} experts; "
+                             "does config.json's expert count match the weights?")
+        return index
+
+    def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        size = self.intermediate_size
+        offset = 0 if shard.startswith("gate:") else size
+        load_shard(param.data[self._expert_index(shard)], loaded, offset, size)
+
+    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        target = param.data[self._expert_index(shard)]
+        if tuple(loaded.shape) != tuple(target.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit an expert's down "
+                             f"projection of shape {tuple(target.shape)}; does config.json's "
+                             "intermediate size match the weights?")
+        target.copy_(loaded)
+
+    def as_linears(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
+        """One bias-free `nn.Linear` per expert for gate_up and for down, their weights
+        views of the stacked tensors (no copy)."""
+        def linear(weight: torch.Tensor) -> nn.Linear:
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            return layer
+
+        return ([linear(w) for w in self.gate_up_proj.data],
+                [linear(w) for w in self.down_proj.data])
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]): softmax over the experts in float32, the `top_k`
+    largest (descending), renormalised to sum to one when `renormalize`, and rounded
+    to `weights_dtype` (None: kept float32). Row-local: a token's route does not
+    depend on its batch."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if weights_dtype is not None:
+        weights = weights.to(weights_dtype)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, a linear to the expert scores) plus the experts' SwiGLU.
+
+    `round_weights` rounds the routing weights to the router's dtype before they
+    weight the experts (Qwen3-MoE does; Mixtral keeps them float32).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 ops: ModelOps, *, renormalize: bool, round_weights: bool) -> None:
+        super().__init__()
+        self.ops = ops
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.round_weights = round_weights
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.ops.linear(x, self.gate)
+        weights, ids = route_topk(logits, self.top_k, self.renormalize,
+                                  logits.dtype if self.round_weights else None)
+        return self.ops.moe(x, weights, ids, self.experts)
+
+
+def check_routing(model_dir: Path, count_field: str, num_experts: Any, top_k: Any) -> None:
+    """ValueError naming config.json's field unless `num_experts` >= 1 experts and
+    1 <= `top_k` <= `num_experts` (called by each MoE family's `hf_fields`)."""
+    config = Path(model_dir) / "config.json"
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{config}: {count_field} must be a positive integer, "
+                         f"got {num_experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{config}: num_experts_per_tok must be an integer in "
+                         f"[1, {count_field}={num_experts}], got {top_k!r}")
+
+
+def expert_renames(block: str, projections: dict[str, str]) -> tuple[CheckpointRename, ...]:
+    """Checkpoint renames of per-expert tensors `layers.N.<block>.experts.E.<name>.weight`
+    (`projections`: checkpoint name -> "gate", "up" or "down") and of the router
+    `layers.N.<block>.gate.weight` into `layers.N.mlp.experts` / `layers.N.mlp.gate`."""
+    prefix = rf"(layers\.\d+)\.{re.escape(block)}\."
+    renames = [CheckpointRename(
+        rf"{prefix}experts\.(\d+)\.{re.escape(name)}\.weight",
+        r"\1.mlp.experts." + ("down_proj" if kind == "down" else "gate_up_proj"),
+        kind + r":\2",
+    ) for name, kind in projections.items()]
+    renames.append(CheckpointRename(rf"{prefix}gate\.weight", r"\1.mlp.gate.weight"))
+    return tuple(renames)
