@@ -28,8 +28,14 @@ from kvrecover.ops.interface import StepInputs, StepInputSpec
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.structured.bitmask import TokenBitmask
 from kvrecover.worker.cpu_threads import set_cpu_threads
+from kvrecover.worker.grammar_mask import GrammarMask
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.kv_connector import WorkerConnector
+from kvrecover.worker.prompt_logprobs import (
+    PendingPromptLogprobs,
+    add_logprobs,
+    score_prompt_tokens,
+)
 from kvrecover.worker.sampler import SampledRows, Sampler
 
 if TYPE_CHECKING:
@@ -96,6 +102,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
         self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
+        self.sampler.token_masks.append(GrammarMask(self.grammar_bitmask))
         self.kv_connector: WorkerConnector | None = None
         self.graphs: DecodeGraphs | None = None
         self._token_buffers: TokenBuffers | None = None  # host buffers for overlapped decode tokens
@@ -154,8 +161,9 @@ class ModelRunner:
         if scheduled:
             sampling = [s for s in scheduled if s.sample]
             logits = greedy = None
+            scored: list[PendingPromptLogprobs] = []
             try:
-                logits, greedy = self._forward(scheduler_output)
+                logits, greedy = self._forward(scheduler_output, prompt_scores=scored)
             except Exception as error:  # ends this step's requests, never the engine ...
                 if self.tp.size > 1:  # ... unless other ranks wait in its collectives
                     raise
@@ -163,14 +171,21 @@ class ModelRunner:
             # None when no row samples or the forward failed, and off rank 0.
             if logits is not None:
                 try:
-                    tokens, errors = self._sample(logits, sampling, greedy).to_host()
+                    sampled = self._sample(logits, sampling, greedy)
+                    tokens, errors = sampled.to_host()
                     for row, message in errors.items():
                         output.failed_requests[sampling[row].request_id] = message
                     output.sampled_token_ids = {
                         s.request_id: t for s, t in zip(sampling, tokens) if t is not None
                     }
+                    add_logprobs(output, sampled, [s.request_id for s in sampling])
                 except Exception as error:  # rank 0's alone: the group is unaffected
                     self._fail_step(scheduler_output, error, output)
+            try:
+                for pending in scored:  # read after the tokens: the step's one wait
+                    pending.add_to(output)
+            except Exception as error:
+                self._fail_step(scheduler_output, error, output)
         if self.kv_connector is not None:
             self.kv_connector.finish_step(scheduler_output, output)
         return output
@@ -231,6 +246,7 @@ class ModelRunner:
     def _start_step(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Note where the step's failed rows go; bind the connector metadata, start loads."""
         self._failed_requests = output.failed_requests
+        self.sampler.processors.release(scheduler_output.finished_request_ids)
         if self.kv_connector is not None:
             self.kv_connector.start_step(scheduler_output)
 
@@ -245,13 +261,16 @@ class ModelRunner:
     def _forward(
         self, scheduler_output: SchedulerOutput,
         source: tuple[torch.Tensor, list[int]] | None = None,
+        prompt_scores: list[PendingPromptLogprobs] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The one forward path: (float32 logits of the sampled rows, their greedy tokens
         where a graph replay computed them, else None); logits None when no row samples.
 
         A graph replays a pure decode step that needs no connector hooks; any other step
         runs eagerly, with the connector's per-layer hooks. With `source` = (tokens on
-        the device, row per request), the input tokens are gathered there.
+        the device, row per request), the input tokens are gathered there. The prompt
+        logprobs of requests that ask for them (from the logits of their prompt rows
+        only), still on the device, are appended to `prompt_scores`.
         """
         scheduled = scheduler_output.scheduled
         if self.graphs is not None and self._can_replay(scheduler_output):
@@ -272,6 +291,10 @@ class ModelRunner:
             before_layer, after_layer = self.kv_connector.layer_hooks(inputs.attn)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
                             before_layer, after_layer)
+        if prompt_scores is not None:
+            scored = score_prompt_tokens(scheduled, hidden, self.model.logits)
+            if scored is not None:
+                prompt_scores.append(scored)
         if not any(s.sample for s in scheduled):
             return None, None
         return self.model.logits(hidden[inputs.sample_rows]), None  # None off rank 0
@@ -284,19 +307,12 @@ class ModelRunner:
         self, logits: torch.Tensor, sampling: list[ScheduledRequest],
         greedy: torch.Tensor | None = None,
     ) -> SampledRows:
-        """The one sampling path: the sampled rows' tokens, left on the device. `greedy`
-        (a graph's argmax) serves an all-greedy step without grammars; otherwise `Sampler`
-        samples. Rows with a grammar have their logits masked first: the forward pass was
-        launched already, so on a GPU the host fills the masks while it runs."""
-        grammars = [s.grammar for s in sampling]
-        if any(grammar is not None for grammar in grammars):
-            self.grammar_bitmask.apply(logits, grammars)
-            greedy = None
-        if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
-            return SampledRows(greedy)
-        return self.sampler.sample(
-            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
-        )
+        """The one sampling path: the sampled rows' tokens (and logprobs), left on the
+        device (`Sampler.sample_step`: logits processors, the grammar mask, then the
+        draw). `greedy` (a graph's argmax) serves an all-greedy step whose logits
+        nothing changed. Grammar masks are filled on the host after the forward pass was
+        launched, so on a GPU they overlap it."""
+        return self.sampler.sample_step(logits, sampling, greedy)
 
     def _decode_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and greedy tokens for every
@@ -312,7 +328,7 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
             return False
-        if any(len(s.token_ids) != 1 for s in scheduled):
-            return False
+        if any(len(s.token_ids) != 1 or s.prompt_token_ids is not None for s in scheduled):
+            return False  # a prompt row's logits are needed (prompt logprobs): run eagerly
         connector = self.kv_connector
         return connector is None or not connector.needs_layer_hooks(scheduler_output)
