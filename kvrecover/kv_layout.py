@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrecover.kv_groups import KVCacheGroup, groups_signature, single_group
+
 NULL_BLOCK_ID = 0  # never allocated: padding in block tables points here
 
 
@@ -31,6 +33,18 @@ class KVCacheLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The KV cache groups (`kv_groups.py`); empty: one full-attention group of all layers.
+    groups: tuple[KVCacheGroup, ...] = ()
+
+    @property
+    def kv_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The groups, at least one; a block id holds one group's layers."""
+        return self.groups or single_group(self.num_layers)
+
+    @property
+    def num_cache_tensors(self) -> int:
+        """Layers one block id spans: the KV cache has this many tensors (S)."""
+        return max(len(g.layer_indices) for g in self.kv_groups)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -39,9 +53,9 @@ class KVCacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across all layers."""
+        """Bytes of one block id across the cache tensors (all layers of one group)."""
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * per_layer * self.dtype.itemsize
+        return self.num_cache_tensors * per_layer * self.dtype.itemsize
 
     @property
     def fingerprint(self) -> str:
@@ -50,6 +64,8 @@ class KVCacheLayout:
             f"{self.model_identity}|{self.dtype}|{self.block_size}|"
             f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}"
         )
+        if self.kv_groups != single_group(self.num_layers):
+            text += f"|groups={groups_signature(self.kv_groups)}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -68,7 +68,9 @@ class Engine:
         self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
         self.stats = EngineStats()
-        kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
+                                    self.layout.kv_groups)
+        self.num_kv_groups = kv_manager.num_groups
         connector = None
         plan = config.connector
         if plan is not None:
@@ -107,7 +109,7 @@ class Engine:
         check_request(
             str(request_id), token_ids, sampling_params, max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, block_size=self.args.block_size,
-            num_blocks=self.num_blocks,
+            num_blocks=self.num_blocks, blocks_for=self.scheduler.kv_manager.max_blocks_needed,
         )
         seed = sampling_params.seed
         if seed is None:
@@ -115,7 +117,7 @@ class Engine:
         self._request_counter += 1
         request = Request(
             str(request_id), text, token_ids, sampling_params, self.eos_token_ids, seed,
-            self.max_model_len,
+            self.max_model_len, self.num_kv_groups,
         )
         if self._hash_prompts:
             update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
