@@ -35,6 +35,12 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype = torch.float32
     eos_token_ids: list[int] = field(default_factory=list)
 
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens (None: full attention); a family with
+        windowed layers overrides this. Read by the model's layers and by whoever sizes
+        the KV cache per layer."""
+        return [None] * self.num_hidden_layers
+
     @property
     def identity(self) -> str:
         """A short stable digest of everything that shapes the KV cache's contents
@@ -102,6 +108,19 @@ def refuse_sliding_window(raw: dict[str, Any], model_dir: Path) -> None:
             f"{Path(model_dir) / 'config.json'} asks for sliding-window attention, which "
             "kvrecover does not support; set use_sliding_window to false if the model allows it"
         )
+
+
+def sliding_window_field(raw: dict[str, Any], model_dir: Path, name: str = "sliding_window",
+                         default: int | None = None) -> int | None:
+    """`raw[name]` (`default` where absent) as a window in tokens: None, or a positive
+    int; anything else is a ValueError naming the field."""
+    value = raw.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: {name} must be a positive "
+                         f"integer (a window in tokens) or null, got {value!r}")
+    return value
 
 
 def _eos_token_ids(model_dir: Path, raw_config: dict[str, Any]) -> list[int]:

@@ -45,7 +45,8 @@ def load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int
 
 
 class Attention(nn.Module):
-    """Self-attention with fused QKV projection, GQA and an optional per-head q/k norm."""
+    """Self-attention with fused QKV projection, GQA, an optional per-head q/k norm and an
+    optional sliding `window` (the last so many positions only)."""
 
     def __init__(
         self,
@@ -56,9 +57,11 @@ class Attention(nn.Module):
         *,
         bias: bool = False,
         qk_norm: bool = False,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.window = window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -89,7 +92,7 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
-                                    self.scale)
+                                    self.scale, window=self.window)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
@@ -163,9 +166,16 @@ class CausalLM(nn.Module, Generic[ConfigT]):
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
-        """The kernel features this model needs beyond dense full attention (a family
-        with sliding windows, soft-capping, sinks or experts overrides this)."""
-        return BackendFeatures()
+        """The kernel features this model needs beyond dense full attention: sliding
+        windows where `config.layer_windows()` has one (a family with soft-capping,
+        sinks or experts extends this)."""
+        windowed = any(window is not None for window in config.layer_windows())
+        return BackendFeatures(sliding_window=windowed)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens, None for full attention (the config's
+        `layer_windows`, which the layers were built with)."""
+        return self.config.layer_windows()
 
     def __init__(self, config: ConfigT, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()

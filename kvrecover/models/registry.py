@@ -23,6 +23,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama 2/3, SmolLM
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
 }
 
 

@@ -78,6 +78,9 @@ class KernelBackend:
             )
 
 
+# The features every family's attention implements (each kernel of each family).
+EVERY_BACKEND = BackendFeatures(sliding_window=True)
+
 # Whether bf16/fp16 on the CPU run the invariant kernels without `batch_invariant`.
 # On: with the C attention kernel they cost no more than the reference kernels in
 # bf16 (within the 15% a default may cost; bench/NOTES.md, "bf16 on the CPU").
@@ -107,7 +110,7 @@ def select_backend(
 
         triton_ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), triton_ops,
-                             step_input_builder, TritonSampling(),
+                             step_input_builder, TritonSampling(), features=EVERY_BACKEND,
                              batch_invariant=batch_invariant)
     if batch_invariant or (HALF_INVARIANT_BY_DEFAULT and dtype in HALF_DTYPES
                            and device.type == "cpu"):
@@ -115,6 +118,7 @@ def select_backend(
         invariant_ops = InvariantCpuOps(native_kernels=native)
         attention = invariant_cpu_attention(device, invariant_ops.rotary, native)
         return KernelBackend("cpu_invariant", attention, invariant_ops, ReferenceStepInputs,
-                             batch_invariant=True)
+                             features=EVERY_BACKEND, batch_invariant=True)
     ops = TorchOps()
-    return KernelBackend("torch", TorchPagedAttention(ops.rotary), ops, ReferenceStepInputs)
+    return KernelBackend("torch", TorchPagedAttention(ops.rotary), ops, ReferenceStepInputs,
+                         features=EVERY_BACKEND)

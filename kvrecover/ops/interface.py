@@ -41,7 +41,7 @@ class BackendFeatures:
     families that exist today.
     """
 
-    sliding_window: bool = False  # attention over the last W positions only
+    sliding_window: bool = False  # attention over the last W positions only (`attend`'s window)
     logit_softcap: bool = False  # tanh soft-capping of attention scores
     attention_sinks: bool = False  # a learned per-head sink logit in the softmax
     moe: bool = False  # mixture-of-experts feed-forward layers
@@ -139,11 +139,17 @@ class PagedAttention(Protocol[MetadataT]):
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
-        meta: MetadataT, scale: float,
+        meta: MetadataT, scale: float, *, window: int | None = None,
     ) -> torch.Tensor:
         """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by `positions` with `rotary`
         (None: no rotary), write key and `value` into the cache slots of `meta`, and
-        attend causally; returns [T, Hq, D]. May overwrite `query` and `key`."""
+        attend causally; returns [T, Hq, D]. May overwrite `query` and `key`.
+
+        `window` (the layer's sliding window, None: full attention): a query at
+        position q sees the keys at positions q - window < k <= q only (Hugging
+        Face's `sliding_window_causal`). A backend that takes it declares
+        `BackendFeatures.sliding_window`; it never reads the values of keys outside
+        every query's window (those blocks may be freed, reused or hold NaNs)."""
         ...
 
 

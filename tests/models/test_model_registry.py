@@ -13,6 +13,7 @@ import torch
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
+from kvrecover.models.mistral import MistralConfig, MistralForCausalLM
 from kvrecover.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from kvrecover.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from kvrecover.models.registry import (
@@ -33,13 +34,16 @@ FAMILIES = {
     "Qwen2ForCausalLM": ({}, Qwen2ForCausalLM, Qwen2Config),
     "Qwen3ForCausalLM": ({"head_dim": 32, "attention_bias": False},
                          Qwen3ForCausalLM, Qwen3Config),
+    "MistralForCausalLM": ({"sliding_window": 32}, MistralForCausalLM, MistralConfig),
 }
+FULL_ATTENTION = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 # ModelConfig.identity of these configs before the registry existed (issue 20): stored
 # KV is keyed by it, so moving fields into family configs must not change it.
 IDENTITIES = {
     "LlamaForCausalLM": "d1b93b121236ae03",
     "Qwen2ForCausalLM": "d045a6f452188253",
     "Qwen3ForCausalLM": "810c787e4cfd3ab6",
+    "MistralForCausalLM": "8736bae1726e13a0",
 }
 
 
@@ -72,6 +76,7 @@ def test_each_family_reads_its_config(tmp_path, architecture):
         "LlamaForCausalLM": (False, False),
         "Qwen2ForCausalLM": (True, False),  # Qwen2's default: biased q/k/v
         "Qwen3ForCausalLM": (False, True),
+        "MistralForCausalLM": (False, False),
     }[architecture]
     assert config.eos_token_ids == [1]
 
@@ -96,6 +101,9 @@ def test_each_family_builds_from_the_shared_layers(tmp_path, architecture):
     assert (layer.self_attn.qkv_proj.bias is not None) == config.attention_bias
     assert (layer.self_attn.q_norm is not None) == config.qk_norm
     assert layer.self_attn.rotary is model.rotary  # one table, shared by every layer
+    windows = [32, 32] if architecture == "MistralForCausalLM" else [None, None]
+    assert model.layer_windows() == [layer.self_attn.window for layer in model.layers] == windows
+    assert model.required_features(config).sliding_window == (windows[0] is not None)
     assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
 
 
@@ -117,7 +125,7 @@ def test_a_config_of_another_family_is_refused():
         build_model(config, backend, max_positions=64)
 
 
-@pytest.mark.parametrize("architecture", FAMILIES)
+@pytest.mark.parametrize("architecture", FULL_ATTENTION)
 def test_full_attention_families_refuse_sliding_windows(tmp_path, architecture):
     fields = {**FAMILIES[architecture][0], "use_sliding_window": True, "sliding_window": 32}
     with pytest.raises(ValueError, match="sliding-window attention"):

@@ -62,14 +62,15 @@ def test_model_and_runner_share_the_backend_and_weights_are_packed_at_load(tiny_
 def test_every_backend_declares_its_features_and_names_what_is_missing():
     for backend in (select_backend("torch", CPU), select_backend("auto", CPU, dtype=torch.bfloat16),
                     select_backend("auto", CPU, batch_invariant=True)):
-        assert backend.features == BackendFeatures()  # no family needs more yet
+        assert backend.features == BackendFeatures(sliding_window=True)
         backend.check_supports(BackendFeatures(), "LlamaForCausalLM")  # a dense model runs
-    needed = BackendFeatures(moe=True, sliding_window=True)
-    assert BackendFeatures().missing(needed) == ["sliding_window", "moe"]
-    assert BackendFeatures(sliding_window=True).missing(needed) == ["moe"]
-    with pytest.raises(ValueError, match=r"model MixtralForCausalLM needs sliding_window, moe, "
+        backend.check_supports(BackendFeatures(sliding_window=True), "MistralForCausalLM")
+    needed = BackendFeatures(moe=True, sliding_window=True, attention_sinks=True)
+    assert BackendFeatures().missing(needed) == ["sliding_window", "attention_sinks", "moe"]
+    assert BackendFeatures(sliding_window=True).missing(needed) == ["attention_sinks", "moe"]
+    with pytest.raises(ValueError, match=r"model GptOssForCausalLM needs attention_sinks, moe, "
                                          r"which the 'torch' kernel backend does not support"):
-        select_backend("torch", CPU).check_supports(needed, "MixtralForCausalLM")
+        select_backend("torch", CPU).check_supports(needed, "GptOssForCausalLM")
 
 
 def test_a_model_needing_a_feature_the_backend_lacks_is_refused_at_start_up(

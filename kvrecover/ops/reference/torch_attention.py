@@ -6,6 +6,9 @@ cache layout and the groups a step is split into):
 - decodes and chunks after a cached prefix gather their context's whole blocks
   (one contiguous row per block: a per-token gather costs ~10x more) and attend
   with a mask;
+- a layer with a sliding window reads its step's `with_window` view: the
+  gather starts at the first block the window reaches, the blocks before it
+  are never read, and fresh prompts longer than the window get a band mask;
 - GQA never expands K/V: SDPA's `enable_gqa`, and for decodes the query heads of
   one KV head become that head's query rows.
 """
@@ -38,8 +41,11 @@ class TorchPagedAttention(RotateThenAttend):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        """Write this step's K/V into the cache, then attend (over the last `window`
+        positions only, unless None); returns [T, Hq, D]."""
+        meta = meta.with_window(window)
         write_step_kv(kv_cache, meta.slot_mapping, key, value)
         num_rows = query.shape[0]
         rows, context = meta.decode_rows, meta.decode_context  # both None without decodes
@@ -173,11 +179,11 @@ def _prefill(
     num_kv_heads = key.shape[1]
     shape = (group.num_requests, group.query_len)
     if group.context is None:
-        # Nothing cached before the new tokens: the mask is plain causal, and SDPA
-        # skips the blocks above the diagonal.
+        # Nothing cached before the new tokens: the mask is plain causal (SDPA
+        # skips the blocks above the diagonal) unless a sliding window cuts it.
         keys = key.reshape(*shape, num_kv_heads, head_dim)
         values = value.reshape(*shape, num_kv_heads, head_dim)
-        mask = None
+        mask = group.fresh_mask
     else:
         keys, values = _gather(kv_cache, group.context, num_kv_heads, head_dim, workspace)
         mask = group.context.mask

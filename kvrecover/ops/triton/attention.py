@@ -11,12 +11,21 @@ for bandwidth) and merge them with the same arithmetic, either in a second kerne
 or, outside the batch-invariant mode, in the last of a token's programs to finish
 (`ops.arrival`: one launch fewer per layer).
 
+Sliding windows (`WINDOW`, a compile-time constant per layer; 0 = full): a query
+at position q sees keys q - WINDOW < k <= q. A program starts at the segment and
+the `BLOCK_N` step holding its earliest query's window start and never loads a
+key, value or block-table entry before it (those blocks may be freed, reused or
+hold NaNs); inside the boundary step the band is masked.
+
 Batch invariance: a query row's arithmetic depends only on its own query, its
 context and the fixed constants (BLOCK_N, SEGMENT). Key steps or segments past
 the row's causal limit are fully masked, and a fully masked step or segment
 changes nothing bit for bit (the max stays, the rescale factor is exactly 1, the
 added terms are exactly 0), so a token gives the same result whatever tile,
-chunk or batch it is computed in, decode included.
+chunk or batch it is computed in, decode included. The same holds for steps and
+segments before a row's window (a leading fully masked step leaves the state at
+its start values, so a tile whose earlier queries read more of them changes no
+bit of a later query), and steps and segments stay aligned to position 0.
 """
 
 from __future__ import annotations
@@ -93,17 +102,26 @@ def _store_kv_kernel(
 @triton.jit
 def _segment(
     q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
-    seg_start, seg_end, scale_log2, PAGE: tl.constexpr,
+    seg_start, seg_end, key_lo, scale_log2, PAGE: tl.constexpr,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Online-softmax state (max, sum, unnormalised output) of keys [seg_start, seg_end)."""
+    """Online-softmax state (max, sum, unnormalised output) of keys [seg_start, seg_end);
+    with a `WINDOW`, of those from `key_lo` (the earliest row's window start) on."""
     dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for start in range(seg_start, seg_end, BLOCK_N):
+    first = seg_start
+    if WINDOW > 0:
+        # The steps wholly before the window are skipped (computed, they would be
+        # fully masked leading steps: no bit of the state would change).
+        first = tl.maximum(seg_start, key_lo - key_lo % BLOCK_N)
+    for start in range(first, seg_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_valid = keys < seg_end
+        if WINDOW > 0:
+            key_valid = key_valid & (keys >= key_lo)  # never loaded: may be NaN or freed
         block = tl.load(table + keys // PAGE, mask=key_valid, other=0)
         slots = block.to(tl.int64) * PAGE + keys % PAGE
         kv_offsets = slots[:, None] * slot_stride + kv_base + dims[None, :]
@@ -112,7 +130,10 @@ def _segment(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(keys[None, :] <= query_pos[:, None], scores * scale_log2, float("-inf"))
+        visible = keys[None, :] <= query_pos[:, None]
+        if WINDOW > 0:
+            visible = visible & (keys[None, :] > query_pos[:, None] - WINDOW)
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         p = tl.math.exp2(scores - m_safe[:, None])
@@ -148,6 +169,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -169,6 +191,12 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
 
     kv_end = tl.minimum(context + query_begin + BLOCK_Q, seq_len)
+    if WINDOW > 0:  # the tile's first query has its earliest window start
+        key_lo = tl.maximum(context + query_begin - WINDOW + 1, 0)
+        first_segment = key_lo // SEGMENT
+    else:
+        key_lo = 0
+        first_segment = 0
     table = block_tables_ptr + request.to(tl.int64) * tl.load(block_table_stride_ptr)
     kv_base = kv_head * HEAD_DIM
     if SPLIT:
@@ -178,12 +206,12 @@ def _paged_attention_kernel(
         num_segments = tl.cdiv(kv_end, SEGMENT)
         state_rows = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_segments
         first = rows < GROUP_PAD  # a decode tile has one token: rows [0, GROUP_PAD)
-        for segment in range(tl.program_id(2), num_segments, num_splits):
+        for segment in range(first_segment + tl.program_id(2), num_segments, num_splits):
             seg_start = segment * SEGMENT
             m_s, l_s, acc_s = _segment(
                 q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
-                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2, PAGE,
-                ROWS, HEAD_DIM, BLOCK_N, IEEE,
+                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), key_lo, scale_log2, PAGE,
+                ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW,
             )
             base = (state_rows + segment) * GROUP_PAD
             tl.store(part_m_ptr + base + rows, m_s, mask=first)
@@ -199,7 +227,7 @@ def _paged_attention_kernel(
                 m_i = tl.full([ROWS], float("-inf"), tl.float32)
                 l_i = tl.zeros([ROWS], tl.float32)
                 acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-                for segment in range(0, num_segments):
+                for segment in range(first_segment, num_segments):
                     base = (state_rows + segment) * GROUP_PAD
                     m_s = tl.load(part_m_ptr + base + rows, mask=first, other=float("-inf"),
                                   cache_modifier=".cg")
@@ -219,11 +247,11 @@ def _paged_attention_kernel(
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for seg_start in range(0, kv_end, SEGMENT):
+        for seg_start in range(first_segment * SEGMENT, kv_end, SEGMENT):
             m_s, l_s, acc_s = _segment(
                 q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
-                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), scale_log2, PAGE,
-                ROWS, HEAD_DIM, BLOCK_N, IEEE,
+                seg_start, tl.minimum(seg_start + SEGMENT, kv_end), key_lo, scale_log2, PAGE,
+                ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW,
             )
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
         out = acc / l_i[:, None]
@@ -240,19 +268,25 @@ def _combine_segments_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, query_start_ptr,
     tile_request_ptr, out_stride_t, out_stride_h, max_segments,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SEGMENT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     request = tl.load(tile_request_ptr + tile)
     row = tl.load(query_start_ptr + request)
-    num_segments = tl.cdiv(tl.load(seq_lens_ptr + request), SEGMENT)
+    seq_len = tl.load(seq_lens_ptr + request)
+    num_segments = tl.cdiv(seq_len, SEGMENT)
+    if WINDOW > 0:  # the decoded token (position seq_len - 1) sees keys from seq_len - WINDOW
+        first_segment = tl.maximum(seq_len - WINDOW, 0) // SEGMENT
+    else:
+        first_segment = 0
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     state_rows = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_segments
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for segment in range(0, num_segments):
+    for segment in range(first_segment, num_segments):
         base = (state_rows + segment) * GROUP_PAD
         m_s = tl.load(part_m_ptr + base + rows)
         l_s = tl.load(part_l_ptr + base + rows)
@@ -283,8 +317,10 @@ def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
     num_stages: int = NUM_STAGES, prefill_block_m: int = PREFILL_BLOCK_M,
     prefill_warps: int = PREFILL_WARPS, decode: DecodeKernelConfig = INVARIANT_DECODE,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of `query` [T, Hq, D] over the paged cache; returns [T, Hq, D].
+    """Causal attention of `query` [T, Hq, D] over the paged cache (over the last `window`
+    positions only, unless None); returns [T, Hq, D].
 
     `prefill_block_m` must match the tiles of `meta` (see `tile_tokens`).
     """
@@ -308,6 +344,8 @@ def paged_attention(
         num_splits = min(
             max_segments, triton.cdiv(decode.target_programs, meta.num_tiles * num_kv_heads)
         )
+        if window is not None:  # a window spans at most this many segments
+            num_splits = min(num_splits, triton.cdiv(window, segment) + 1)
         states = meta.num_tiles * num_kv_heads * max_segments * group_pad
         part_m = torch.empty(states, dtype=torch.float32, device=query.device)
         part_l = torch.empty(states, dtype=torch.float32, device=query.device)
@@ -324,7 +362,7 @@ def paged_attention(
         kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
-        FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32,
+        FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32, WINDOW=window or 0,
         num_warps=decode.num_warps if split else prefill_warps,
         num_stages=decode.num_stages if split else num_stages,
         enable_fp_fusion=False,
@@ -334,7 +372,7 @@ def paged_attention(
             out, part_m, part_l, part_acc, meta.seq_lens, meta.query_start_loc, meta.tile_request,
             out.stride(0), out.stride(1), max_segments,
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SEGMENT=segment,
-            num_warps=1, enable_fp_fusion=False,
+            WINDOW=window or 0, num_warps=1, enable_fp_fusion=False,
         )
     return out
 
@@ -355,29 +393,32 @@ class TritonPagedAttention:
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
-        meta: PagedAttentionMetadata, scale: float,
+        meta: PagedAttentionMetadata, scale: float, *, window: int | None = None,
     ) -> torch.Tensor:
         """The `ops.interface.PagedAttention` entry point: with `rotary`, one kernel
         rotates `query` (in place) and the key into the cache (`key` itself stays as it
-        was); without, `forward`."""
+        was); without, `forward`. `window`: the layer's sliding window (None: full)."""
         if rotary is None:
-            return self.forward(query, key, value, kv_cache, meta, scale)
+            return self.forward(query, key, value, kv_cache, meta, scale, window)
         rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale)
+        return self._attend(query, kv_cache, meta, scale, window)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write this step's (rotated) K/V into the cache, then attend; returns [T, Hq, D]."""
+        """Write this step's (rotated) K/V into the cache, then attend (over the last
+        `window` positions only, unless None); returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale)
+        return self._attend(query, kv_cache, meta, scale, window)
 
     def _attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata,
-        scale: float,
+        scale: float, window: int | None,
     ) -> torch.Tensor:
-        return paged_attention(query, kv_cache, meta, scale, decode=self.decode_config)
+        return paged_attention(query, kv_cache, meta, scale, decode=self.decode_config,
+                               window=window)
 
 
 def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:

@@ -66,19 +66,24 @@ class CpuInvariantAttention(RotateThenAttend):
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
         self.query_tile = query_tile
         self.key_chunk = key_chunk
-        self._plans: PerStepPlan[TilePlan] = PerStepPlan()
+        self._plans: PerStepPlan[dict[int | None, TilePlan]] = PerStepPlan()
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        """Write this step's K/V into the cache, then attend (over the last `window`
+        positions only, unless None); returns [T, Hq, D]."""
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
         key_cache, value_cache = write_step_kv(kv_cache, meta.slot_mapping, key, value)
-        plan = self._plans.get(meta, build_tile_plan, meta, group, kv_cache.shape[2],
-                               self.query_tile, self.key_chunk)
+        plans = self._plans.get(meta, dict)  # one tile plan per window in this step
+        plan = plans.get(window)
+        if plan is None:
+            plan = plans[window] = build_tile_plan(meta, group, kv_cache.shape[2],
+                                                   self.query_tile, self.key_chunk, window)
         tile, chunk = self.query_tile, self.key_chunk
         rows = tile * group
         num_tiles = plan.row_index.shape[0] // tile
@@ -129,9 +134,12 @@ def _as_float_heads(gathered: torch.Tensor, tiles: int, chunk: int) -> torch.Ten
 
 
 def build_tile_plan(
-    meta: AttentionMetadata, group: int, block_size: int, query_tile: int, key_chunk: int
+    meta: AttentionMetadata, group: int, block_size: int, query_tile: int, key_chunk: int,
+    window: int | None = None,
 ) -> TilePlan:
-    """Cut each request's new tokens into query tiles and list the key chunks they read."""
+    """Cut each request's new tokens into query tiles and list the key chunks they read
+    (seen through a sliding `window`: from the first chunk any tile's window reaches,
+    the keys before a tile's earliest window start read from the null block)."""
     device = meta.slot_mapping.device
     query_lens = torch.tensor(meta.query_lens)
     seq_lens = torch.tensor(meta.seq_lens)
@@ -161,9 +169,18 @@ def build_tile_plan(
     # Keys past a request's context read the null block: masked, and never stale memory.
     slots = torch.where(key_positions[None, :] < seq_lens[:, None], slots, 0)
     tile_slots = slots[tile_request]
+    first_chunk = 0
+    if window is not None:
+        # Padding rows take the tile's last position instead: position 0 may lie before
+        # the tile's window. The first row then has the tile's earliest window start.
+        positions = torch.where(valid[order], positions, positions.amax(1, keepdim=True))
+        window_start = (positions[:, 0] - window + 1).clamp(min=0)
+        # Keys no query of the tile sees read the null block: masked, never stale memory.
+        tile_slots = torch.where(key_positions[None, :] < window_start[:, None], 0, tile_slots)
+        first_chunk = int(window_start.min()) // key_chunk
     head_positions = positions.repeat_interleave(group, dim=1)  # [N, tile * group]
     active_tiles, chunk_slots, chunk_masks = [], [], []
-    for c in range(max_chunks):
+    for c in range(first_chunk, max_chunks):
         active = int((chunks_needed > c).sum())
         key_positions = torch.arange(c * key_chunk, (c + 1) * key_chunk)
         active_tiles.append(active)
@@ -171,6 +188,8 @@ def build_tile_plan(
             tile_slots[:active, c * key_chunk : (c + 1) * key_chunk].reshape(-1).to(device)
         )
         masked = key_positions[None, None, :] > head_positions[:active, :, None]
+        if window is not None:
+            masked |= key_positions[None, None, :] <= head_positions[:active, :, None] - window
         chunk_masks.append(masked.unsqueeze(1).to(device))
     flat_rows = row_index.reshape(-1)
     output_rows = torch.empty(num_tokens, dtype=torch.int64)

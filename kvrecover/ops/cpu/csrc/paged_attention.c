@@ -3,7 +3,8 @@
  * Built at first use by kvrecover/ops/native_build.py and called through ctypes
  * (kvrecover/ops/native_attention.py). Work item i is query token i % T and KV
  * head i / T (T tokens in the step): all query heads of that KV head attend to keys 0..pos of the
- * token's request, read straight from the paged cache. An item's arithmetic
+ * token's request (keys pos-window+1..pos with a sliding window: the keys
+ * before it are never read), read straight from the paged cache. An item's arithmetic
  * depends only on its own query, its keys and its position: keys are visited
  * in increasing absolute order, in vectors whose lanes are fixed by the key's
  * absolute index, with float32 accumulation and an exact two-pass softmax
@@ -39,7 +40,14 @@ typedef struct {
     int32_t block_size;
     int32_t dtype;
     float scale;
+    int32_t window;            /* sliding window in keys; 0: every key 0..position */
 } KvrAttentionArgs;
+
+/* The first key a query at `position` sees: position - window + 1 (at least 0). */
+static inline int64_t first_visible_key(const KvrAttentionArgs *a, int64_t position) {
+    if (a->window <= 0 || position < a->window) return 0;
+    return position - a->window + 1;
+}
 
 /* Which path this build runs: 1 = AVX-512, 0 = portable scalar. */
 int kvr_vector_path(void) { return KVR_AVX512; }
@@ -156,6 +164,10 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
     const int dim = a->head_dim, lanes = dim / 16, dtype = a->dtype;
     const int64_t position = a->token_position[token];
     const int64_t num_keys = position + 1;
+    /* Vectors stay aligned to absolute key 0 (lane j % 16): the first one may
+     * start before the window, its lanes below `first_key` masked off and never read. */
+    const int64_t first_key = first_visible_key(a, position);
+    const int64_t first_vector = first_key - first_key % 16;
     const int32_t *table = a->block_tables + (int64_t)a->token_request[token] * a->table_stride;
     int64_t query_index[KVR_MAX_GROUP];
     for (int h = 0; h < group; h++)
@@ -166,16 +178,18 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
     const __m512 scale = _mm512_set1_ps(a->scale);
     __m512 maxima[KVR_MAX_GROUP];
     for (int h = 0; h < group; h++) maxima[h] = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    for (int64_t j0 = first_vector; j0 < num_keys; j0 += 16) {
         int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
-        __mmask16 mask = (__mmask16)((1u << count) - 1u);
+        int skip = j0 < first_key ? (int)(first_key - j0) : 0;
+        __mmask16 mask = (__mmask16)(((1u << count) - 1u) & ~((1u << skip) - 1u));
         int64_t offsets[16];
-        key_offsets(a, table, j0, count, kv_head, offsets);
+        key_offsets(a, table, j0 + skip, count - skip, kv_head, offsets + skip);
         for (int h = 0; h < group; h++) {
             __m512 partial[16];
             for (int k = 0; k < 16; k++)
-                partial[k] = k < count ? dot_lanes(a, a->query, query_index[h], offsets[k])
-                                       : _mm512_setzero_ps();
+                partial[k] = k >= skip && k < count
+                                 ? dot_lanes(a, a->query, query_index[h], offsets[k])
+                                 : _mm512_setzero_ps();
             __m512 s = _mm512_mul_ps(transpose_sum16(partial), scale);
             _mm512_mask_storeu_ps(scores + h * num_keys + j0, mask, s);
             maxima[h] = _mm512_mask_max_ps(maxima[h], mask, maxima[h], s);
@@ -194,9 +208,10 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
         for (int l = 0; l < lanes; l++) acc[h][l] = _mm512_setzero_ps();
     }
     float probs[KVR_MAX_GROUP][16];
-    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    for (int64_t j0 = first_vector; j0 < num_keys; j0 += 16) {
         int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
-        __mmask16 mask = (__mmask16)((1u << count) - 1u);
+        int skip = j0 < first_key ? (int)(first_key - j0) : 0;
+        __mmask16 mask = (__mmask16)(((1u << count) - 1u) & ~((1u << skip) - 1u));
         for (int h = 0; h < group; h++) {
             __m512 s = _mm512_maskz_loadu_ps(mask, scores + h * num_keys + j0);
             __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(row_max[h]))));
@@ -204,7 +219,7 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
             _mm512_storeu_ps(probs[h], p);
         }
         int64_t offsets[16];
-        key_offsets(a, table, j0, count, kv_head, offsets);
+        key_offsets(a, table, j0 + skip, count - skip, kv_head, offsets + skip);
 #if defined(__AVX512BF16__)
         if (bf16_pairs) {
             /* p rounded to bf16 (as flash attention does), two keys per vdpbf16ps: exact
@@ -213,14 +228,17 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
             for (int h = 0; h < group; h++)
                 _mm256_storeu_si256((__m256i *)words[h],
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs[h])));
-            for (int k = 0; k < count; k += 2) {
-                const uint16_t *first = (const uint16_t *)a->value_cache + offsets[k];
-                const uint16_t *second = (const uint16_t *)a->value_cache + offsets[k + 1 < count ? k + 1 : k];
+            for (int k = skip - skip % 2; k < count; k += 2) {
+                /* Before the window or past the last key: zeros, never read (the slot
+                 * may hold another request's data or a failed load's NaNs). */
+                const int has_first = k >= skip, has_second = k + 1 < count;
+                const uint16_t *first = (const uint16_t *)a->value_cache + offsets[has_first ? k : k + 1];
+                const uint16_t *second = (const uint16_t *)a->value_cache + offsets[has_second ? k + 1 : k];
                 for (int c = 0; c < dim / 32; c++) {
-                    __m512i x0 = _mm512_loadu_si512(first + 32 * c);
-                    /* Past the last key: zeros (the slot may hold another request's data). */
-                    __m512i x1 = k + 1 < count ? _mm512_loadu_si512(second + 32 * c)
-                                               : _mm512_setzero_si512();
+                    __m512i x0 = has_first ? _mm512_loadu_si512(first + 32 * c)
+                                           : _mm512_setzero_si512();
+                    __m512i x1 = has_second ? _mm512_loadu_si512(second + 32 * c)
+                                            : _mm512_setzero_si512();
                     __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
                     __m512bh high = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
                     for (int h = 0; h < group; h++) {
@@ -233,7 +251,7 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
             continue;
         }
 #endif
-        for (int k = 0; k < count; k++) {
+        for (int k = skip; k < count; k++) {
             __m512 value[KVR_MAX_DIM / 16];
             for (int l = 0; l < lanes; l++)
                 value[l] = load16(a->value_cache, offsets[k] + 16 * l, dtype, 0xffff);
@@ -285,12 +303,13 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
     const int group = a->num_heads / a->num_kv_heads;
     const int dim = a->head_dim, dtype = a->dtype;
     const int64_t num_keys = (int64_t)a->token_position[token] + 1;
+    const int64_t first_key = first_visible_key(a, num_keys - 1);
     const int32_t *table = a->block_tables + (int64_t)a->token_request[token] * a->table_stride;
     for (int h = 0; h < group; h++) {
         int64_t qbase = token * a->query_token_stride
                         + (int64_t)(kv_head * group + h) * a->query_head_stride;
         float row_max = -INFINITY;
-        for (int64_t j = 0; j < num_keys; j++) {
+        for (int64_t j = first_key; j < num_keys; j++) {
             int64_t offset;
             key_offsets(a, table, j, 1, kv_head, &offset);
             float dot = 0.0f;
@@ -302,7 +321,7 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
         }
         float sum = 0.0f;
         for (int d = 0; d < dim; d++) acc[d] = 0.0f;
-        for (int64_t j = 0; j < num_keys; j++) {
+        for (int64_t j = first_key; j < num_keys; j++) {
             float p = expf(scores[j] - row_max);
             sum += p;
             int64_t offset;
