@@ -18,6 +18,7 @@ import torch
 
 from kvrecover.config import EngineArgs, KVTransferConfig, SchedulerConfig
 from kvrecover.device_defaults import DEVICE_DEFAULTS, GIB, MAX_MODEL_LEN_CAP
+from kvrecover.kv_groups import KVCacheGroup, build_kv_groups
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
@@ -114,6 +115,7 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
         num_layers=model_config.num_hidden_layers,
         num_kv_heads=model_config.num_key_value_heads,
         head_dim=model_config.head_dim,
+        groups=resolve_kv_groups(model_config),
     )
     return ResolvedConfig(
         args=args, model_dir=model_dir, model_config=model_config, device=device, dtype=dtype,
@@ -175,6 +177,15 @@ def resolve_max_model_len(max_model_len: int | None, config: ModelConfig) -> int
     return max_model_len or min(model_limit, MAX_MODEL_LEN_CAP)
 
 
+def resolve_kv_groups(model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups of the model's layer windows; () (one full-attention group of
+    every layer, the layout of a model without windows) when no layer has one."""
+    windows = model_config.layer_windows()
+    if all(window is None for window in windows):
+        return ()
+    return build_kv_groups(windows)
+
+
 def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLayout,
                       scheduler_config: SchedulerConfig) -> KVCacheSizing:
     """The KV cache's sizing inputs; only a GPU's budget is left to measure."""
@@ -185,7 +196,7 @@ def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLay
     else:
         budget = available_kv_cache_bytes(device, args.gpu_memory_utilization)
     # No point in more blocks than every sequence slot at full length needs (+ the null block).
-    cap = scheduler_config.max_num_seqs * blocks_needed(
+    cap = scheduler_config.max_num_seqs * len(layout.kv_groups) * blocks_needed(
         scheduler_config.max_model_len, scheduler_config.block_size)
     return KVCacheSizing(
         block_nbytes=layout.block_nbytes, max_useful_blocks=cap + 1,
