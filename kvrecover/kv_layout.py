@@ -82,6 +82,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return digest.digest()
 
 
+def group_block_key(block_hash: bytes, group: int) -> bytes:
+    """The stored key of KV cache group `group`'s block of this chain hash: the hash
+    itself for group 0 (a model of one group stores what it always stored), a digest
+    of hash and group for the others."""
+    if group == 0:
+        return block_hash
+    return hashlib.blake2b(block_hash + group.to_bytes(4, "little"), digest_size=16).digest()
+
+
 def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
     """Extend `block_hashes` to cover every full block of `token_ids`."""
     for index in range(len(block_hashes), len(token_ids) // block_size):

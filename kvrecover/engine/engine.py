@@ -69,7 +69,7 @@ class Engine:
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
         self.stats = EngineStats()
         kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
-                                    self.layout.kv_groups)
+                                    self.layout.kv_groups, self.layout.block_nbytes)
         self.num_kv_groups = kv_manager.num_groups
         connector = None
         plan = config.connector

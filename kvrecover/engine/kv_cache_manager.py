@@ -39,8 +39,9 @@ class KVCacheManager:
     full blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 groups: Sequence[KVCacheGroup] = FULL_ATTENTION) -> None:
+                 groups: Sequence[KVCacheGroup] = FULL_ATTENTION, block_nbytes: int = 0) -> None:
         self.block_size = block_size
+        self.block_nbytes = block_nbytes  # bytes of one block id (the stats count loads in it)
         self.groups = tuple(groups)
         self.windowed = [g.window is not None for g in self.groups]
         self.pool = BlockPool(num_blocks, enable_prefix_caching, len(self.groups))

@@ -57,6 +57,7 @@ class KVLoads:
     ) -> None:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
+        self._windowed = any(kv_manager.windowed)
         self.stats = stats
         self.can_load = connector is not None and transfer is not None and transfer.is_consumer
         self.connector = None if connector is None else SchedulerConnector(
@@ -106,6 +107,8 @@ class KVLoads:
             request.pending_external = (num_local, num_local + num_external)
             request.num_computed_tokens = num_local + num_external
             self._claimed.append(request)
+            self.stats.kv_load_bytes += (
+                len(self.external_block_ids(request)) * self.kv_manager.block_nbytes)
             if failed:  # whether and where it loads is unknown
                 self._connector_invalid.update(self.external_block_ids(request))
 
@@ -217,8 +220,8 @@ class KVLoads:
         """The blocks the request's pending external tokens are loaded into (every group's)."""
         start, end = request.pending_range
         first, last = start // self.block_size, blocks_needed(end, self.block_size)
-        if len(request.block_tables) == 1:
-            return request.block_ids[first:last]
+        if not self._windowed:  # full attention: no null block in any table
+            return [b for table in request.block_tables for b in table[first:last]]
         return [b for table in request.block_tables for b in table[first:last]
                 if b != NULL_BLOCK_ID]
 

@@ -117,12 +117,15 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
         head_dim=model_config.head_dim,
         groups=resolve_kv_groups(model_config),
     )
+    connector = resolve_connector(args.kv_transfer_config)
+    if connector is not None and layout.groups:
+        check_connector_groups(connector, layout)
     return ResolvedConfig(
         args=args, model_dir=model_dir, model_config=model_config, device=device, dtype=dtype,
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         scheduler_config=scheduler_config, layout=layout,
         kv_sizing=resolve_kv_sizing(args, device, layout, scheduler_config),
-        connector=resolve_connector(args.kv_transfer_config),
+        connector=connector,
     )
 
 
@@ -202,6 +205,23 @@ def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLay
         block_nbytes=layout.block_nbytes, max_useful_blocks=cap + 1,
         fixed_num_blocks=args.num_kv_blocks, budget_bytes=budget,
         gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def check_connector_groups(plan: ConnectorPlan, layout: KVCacheLayout) -> None:
+    """A ValueError, before any weight loads, when the model has sliding-window layers
+    (KV cache groups) and the connector does not work per group."""
+    if plan.connector_class.kv_groups_supported(plan.transfer):
+        return
+    windows = sorted({g.window for g in layout.kv_groups if g.window is not None})
+    raise ValueError(
+        f"KV connector {plan.transfer.kv_connector!r} ({plan.connector_class.__name__}) does "
+        f"not support KV cache groups, and this model has sliding-window layers (windows "
+        f"{windows}, {len(layout.kv_groups)} group(s)): its block tables hold the null block "
+        "where a window keeps none. Use a connector that declares supports_kv_groups = True "
+        "(SharedStorageConnector, RedisConnector, TieredConnector, ...), or make yours load "
+        "and save every group's blocks (KVRequestView.block_tables, kv_layout.group_block_key)"
+        " and declare it."
     )
 
 
