@@ -1,6 +1,12 @@
 """Layers the decoder families share: norms, the attention block, the gated MLP, the
 pre-norm decoder layer, and the decoder stack with its embedding and LM head.
 
+The Gemma families use the same blocks with named options: `RMSNorm(plus_one=True)`
+(times `1 + weight`, rounded once), `GatedMLP(activation="gelu_pytorch_tanh")`
+(GeGLU), `DecoderLayer(sandwich_norms=True)` (norms after attention and the MLP as
+well), an attention `scale` and `softcap`, and the `CausalLM.embed` / `soft_cap`
+hooks for scaled embeddings and capped logits.
+
 Only the model definition: every kernel (linears, norms, rotary, attention) comes
 from the `KernelBackend` the model runner passes in (`kvrecover.ops`). Module and
 parameter names follow Hugging Face Llama, so checkpoints load by name
@@ -26,12 +32,32 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
+    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`, or with
+    `plus_one` Gemma's `ops.rms_norm_plus_one` (times `1 + weight`, in float32)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if plus_one else torch.ones(size))
         self.eps = eps
+        self.plus_one = plus_one
+
+    def norm(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
+        """`x` normalised by this norm's flavour of the backend's kernel."""
+        if self.plus_one:
+            return ops.rms_norm_plus_one(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, ops: ModelOps, x: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); `residual` may be updated in place."""
+        if self.plus_one:
+            return ops.add_rms_norm_plus_one(x, residual, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """`cap * tanh(x / cap)` (Gemma's logit soft-capping), in `x`'s dtype."""
+    return torch.tanh(x / cap) * cap
 
 
 def load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
@@ -46,8 +72,9 @@ def load_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int
 
 
 class Attention(nn.Module):
-    """Self-attention with fused QKV projection, GQA, an optional per-head q/k norm and an
-    optional sliding `window` (the last so many positions only)."""
+    """Self-attention with fused QKV projection, GQA, an optional per-head q/k norm (of
+    the `plus_one` flavour with `norm_plus_one`), an optional sliding `window` (the last
+    so many positions only), score `scale` (default head_dim**-0.5) and `softcap`."""
 
     def __init__(
         self,
@@ -59,10 +86,14 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: bool = False,
         window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        norm_plus_one: bool = False,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.window = window
+        self.softcap = softcap
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -70,11 +101,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, norm_plus_one) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, norm_plus_one) if qk_norm else None
         self.rotary = rotary
         self.attention = attention
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                   "v": (self.q_size + self.kv_size, self.kv_size)}
         for param in self.qkv_proj.parameters():
@@ -90,19 +122,28 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q = self.q_norm.norm(ops, q)
+            k = self.k_norm.norm(ops, k)
         out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
-                                    self.scale, window=self.window)
+                                    self.scale, window=self.window, softcap=self.softcap)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate and up projections."""
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # Hugging Face names: SwiGLU, GeGLU
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps) -> None:
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward (SwiGLU, or GeGLU with `activation="gelu_pytorch_tanh"`) with
+    fused gate and up projections."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r} in config.json "
+                             f"(hidden_activation / hidden_act); supported: {GATED_ACTIVATIONS}")
         self.ops = ops
+        self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -112,23 +153,35 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        gate_up = ops.linear(x, self.gate_up_proj)
+        if self.activation == "silu":
+            return ops.linear(ops.silu_mul(gate_up), self.down_proj)
+        return ops.linear(ops.gelu_tanh_mul(gate_up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block around a given attention and feed-forward module.
 
     Carries the residual stream separately (`residual`, None before the first
-    layer) so that each residual add fuses with the next norm.
+    layer) so that each residual add fuses with the next norm. `sandwich_norms`
+    (Gemma): the attention and MLP outputs are normed too before their residual
+    add (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP's
+    input norm is `pre_feedforward_layernorm`; `norm_plus_one` picks the norms'
+    flavour.
     """
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module,
-                 ops: ModelOps) -> None:
+                 ops: ModelOps, *, sandwich_norms: bool = False,
+                 norm_plus_one: bool = False) -> None:
         super().__init__()
         self.ops = ops
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps, norm_plus_one)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(size, eps, norm_plus_one)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps, norm_plus_one) if sandwich_norms else None
+        self.post_feedforward_layernorm = (RMSNorm(size, eps, norm_plus_one) if sandwich_norms
+                                           else None)
         self.mlp = mlp
 
     def forward(
@@ -141,13 +194,17 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ops, norm = self.ops, self.input_layernorm
         if residual is None:
-            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+            residual, hidden = hidden, norm.norm(ops, hidden)
         else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden, residual = norm.add_norm(ops, hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
-        norm = self.post_attention_layernorm
-        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
+        pre_mlp, post_mlp = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre_mlp is None or post_mlp is None:  # both or neither
+            hidden, residual = self.post_attention_layernorm.add_norm(ops, hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm.norm(ops, hidden)
+        hidden, residual = pre_mlp.add_norm(ops, hidden, residual)
+        return post_mlp.norm(ops, self.mlp(hidden)), residual
 
 
 ConfigT = TypeVar("ConfigT", bound=ModelConfig)
@@ -164,6 +221,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     """
 
     config_class: type[ConfigT]  # set by each family
+    norm_plus_one = False  # Gemma: every norm of the model is `RMSNorm(plus_one=True)`
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -185,17 +243,26 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
+        self.add_rotary_tables(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.make_layer(config, index, backend.attention, ops)
             for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.norm_plus_one)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             # One tensor, unless the backend repacks the LM head's weight for its
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
+
+    def add_rotary_tables(self, config: ConfigT, max_positions: int) -> None:
+        """Called by `__init__` before the layers are made: a family whose layers rotate by
+        other tables than `self.rotary` adds them here (and lists them in `rotary_tables`)."""
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """Every rotary table of the model (the model runner keeps them float32)."""
+        return [self.rotary]
 
     def make_layer(self, config: ConfigT, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
@@ -214,7 +281,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     ) -> torch.Tensor:
         """Hidden states of the step. `kv_caches[i]` is layer i's cache; `layer_meta`
         (one per layer: its KV cache group's record) replaces `attn_meta` where given."""
-        hidden = self.ops.embedding(input_ids, self.embed_tokens.weight)
+        hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
@@ -226,13 +293,25 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         if residual is None:
             raise ValueError("the model has no decoder layers: config.json's num_hidden_layers "
                              "must be at least 1")
-        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+        return self.norm.add_norm(self.ops, hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `input_ids` (a family that scales them overrides this)."""
+        return self.ops.embedding(input_ids, self.embed_tokens.weight)
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Float32 logits for the given final hidden states (the model's dtype unless
-        `upcast`: a caller that casts them itself)."""
+        `upcast`: a caller that casts them itself); soft-capped in the model's dtype
+        where `final_logit_softcap` is set."""
         logits = self.ops.linear(hidden, self.lm_head)
+        if self.final_logit_softcap is not None:
+            logits = soft_cap(logits, self.final_logit_softcap)
         return logits.float() if upcast else logits
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """The cap of the final logits (None: uncapped; Gemma 2's `final_logit_softcapping`)."""
+        return None
 
     # Hugging Face parameter name fragments -> (our fragment, shard id).
     packed_modules = {

@@ -24,6 +24,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),  # text only (gemma3_text)
 }
 
 

@@ -87,7 +87,8 @@ class ModelRunner:
             model = build_model(model_config, self.backend, max_model_len)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
-        self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
+        for tables in self.model.rotary_tables():
+            tables.to(torch.float32)  # cos/sin tables stay float32, cast per use
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         # Layer i's cache tensor and KV cache group (`kv_groups.py`): a block id spans the
