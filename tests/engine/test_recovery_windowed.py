@@ -1,8 +1,8 @@
-"""Recovery on sliding-window models (rule 8), end to end on tiny Mistral checkpoints.
+"""Recovery on sliding-window models (rule 8), end to end on tiny checkpoints.
 
-Two layouts: every layer windowed (Mistral: one windowed KV cache group) and mixed
+Three layouts: every layer windowed (Mistral: one windowed KV cache group), mixed
 (the same checkpoint with its middle layer on full attention: three groups, one of
-them full). A load brings each windowed group's last window before the resume point
+them full) and Gemma 3 (three local layers and one global: four groups). A load brings each windowed group's last window before the resume point
 and one window more; the fault injector fails a chosen group's loaded blocks. Every
 recovered run returns exactly the failure-free token ids, and the tokens recomputed
 (`kv_load_recomputed_tokens`) are exactly where rule 8 puts the rollback point:
@@ -47,13 +47,33 @@ def tiny_mistral_full(tmp_path_factory) -> Path:
                             seed=7, sliding_window=None)
 
 
-@pytest.fixture(scope="module", params=["windowed", "mixed"])
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """Gemma 3 (text): layers 0, 1, 3 local (window 24), layer 2 global."""
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return build_tiny_model(
+        tmp_path_factory.mktemp("gemma3_w"), model_type="gemma3_text", seed=13,
+        sliding_window=WINDOW, head_dim=16, num_hidden_layers=4, layer_types=types,
+        query_pre_attn_scalar=24, rope_local_base_freq=500.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module", params=["windowed", "mixed", "gemma3"])
 def layout(request):
-    """The layer pattern: 'windowed' (Mistral) or 'mixed' (layer 1 full attention)."""
+    """The layer pattern: 'windowed' (Mistral), 'mixed' (Mistral with layer 1 on full
+    attention) or 'gemma3'."""
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "mixed":
             patch.setattr(MistralConfig, "layer_windows", mixed_windows)
         yield request.param
+
+
+@pytest.fixture(scope="module")
+def model(layout, request) -> Path:
+    """The checkpoint of the layout."""
+    return request.getfixturevalue("tiny_gemma3" if layout == "gemma3" else "tiny_mistral")
+
+
+NUM_GROUPS = {"windowed": 1, "mixed": 3, "gemma3": 4}
 
 
 def engine(model: Path, kv: KVTransferConfig | None = None, **extra) -> LLM:
@@ -62,13 +82,13 @@ def engine(model: Path, kv: KVTransferConfig | None = None, **extra) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def stored(layout, tiny_mistral, tmp_path_factory):
+def stored(layout, model, tmp_path_factory):
     """(store filled by a producer, failure-free token ids) for this layout."""
     store = tmp_path_factory.mktemp(f"store_{layout}")
     producer = KVTransferConfig("SharedStorageConnector", "kv_producer",
                                 {"shared_storage_path": str(store)})
-    engine(tiny_mistral, producer).generate(as_inputs(make_prompts()), PARAMS)
-    baseline = token_ids(engine(tiny_mistral).generate(as_inputs(make_prompts()), PARAMS))
+    engine(model, producer).generate(as_inputs(make_prompts()), PARAMS)
+    baseline = token_ids(engine(model).generate(as_inputs(make_prompts()), PARAMS))
     return store, baseline
 
 
@@ -84,17 +104,22 @@ def decode(model: Path, store: Path, faults=None, *, async_load=False, policy="r
 
 
 def windowed_group(layout: str) -> int:
-    return 0 if layout == "windowed" else 1
+    return 0 if layout == "windowed" else 1  # else: the full-attention group is 0
 
 
 def test_a_clean_load_matches_and_moves_less_than_full_attention(
-        layout, tiny_mistral, tiny_mistral_full, stored, tmp_path):
+        layout, model, tiny_mistral_full, stored, tmp_path):
     store, baseline = stored
-    outputs, llm = decode(tiny_mistral, store)
+    outputs, llm = decode(model, store)
     assert token_ids(outputs) == baseline
     assert llm.stats["kv_load_failed_blocks"] == 0
     assert llm.stats["prompt_tokens_external"] == sum(
         (len(p) - 1) // BLOCK * BLOCK for p in make_prompts())
+    if layout == "gemma3":
+        # One layer per group: the global one loads 45 blocks, each local one 24.
+        layer_block = llm.engine.layout.block_nbytes
+        assert llm.stats["kv_load_bytes"] == (45 + 3 * 24) * layer_block < 4 * 45 * layer_block
+        return
     # The same loads on a full-attention model of the same shape move more bytes.
     full_store = tmp_path / "full"
     producer = KVTransferConfig("SharedStorageConnector", "kv_producer",
@@ -131,14 +156,14 @@ CASES = {
 @pytest.mark.parametrize("kind", ["missing", "error", "corrupt"])
 @pytest.mark.parametrize("case", list(CASES), ids=["-".join(c) for c in CASES])
 def test_recompute_matrix_rolls_back_exactly_to_rule_8s_point(
-        layout, tiny_mistral, stored, case, kind, async_load):
+        layout, model, stored, case, kind, async_load):
     blocks, kind_of_group = case
     if kind_of_group == "full" and layout == "windowed":
         pytest.skip("this layout has no full-attention group")
     store, baseline = stored
     group = 0 if kind_of_group == "full" else windowed_group(layout)
     faults = [{"requests": "first", "blocks": blocks, "kind": kind, "group": group}]
-    outputs, llm = decode(tiny_mistral, store, faults, async_load=async_load)
+    outputs, llm = decode(model, store, faults, async_load=async_load)
     assert token_ids(outputs) == baseline
     stats = llm.stats
     assert stats["kv_load_failed_blocks"] == 1
@@ -151,35 +176,34 @@ def test_recompute_matrix_rolls_back_exactly_to_rule_8s_point(
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_fail_policy_ends_only_a_request_whose_window_lost_a_block(
-        layout, tiny_mistral, stored, async_load):
+        layout, model, stored, async_load):
     store, baseline = stored
     group = windowed_group(layout)
     lost = [{"requests": "first", "blocks": "last", "kind": "missing", "group": group}]
-    outputs, llm = decode(tiny_mistral, store, lost, async_load=async_load, policy="fail")
+    outputs, llm = decode(model, store, lost, async_load=async_load, policy="fail")
     assert outputs[0].outputs[0].finish_reason == "error"
     assert outputs[0].error_type == "kv_load_failed"
     assert token_ids(outputs)[1:] == baseline[1:]
     assert llm.stats["kv_load_failed_requests"] == 1
     # A lost margin block costs nothing, under `fail` too.
     margin = [{"requests": "first", "blocks": "first", "kind": "missing", "group": group}]
-    outputs, llm = decode(tiny_mistral, store, margin, async_load=async_load, policy="fail")
+    outputs, llm = decode(model, store, margin, async_load=async_load, policy="fail")
     assert token_ids(outputs) == baseline
     assert llm.stats["kv_load_failed_requests"] == 0
     assert llm.stats["kv_load_failed_blocks"] == 1
 
 
-def test_every_block_of_every_request_failing_recomputes_everything(layout, tiny_mistral,
-                                                                   stored):
+def test_every_block_of_every_request_failing_recomputes_everything(layout, model, stored):
     store, baseline = stored
     faults = [{"requests": "all", "blocks": "all", "kind": "missing", "group": g}
-              for g in range(1 if layout == "windowed" else 3)]
-    outputs, llm = decode(tiny_mistral, store, faults)
+              for g in range(NUM_GROUPS[layout])]
+    outputs, llm = decode(model, store, faults)
     assert token_ids(outputs) == baseline
     assert llm.stats["kv_load_recovered_requests"] >= 4
 
 
-def test_a_long_request_holds_a_bounded_number_of_window_blocks(layout, tiny_mistral):
-    llm = engine(tiny_mistral, num_kv_blocks=200)
+def test_a_long_request_holds_a_bounded_number_of_window_blocks(layout, model):
+    llm = engine(model, num_kv_blocks=400)
     prompt = make_prompts()[0] * 3  # 390 tokens
     llm.engine.add_request("long", {"prompt_token_ids": prompt}, PARAMS)
     scheduler = llm.engine.scheduler
@@ -202,8 +226,8 @@ class NoGroupsConnector(KVConnectorBase):
     """A user's connector that knows nothing of KV cache groups."""
 
 
-def test_a_connector_without_groups_is_refused_at_start_up(layout, tiny_mistral):
+def test_a_connector_without_groups_is_refused_at_start_up(layout, model):
     transfer = KVTransferConfig("NoGroupsConnector", "kv_both",
                                 kv_connector_module_path=__name__)
     with pytest.raises(ValueError, match="NoGroupsConnector.*does not support KV cache groups"):
-        engine(tiny_mistral, transfer)
+        engine(model, transfer)
