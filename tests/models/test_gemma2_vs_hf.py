@@ -135,10 +135,15 @@ def test_bad_gemma2_configs_are_refused_naming_the_field(tmp_path, fields, messa
 def model_logits(llm, prompt: list[int], block_size: int = 16) -> torch.Tensor:
     """The engine's model's float32 logits of the last prompt token, one prefill step."""
     runner = llm.engine.model_runner
-    blocks = list(range(1, 1 + -(-len(prompt) // block_size)))
-    step = runner.inputs.build([ScheduledRequest("r", prompt, 0, blocks, True, GREEDY, 0)])
+    count = -(-len(prompt) // block_size)
+    # One table per KV cache group, each of its own blocks.
+    tables = [list(range(1 + g * count, 1 + (g + 1) * count))
+              for g in range(len(runner.layout.kv_groups))]
+    step = runner.inputs.build([ScheduledRequest("r", prompt, 0, tables[0], True, GREEDY, 0,
+                                                 tables if len(tables) > 1 else [])])
     with torch.no_grad():
-        hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.attn)
+        hidden = runner.model(step.input_ids, step.positions, runner.layer_caches, step.attn,
+                              layer_meta=runner._layer_meta(step))
         return runner.model.logits(hidden[step.sample_rows])[0]
 
 
