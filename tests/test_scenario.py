@@ -41,6 +41,31 @@ def test_scenario_on_tiny_model(long_context_model, tmp_path):
         assert '"kv_load_recovered_requests": 0' not in stats
 
 
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    """A tiny Gemma 3 (window 64: the reference prompts cross it many times) of the same
+    context."""
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return build_tiny_model(tmp_path_factory.mktemp("windowed_ctx"), seed=5,
+                            model_type="gemma3_text", sliding_window=64, head_dim=16,
+                            num_hidden_layers=4, layer_types=types, query_pre_attn_scalar=24,
+                            max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+@pytest.mark.slow  # four processes, each loading the model
+def test_scenario_on_a_windowed_model(windowed_model, tmp_path):
+    result = run_cli("scenario", "--model", str(windowed_model), "--device", "cpu",
+                     "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+    baseline = (tmp_path / scenario.DECODE_OUTPUT).read_text()
+    for name in (scenario.SYNC_RECOVERED_OUTPUT, scenario.ASYNC_RECOVERED_OUTPUT):
+        assert (tmp_path / name).read_text() == baseline
+    for stem in ("sync_decode_recovered_output", "async_decode_recovered_output"):
+        stats = (tmp_path / f"{stem}.stats.json").read_text()
+        assert '"kv_load_recovered_requests": 0' not in stats
+
+
 GOOD_STATS = {
     "prefill": {"prompt_tokens_external": 0, "kv_load_failed_blocks": 0,
                 "kv_load_recovered_requests": 0},
