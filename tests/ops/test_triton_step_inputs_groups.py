@@ -54,3 +54,42 @@ def test_one_group_packs_exactly_as_before():
     inputs = builder.build([item("a", [5, 6], 0, [[1]])])
     assert inputs.group_attn == []
     assert inputs.attn.slot_mapping.tolist() == [4, 5]
+
+
+def test_cached_decode_packing_of_groups_matches_a_fresh_packing():
+    """The graph path's cached rows hold every group's table as a fresh builder writes it,
+    except windowed entries released below the window (never read: the kernels start
+    at the window)."""
+    import random
+
+    rng = random.Random(0)
+    fast = StepInputBuilder(BLOCK, 16, CPU, max_model_len=256, num_kv_groups=2)
+    requests = {f"r{i}": [rng.randint(1, 50), [rng.randint(1, 99)], [rng.randint(1, 99)]]
+                for i in range(8)}
+    for step in range(120):
+        scheduled = []
+        for name in sorted(requests)[: rng.choice([8, 6])]:
+            position, full, windowed = requests[name]
+            while len(full) * BLOCK <= position:
+                full.append(rng.randint(1, 99))
+                windowed.append(rng.randint(1, 99))
+            for index in range(max(0, (position - 8 + 1) // BLOCK)):
+                windowed[index] = 0  # released below a window of 8
+            scheduled.append(item(name, [rng.randint(0, 99)], position,
+                                  [list(full), list(windowed)]))
+            requests[name][0] += 1
+        got = fast.pack(scheduled, pad_to=8)
+        fresh = StepInputBuilder(BLOCK, 16, CPU, max_model_len=256, num_kv_groups=2)
+        want = fresh.pack(scheduled, pad_to=8)
+        assert got.offsets == want.offsets
+        for name, offset in got.offsets.items():
+            span = slice(offset, offset + got.lengths[name])
+            if name != "table1":
+                assert (fast._host_np[span] == fresh._host_np[span]).all(), (step, name)
+                continue
+            width = got.lengths[name] // 8
+            rows_got = fast._host_np[span].reshape(8, width)
+            rows_want = fresh._host_np[span].reshape(8, width)
+            for row, s in enumerate(scheduled):
+                first = max(0, (s.num_computed_tokens - 8 + 1) // BLOCK)
+                assert (rows_got[row, first:] == rows_want[row, first:]).all(), (step, row)
