@@ -231,3 +231,34 @@ def test_a_connector_without_groups_is_refused_at_start_up(layout, model):
                                 kv_connector_module_path=__name__)
     with pytest.raises(ValueError, match="NoGroupsConnector.*does not support KV cache groups"):
         engine(model, transfer)
+
+
+def store_settings(connector: str, url: str, folder: Path) -> dict:
+    """The extra config of a Redis store or of tiers (a folder, then Redis)."""
+    if connector == "RedisConnector":
+        return {"url": url}
+    return {"connectors": [
+        {"kv_connector": "SharedStorageConnector",
+         "kv_connector_extra_config": {"shared_storage_path": str(folder)}},
+        {"kv_connector": "RedisConnector", "kv_connector_extra_config": {"url": url}},
+    ]}
+
+
+@pytest.mark.parametrize("connector", ["RedisConnector", "TieredConnector"])
+def test_redis_and_tiers_work_per_group(layout, model, stored, redis_server, tmp_path,
+                                        connector):
+    if layout != "gemma3":
+        pytest.skip("one multi-group layout is enough for these stores")
+    _, baseline = stored
+    settings = store_settings(connector, redis_server.url, tmp_path / "tier0")
+    engine(model, KVTransferConfig(connector, "kv_producer", settings)).generate(
+        as_inputs(make_prompts()), PARAMS)
+    faults = [{"requests": "first", "blocks": "last", "kind": "corrupt", "group": 1}]
+    consumer = KVTransferConfig(
+        "FaultInjectionConnector", "kv_consumer",
+        {"inner_connector": connector, "faults": faults, **settings}, kv_load_retry_limit=0)
+    llm = engine(model, consumer)
+    assert token_ids(llm.generate(as_inputs(make_prompts()), PARAMS)) == baseline
+    assert llm.stats["kv_load_failed_blocks"] == 1
+    assert llm.stats["kv_load_recomputed_tokens"] == 130 - 120  # rule 8's point, as above
+    assert llm.stats["prompt_tokens_external"] > 0
