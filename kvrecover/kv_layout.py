@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrecover.kv_groups import KVCacheGroup, groups_signature, single_group
+
 NULL_BLOCK_ID = 0  # never allocated: padding in block tables points here
 
 
@@ -38,6 +40,18 @@ class KVCacheLayout:
     head_dim: int
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
+    # The KV cache groups (`kv_groups.py`); empty: one full-attention group of all layers.
+    groups: tuple[KVCacheGroup, ...] = ()
+
+    @property
+    def kv_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The groups, at least one; a block id holds one group's layers."""
+        return self.groups or single_group(self.num_layers)
+
+    @property
+    def num_cache_tensors(self) -> int:
+        """Layers one block id spans: the KV cache has this many tensors (S)."""
+        return max(len(g.layer_indices) for g in self.kv_groups)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -46,9 +60,9 @@ class KVCacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across all layers."""
+        """Bytes of one block id across the cache tensors (all layers of one group)."""
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * per_layer * self.dtype.itemsize
+        return self.num_cache_tensors * per_layer * self.dtype.itemsize
 
     @property
     def fingerprint(self) -> str:
@@ -59,6 +73,8 @@ class KVCacheLayout:
         )
         if self.tensor_parallel_size > 1:  # size 1 keeps the digests stored before ranks
             text += f"|tp{self.tensor_parallel_size}|rank{self.tensor_parallel_rank}"
+        if self.kv_groups != single_group(self.num_layers):
+            text += f"|groups={groups_signature(self.kv_groups)}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -73,6 +89,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     digest.update(parent_hash or b"\0" * 16)
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return digest.digest()
+
+
+def group_block_key(block_hash: bytes, group: int) -> bytes:
+    """The stored key of KV cache group `group`'s block of this chain hash: the hash
+    itself for group 0 (a model of one group stores what it always stored), a digest
+    of hash and group for the others."""
+    if group == 0:
+        return block_hash
+    return hashlib.blake2b(block_hash + group.to_bytes(4, "little"), digest_size=16).digest()
 
 
 def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:

@@ -57,10 +57,13 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # tokens computed in this step
     num_computed_tokens: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table
+    block_ids: list[int]  # the request's whole block table (of KV cache group 0)
     sample: bool  # the slice reaches the end of the sequence: sample a next token
     sampling_params: SamplingParams
     sample_seed: int
+    # Every KV cache group's table (`kv_groups.py`), group 0's first; empty for a model
+    # of one group, whose table is `block_ids` (`tables` reads both alike).
+    block_tables: list[list[int]] = field(default_factory=list)
     num_output_tokens: int = 0  # outputs before the token this step samples
     logits_spec: LogitsSpec | None = None  # None: no logits processors
     # The request's outputs so far (its own list, not a copy; in an overlapped step it
@@ -71,6 +74,11 @@ class ScheduledRequest:
     # The request's grammar matcher (structured outputs), read by the runner to mask the
     # sampled row's logits; None for an unconstrained request.
     grammar: GrammarState | None = None
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """One block table per KV cache group."""
+        return self.block_tables or [self.block_ids]
 
 
 @dataclass

@@ -72,18 +72,21 @@ class FakeConnector(KVConnectorBase):
 
 
 def make_scheduler(connector=None, *, num_blocks=64, policy="recompute", retry_limit=1,
-                   clock=None, budget=64) -> Scheduler:
+                   clock=None, budget=64, groups=None) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256,
                              block_size=BLOCK)
     transfer = KVTransferConfig("Fake", "kv_consumer", {"load_timeout_s": TIMEOUT},
                                 kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, True), EngineStats(),
+    manager = (KVCacheManager(num_blocks, BLOCK, True) if groups is None
+               else KVCacheManager(num_blocks, BLOCK, True, groups))
+    return Scheduler(config, manager, EngineStats(),
                      connector, transfer, clock=clock or FakeClock())
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id, None, prompt, params, frozenset(), 0, 256)
+    request = Request(request_id, None, prompt, params, frozenset(), 0, 256,
+                      scheduler.kv_manager.num_groups)
     scheduler.add_request(request)
     return request
 

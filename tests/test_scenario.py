@@ -43,11 +43,13 @@ def test_scenario_on_tiny_model(long_context_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def windowed_model(tmp_path_factory):
-    """A tiny Gemma 3 (text): five layers in six over a 64-token window, two rope bases."""
-    return build_tiny_model(tmp_path_factory.mktemp("windowed"), seed=5,
-                            model_type="gemma3_text", num_hidden_layers=6, head_dim=16,
-                            sliding_window=64, max_position_embeddings=4096,
-                            tie_word_embeddings=True)
+    """A tiny Gemma 3 (window 64: the reference prompts cross it many times) of the same
+    context."""
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return build_tiny_model(tmp_path_factory.mktemp("windowed_ctx"), seed=5,
+                            model_type="gemma3_text", sliding_window=64, head_dim=16,
+                            num_hidden_layers=4, layer_types=types, query_pre_attn_scalar=24,
+                            max_position_embeddings=4096, tie_word_embeddings=True)
 
 
 @pytest.mark.slow  # four processes, each loading the model
@@ -59,6 +61,9 @@ def test_scenario_on_a_windowed_model(windowed_model, tmp_path):
     baseline = (tmp_path / scenario.DECODE_OUTPUT).read_text()
     for name in (scenario.SYNC_RECOVERED_OUTPUT, scenario.ASYNC_RECOVERED_OUTPUT):
         assert (tmp_path / name).read_text() == baseline
+    for stem in ("sync_decode_recovered_output", "async_decode_recovered_output"):
+        stats = (tmp_path / f"{stem}.stats.json").read_text()
+        assert '"kv_load_recovered_requests": 0' not in stats
 
 
 GOOD_STATS = {

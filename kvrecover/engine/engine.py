@@ -71,7 +71,9 @@ class Engine:
         self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
         self.stats = EngineStats()
-        kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
+                                    self.layout.kv_groups, self.layout.block_nbytes)
+        self.num_kv_groups = kv_manager.num_groups
         connector = None
         plan = config.connector
         if plan is not None:
@@ -119,7 +121,7 @@ class Engine:
         check_request(
             str(request_id), token_ids, sampling_params, max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, block_size=self.args.block_size,
-            num_blocks=self.num_blocks,
+            num_blocks=self.num_blocks, blocks_for=self.scheduler.kv_manager.max_blocks_needed,
         )
         spec = logits_spec(sampling_params, token_ids, self.eos_token_ids, self.tokenizer)
         n = sampling_params.n
@@ -137,7 +139,8 @@ class Engine:
                 seed = self.args.seed * 1_000_003 + self._request_counter + index
             request = Request(
                 choice_id, text, token_ids, sampling_params, self.eos_token_ids, seed,
-                self.max_model_len, choice_index=index, logits_spec=spec,
+                self.max_model_len, self.num_kv_groups, choice_index=index,
+                logits_spec=spec,
             )
             request.grammar = self._grammar(sampling_params, token_ids)  # one per choice
             if self._hash_prompts:

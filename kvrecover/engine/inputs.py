@@ -8,6 +8,7 @@ that says what to change (the engine's options are resolved in `engine/resolve.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvrecover.kv_layout import blocks_needed
@@ -47,6 +48,7 @@ def _token_ids(values: object) -> list[int]:
 def check_request(
     request_id: str, token_ids: list[int], params: SamplingParams, *, max_model_len: int,
     vocab_size: int, block_size: int, num_blocks: int,
+    blocks_for: Callable[[int], int] | None = None,
 ) -> None:
     """A ValueError unless the request can run: a non-empty prompt that leaves room for
     one new token, ids in the vocabulary, and a KV cache large enough for it alone."""
@@ -74,9 +76,11 @@ def check_request(
         raise ValueError(f"request {request_id!r}: max_tokens must be >= 1 unless "
                          "prompt_logprobs is set (0 scores the prompt alone)")
     longest = min(len(token_ids) + params.max_tokens, max_model_len)
-    if blocks_needed(longest, block_size) > num_blocks - 1:
+    # `blocks_for`: the blocks of all KV cache groups for that many tokens.
+    needed = blocks_needed(longest, block_size) if blocks_for is None else blocks_for(longest)
+    if needed > num_blocks - 1:
         raise ValueError(
-            f"request {request_id!r} needs {blocks_needed(longest, block_size)} "
+            f"request {request_id!r} needs {needed} "
             f"KV blocks but the cache has {num_blocks - 1}; raise num_kv_blocks or "
             "kv_cache_memory_gb, or shorten the request"
         )

@@ -24,7 +24,7 @@ from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecov
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnector
 from kvrecover.engine.stats import EngineStats
-from kvrecover.kv_layout import blocks_needed
+from kvrecover.kv_layout import NULL_BLOCK_ID, blocks_needed
 from kvrecover.kv_transfer.base import DEFAULT_LOAD_TIMEOUT_S, KVConnectorBase, KVConnectorMetadata
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 
@@ -57,6 +57,7 @@ class KVLoads:
     ) -> None:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
+        self._windowed = any(kv_manager.windowed)
         self.stats = stats
         self.can_load = connector is not None and transfer is not None and transfer.is_consumer
         self.connector = None if connector is None else SchedulerConnector(
@@ -65,6 +66,7 @@ class KVLoads:
             self.block_size,
             transfer.kv_load_failure_policy if transfer else "recompute",
             transfer.kv_load_retry_limit if transfer else 0,
+            kv_manager.groups,
         )
         self.tracker = AsyncLoadTracker(load_deadline_s(connector), clock)
         self.sends = PendingSends(self.tracker.timeout_s, clock)
@@ -112,6 +114,8 @@ class KVLoads:
             request.pending_external = (num_local, num_local + num_external)
             request.num_computed_tokens = num_local + num_external
             self._claimed.append(request)
+            self.stats.kv_load_bytes += (
+                len(self.external_block_ids(request)) * self.kv_manager.block_nbytes)
             if failed:  # whether and where it loads is unknown
                 self._connector_invalid.update(self.external_block_ids(request))
 
@@ -162,7 +166,7 @@ class KVLoads:
         the request sent (`finish_sends`)."""
         if self.connector is not None:
             keep = self.connector.request_finished(request, list(request.block_ids))
-            if keep and request.block_ids:
+            if keep and request.holds_blocks:
                 self.sends.hold_until_sent(request.request_id, self.kv_manager.take_blocks(request, 0))
         self.recovery.forget(request.request_id)
         self._lost_until_reclaim.pop(request.request_id, None)
@@ -201,7 +205,7 @@ class KVLoads:
                 invalid.update(self.external_block_ids(request))
         if not invalid and not self.recovery.has_deferred:
             return set()
-        holders = [r for queue in queues for r in queue if r.block_ids]
+        holders = [r for queue in queues for r in queue if r.holds_blocks]
         return self._apply_plan(self.recovery.plan(invalid, holders), requests)
 
     def account_loaded(self, loaded: list[Request]) -> None:
@@ -221,9 +225,13 @@ class KVLoads:
         return 0 if self.connector is None else self.connector.errors.take_count()
 
     def external_block_ids(self, request: Request) -> list[int]:
-        """The blocks the request's pending external tokens are loaded into."""
+        """The blocks the request's pending external tokens are loaded into (every group's)."""
         start, end = request.pending_range
-        return request.block_ids[start // self.block_size : blocks_needed(end, self.block_size)]
+        first, last = start // self.block_size, blocks_needed(end, self.block_size)
+        if not self._windowed:  # full attention: no null block in any table
+            return [b for table in request.block_tables for b in table[first:last]]
+        return [b for table in request.block_tables for b in table[first:last]
+                if b != NULL_BLOCK_ID]
 
     # ----- applying recovery's decisions ---------------------------------------------------
     def _apply_plan(self, plan: RecoveryPlan, requests: dict[str, Request]) -> set[str]:
@@ -231,7 +239,7 @@ class KVLoads:
         self.stats.kv_load_failed_blocks += plan.num_failed_blocks
         for verdict in plan.requests:
             self._apply_verdict(requests[verdict.request_id], verdict)
-        return {verdict.request_id for verdict in plan.requests}
+        return {verdict.request_id for verdict in plan.requests if verdict.voids_step}
 
     def _apply_verdict(self, request: Request, verdict: RequestRecovery) -> None:
         request.num_kv_load_failures += 1
@@ -241,6 +249,8 @@ class KVLoads:
             self.stats.kv_load_failed_requests += 1
             self._end_with_error(request, verdict.error)
             return
+        if verdict.drop_block_ids:
+            self.kv_manager.drop_blocks(request, verdict.drop_block_ids)
         if not verdict.orphan_blocks:
             self.kv_manager.make_private_from(request, verdict.first_invalid_block)
         request.num_computed_tokens = verdict.rollback_to

@@ -6,8 +6,12 @@ that hold blocks, and gets back a `RecoveryPlan`; the scheduler applies the
 plan (`kv_loads.py`) and the KV cache manager executes its block operations.
 
 - Every request that counts an invalid block among its computed tokens is cut
-  back to the start of its first invalid block (policy `recompute`) or ends with
-  an error (policy `fail`). Invalid blocks leave the prefix cache, so no request
+  back to its longest prefix whose whole state is valid (policy `recompute`; rule 8)
+  or ends with an error (policy `fail`). A full-attention group needs every block
+  before that point, a windowed group (`kv_groups.py`) only the blocks its window
+  reads from it, held and valid: a lost block that no window reads again costs
+  nothing, and with one group of full attention the point is the start of the
+  first invalid block. Invalid blocks leave the prefix cache, so no request
   treats them as computed until one recomputes them (rule 3).
 - A request whose async load is still in flight is judged once the load ends:
   its invalid blocks are remembered until then (rule 2; rule 7 keeps its blocks).
@@ -19,11 +23,13 @@ plan (`kv_loads.py`) and the KV cache manager executes its block operations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvrecover.engine.request import Request, RequestStatus
-from kvrecover.kv_layout import blocks_needed
+from kvrecover.kv_groups import KVCacheGroup
+from kvrecover.kv_layout import NULL_BLOCK_ID, blocks_needed
 
 
 @dataclass
@@ -41,6 +47,15 @@ class RequestRecovery:
     # An expired async load may still write its blocks from `first_invalid_block` on:
     # hold them until the worker confirms, and recompute in fresh blocks (rules 5, 7).
     orphan_blocks: bool = False
+    # Failed blocks below the rollback point that no window reads from there: released
+    # (they become the null block), nothing is recomputed for them (rule 8).
+    drop_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def voids_step(self) -> bool:
+        """Whether the request's part of the step that reported it is void (it ends, or
+        rolls back below what that step computed)."""
+        return self.fail or self.num_tokens_lost > 0
 
 
 @dataclass
@@ -55,8 +70,10 @@ class RecoveryPlan:
 class KVLoadRecovery:
     """Applies the failure policy and the retry bound; remembers failures of in-flight loads."""
 
-    def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1) -> None:
+    def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1,
+                 groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),)) -> None:
         self.block_size = block_size
+        self.groups = tuple(groups)
         self.policy = policy
         self.retry_limit = retry_limit
         # Invalid blocks reported while the request's async load was in flight.
@@ -77,7 +94,7 @@ class KVLoadRecovery:
         plan = RecoveryPlan(uncache_block_ids=set(invalid), num_failed_blocks=len(invalid))
         for request in requests:
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                hit = invalid.intersection(request.block_ids)
+                hit = invalid.intersection(itertools.chain.from_iterable(request.block_tables))
                 if hit:  # its load may still write these blocks: judge it once it ends
                     self._deferred.setdefault(request.request_id, set()).update(hit)
                 continue
@@ -94,7 +111,9 @@ class KVLoadRecovery:
             self._deferred.pop(request.request_id, None)
             start, end = request.pending_range
             first = start // self.block_size
-            block_ids = request.block_ids[first : blocks_needed(end, self.block_size)]
+            last = blocks_needed(end, self.block_size)
+            block_ids = [b for table in request.block_tables for b in table[first:last]
+                         if b != NULL_BLOCK_ID]
             plan.uncache_block_ids.update(block_ids)
             plan.num_failed_blocks += len(block_ids)
             plan.requests.append(RequestRecovery(
@@ -119,13 +138,19 @@ class KVLoadRecovery:
         self._deferred.pop(request_id, None)
 
     def _judge(self, request: Request, invalid: set[int]) -> RequestRecovery | None:
-        computed = request.block_ids[: blocks_needed(request.num_computed_tokens, self.block_size)]
-        bad_positions = [i for i, block_id in enumerate(computed) if block_id in invalid]
-        if not bad_positions:
+        block_size = self.block_size
+        computed = request.num_computed_tokens
+        num_computed_blocks = blocks_needed(computed, block_size)
+        bad = [(g, i) for g, table in enumerate(request.block_tables)
+               for i, block_id in enumerate(table[:num_computed_blocks]) if block_id in invalid]
+        if not bad:
             return None
-        first_bad = bad_positions[0]
-        cut = first_bad * self.block_size
-        fail = self.policy == "fail"
+        rollback_to = self.rollback_point(request, invalid)
+        first = (blocks_needed(computed, block_size) if rollback_to == computed
+                 else rollback_to // block_size)
+        dropped = [request.block_tables[g][i] for g, i in bad if i < first]
+        # A lost block that no window reads again costs nothing: no error, even under `fail`.
+        fail = self.policy == "fail" and rollback_to < computed
         # Only a request that has not run past its load may ask again (rule 6 bounds it).
         may_reconsult = (
             not fail
@@ -133,7 +158,36 @@ class KVLoadRecovery:
             and request.num_kv_load_failures + 1 <= self.retry_limit
         )
         return RequestRecovery(
-            request.request_id, cut, first_bad, len(bad_positions),
-            request.num_computed_tokens - cut, fail=fail, may_reconsult=may_reconsult,
-            error=f"KV load failed for {len(bad_positions)} block(s)",
+            request.request_id, rollback_to, first, len(bad),
+            computed - rollback_to, fail=fail, may_reconsult=may_reconsult,
+            error=f"KV load failed for {len(bad)} block(s)", drop_block_ids=dropped,
         )
+
+    def rollback_point(self, request: Request, invalid: set[int]) -> int:
+        """Rule 8: the longest prefix P <= num_computed_tokens whose whole state is valid.
+
+        A full-attention group needs every block below P; a windowed group the blocks
+        its window reads from P on (`KVCacheGroup.can_resume_at`). P is block-aligned
+        unless it is num_computed_tokens itself (nothing to redo); 0 always qualifies.
+        """
+        block_size = self.block_size
+        computed = request.num_computed_tokens
+        limit = computed
+        windowed = []
+        for group, table in zip(self.groups, request.block_tables):
+            if group.window is not None:
+                windowed.append((group, table))
+                continue
+            for index, block_id in enumerate(table[: blocks_needed(limit, block_size)]):
+                if block_id in invalid:
+                    limit = index * block_size
+                    break
+        candidates = [limit] if limit == computed else []
+        candidates += range((min(limit, computed - 1) // block_size) * block_size, -1, -block_size)
+        for position in candidates:
+            if position > limit:
+                continue
+            if all(group.can_resume_at(position, block_size, table, invalid, NULL_BLOCK_ID)
+                   for group, table in windowed):
+                return position
+        return 0

@@ -60,6 +60,7 @@ class Request:
         eos_token_ids: frozenset[int],
         sampling_seed: int,
         max_model_len: int,
+        num_kv_groups: int = 1,
         choice_index: int = 0,
         logits_spec: LogitsSpec | None = None,
     ) -> None:
@@ -75,7 +76,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        # One block table per KV cache group (`kv_groups.py`); group 0's is `block_ids`.
+        self.block_tables: list[list[int]] = [[] for _ in range(num_kv_groups)]
         self.block_hashes: list[bytes] = []  # chain hash of each full block of token_ids
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_preemptions = 0
@@ -127,6 +129,20 @@ class Request:
             sibling.num_computed_tokens < sibling.num_prompt_tokens
 
     @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (a model without windows has only that one)."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, block_ids: list[int]) -> None:
+        self.block_tables[0] = block_ids
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether any group's block table is non-empty."""
+        return any(self.block_tables)
+
+    @property
     def pending_range(self) -> tuple[int, int]:
         """The token range of the KV load in flight; only for a request with one."""
         if self.pending_external is None:
@@ -137,7 +153,7 @@ class Request:
         """Start over once the scheduler released all the request's blocks (preemption,
         or making room for another request): nothing is computed any more and the
         connector may be asked for the KV again (within the retry bound)."""
-        if self.block_ids:
+        if self.holds_blocks:
             raise RuntimeError(f"request {self.request_id} restarts while holding blocks")
         self.num_computed_tokens = 0
         self.num_cached_blocks = 0

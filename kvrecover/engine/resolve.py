@@ -18,6 +18,7 @@ import torch
 
 from kvrecover.config import EngineArgs, KVTransferConfig, SchedulerConfig
 from kvrecover.device_defaults import DEVICE_DEFAULTS, GIB, MAX_MODEL_LEN_CAP
+from kvrecover.kv_groups import KVCacheGroup, build_kv_groups
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
@@ -127,13 +128,17 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
                                  model_config.num_key_value_heads, tp_size, 0).num_kv_heads,
         head_dim=model_config.head_dim,
         tensor_parallel_size=tp_size,
+        groups=resolve_kv_groups(model_config),
     )
+    connector = resolve_connector(args.kv_transfer_config)
+    if connector is not None and layout.groups:
+        check_connector_groups(connector, layout)
     return ResolvedConfig(
         args=args, model_dir=model_dir, model_config=model_config, device=device, dtype=dtype,
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         scheduler_config=scheduler_config, layout=layout,
         kv_sizing=resolve_kv_sizing(args, device, layout, scheduler_config),
-        connector=resolve_connector(args.kv_transfer_config),
+        connector=connector,
         tensor_parallel_size=tp_size,
     )
 
@@ -201,6 +206,15 @@ def resolve_max_model_len(max_model_len: int | None, config: ModelConfig) -> int
     return max_model_len or min(model_limit, MAX_MODEL_LEN_CAP)
 
 
+def resolve_kv_groups(model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups of the model's layer windows; () (one full-attention group of
+    every layer, the layout of a model without windows) when no layer has one."""
+    windows = model_config.layer_windows()
+    if all(window is None for window in windows):
+        return ()
+    return build_kv_groups(windows)
+
+
 def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLayout,
                       scheduler_config: SchedulerConfig) -> KVCacheSizing:
     """The KV cache's sizing inputs; only a GPU's budget is left to measure."""
@@ -211,12 +225,29 @@ def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLay
     else:
         budget = available_kv_cache_bytes(device, args.gpu_memory_utilization)
     # No point in more blocks than every sequence slot at full length needs (+ the null block).
-    cap = scheduler_config.max_num_seqs * blocks_needed(
+    cap = scheduler_config.max_num_seqs * len(layout.kv_groups) * blocks_needed(
         scheduler_config.max_model_len, scheduler_config.block_size)
     return KVCacheSizing(
         block_nbytes=layout.block_nbytes, max_useful_blocks=cap + 1,
         fixed_num_blocks=args.num_kv_blocks, budget_bytes=budget,
         gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def check_connector_groups(plan: ConnectorPlan, layout: KVCacheLayout) -> None:
+    """A ValueError, before any weight loads, when the model has sliding-window layers
+    (KV cache groups) and the connector does not work per group."""
+    if plan.connector_class.kv_groups_supported(plan.transfer):
+        return
+    windows = sorted({g.window for g in layout.kv_groups if g.window is not None})
+    raise ValueError(
+        f"KV connector {plan.transfer.kv_connector!r} ({plan.connector_class.__name__}) does "
+        f"not support KV cache groups, and this model has sliding-window layers (windows "
+        f"{windows}, {len(layout.kv_groups)} group(s)): its block tables hold the null block "
+        "where a window keeps none. Use a connector that declares supports_kv_groups = True "
+        "(SharedStorageConnector, RedisConnector, TieredConnector, ...), or make yours load "
+        "and save every group's blocks (KVRequestView.block_tables, kv_layout.group_block_key)"
+        " and declare it."
     )
 
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 
 from kvrecover.config import KVTransferConfig, SchedulerConfig
-from kvrecover.engine.kv_cache_manager import KVCacheManager
+from kvrecover.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from kvrecover.engine.kv_loads import KVLoads
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.stats import EngineStats
@@ -198,6 +198,7 @@ class Scheduler:
                 token_ids=[PENDING_TOKEN],
                 num_computed_tokens=position,
                 block_ids=list(request.block_ids),
+                block_tables=self._tables_of(request),
                 sample=True,
                 sampling_params=request.sampling_params,
                 sample_seed=request.next_sample_seed(num_outputs),
@@ -215,7 +216,8 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks, preempting the newest running requests if needed."""
         while not self.kv_manager.allocate(request, num_tokens):
-            if self.running[-1] is request and self._release_parked_blocks(request, num_tokens, []):
+            if self.running[-1] is request and self._release_parked_blocks(
+                    request, num_tokens, None):
                 return True  # restarting parked requests beats preempting the last runner
             victim = self.running.pop()
             self._preempt(victim)
@@ -243,9 +245,9 @@ class Scheduler:
             request.prefill_after = None
             # A request scoring its prompt computes every position itself.
             computes_all = request.needs_every_prompt_position
-            hits = [] if request.block_ids or computes_all else \
+            hits = None if request.holds_blocks or computes_all else \
                 self.kv_manager.find_cached_prefix(request)
-            num_local = len(hits) * self.kv_manager.block_size if hits else request.num_computed_tokens
+            num_local = hits.num_tokens if hits else request.num_computed_tokens
             num_external, load_async = (0, False) if computes_all else \
                 self.kv_loads.external_tokens(request, num_local)
             if request.is_finished:
@@ -253,14 +255,16 @@ class Scheduler:
             load_async = load_async and num_external > 0
             num_new = 0 if load_async else min(request.num_tokens - num_local - num_external, budget)
             num_needed = num_local + num_external + num_new
-            if not self.kv_manager.allocate(request, num_needed, hits):
+            load_end = num_local + num_external if num_external else None
+            if not self.kv_manager.allocate(request, num_needed, hits, load_end):
                 # Nothing runs: make room from parked requests, else wait (small caches
                 # are slower, never stuck).
-                if scheduled or not self._release_parked_blocks(request, num_needed, hits):
+                if scheduled or not self._release_parked_blocks(
+                        request, num_needed, hits, load_end):
                     self.waiting.appendleft(request)
                     stalled = request
                     break
-            self._claim(request, num_local, len(hits), num_external)
+            self._claim(request, num_local, len(hits) if hits else 0, num_external)
             if load_async:
                 self.kv_loads.park(request)
                 skipped.append(request)
@@ -272,16 +276,17 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return stalled
 
-    def _release_parked_blocks(self, request: Request, num_tokens: int, hits: list) -> bool:
+    def _release_parked_blocks(self, request: Request, num_tokens: int,
+                               hits: PrefixHit | None, load_end: int | None = None) -> bool:
         """Nothing runs, yet `request` does not fit: the blocks are held by waiting
         requests whose loads finished. Restart those (newest first) until it fits,
         so the engine never stalls. In-flight loads keep their blocks (rule 7)."""
         for parked in reversed(self.waiting):
-            if parked.status is RequestStatus.WAITING_FOR_REMOTE_KVS or not parked.block_ids:
+            if parked.status is RequestStatus.WAITING_FOR_REMOTE_KVS or not parked.holds_blocks:
                 continue
             self.kv_manager.free(parked)
             parked.restart()
-            if self.kv_manager.allocate(request, num_tokens, hits):
+            if self.kv_manager.allocate(request, num_tokens, hits, load_end):
                 return True
         return False
 
@@ -309,6 +314,7 @@ class Scheduler:
             token_ids=request.token_ids[start : start + num_new],
             num_computed_tokens=start,
             block_ids=list(request.block_ids),
+            block_tables=self._tables_of(request),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             sample_seed=request.next_sample_seed(),
@@ -318,6 +324,12 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids if scores_prompt else None,
             grammar=request.grammar,
         )
+
+    @staticmethod
+    def _tables_of(request: Request) -> list[list[int]]:
+        """Every group's block table for a step message (empty: one group, `block_ids`)."""
+        tables = request.block_tables
+        return [] if len(tables) == 1 else [list(table) for table in tables]
 
     # ----- results ----------------------------------------------------------------
     def update_from_output(

@@ -39,6 +39,7 @@ def request_view(request: Request) -> KVRequestView:
         block_hashes=tuple(request.block_hashes),
         num_computed_tokens=request.num_computed_tokens,
         sampling_params=request.sampling_params,
+        block_tables=tuple(tuple(table) for table in request.block_tables),
     )
 
 

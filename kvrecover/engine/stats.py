@@ -11,6 +11,9 @@ class EngineStats:
 
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes included)
     prompt_tokens_external: int = 0  # prompt tokens loaded by the connector and verified valid
+    # Bytes of the cache blocks connectors were asked to load (every KV cache group's;
+    # a windowed group's last window and margin only).
+    kv_load_bytes: int = 0
     prefix_cache_hit_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0

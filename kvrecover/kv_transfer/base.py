@@ -110,6 +110,13 @@ class KVConnectorBase:
     # emulated hang must outlast it) and report their inner connector's.
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
+    # Whether the connector works per KV cache group (`kv_groups.py`): it reads every
+    # group's table (`KVRequestView.block_tables`, `ScheduledRequest.tables`), skips
+    # the null block of a windowed table and keys each group's entries apart
+    # (`kv_layout.group_block_key`). A model with sliding-window layers refuses, at
+    # start-up, a connector that does not declare it.
+    supports_kv_groups: ClassVar[bool] = False
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.config = config
         self.role = role
@@ -126,6 +133,12 @@ class KVConnectorBase:
             reject_unknown(config.kv_connector_extra_config, accepted,
                            f"kv_connector_extra_config key of {cls.__name__}")
         return cls.own_settings(config)
+
+    @classmethod
+    def kv_groups_supported(cls, config: KVTransferConfig) -> bool:
+        """Whether this class, configured so, works per KV cache group (default:
+        `supports_kv_groups`; a wrapper asks the connector it wraps too)."""
+        return cls.supports_kv_groups
 
     @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:

@@ -162,7 +162,7 @@ class BlockCodec:
 
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
-        self.block_shape = (layout.num_layers, *layout.block_shape)
+        self.block_shape = (layout.num_cache_tensors, *layout.block_shape)
         self.payload_nbytes = layout.block_nbytes
         self.entry_nbytes = PREFIX_SIZE + self.payload_nbytes
         self._dtype_name = str(layout.dtype).removeprefix("torch.").encode()[:8]
@@ -172,7 +172,7 @@ class BlockCodec:
         """An entry's prefix: the header and its checksum."""
         header = HEADER.pack(
             MAGIC, VERSION, 0, self.layout.fingerprint.encode(), key,
-            self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
+            self.layout.num_cache_tensors, self.layout.block_size, self.layout.num_kv_heads,
             self.layout.head_dim, self._dtype_name, self.payload_nbytes, payload_sum,
         )
         return header + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
@@ -244,7 +244,7 @@ class BlockCodec:
         """Check an entry's header against this layout and key; its payload checksum."""
         header = BlockHeader.unpack(prefix)
         expected = (MAGIC, VERSION, self.layout.fingerprint.encode(), key,
-                    self.layout.num_layers, self.layout.block_size, self.layout.num_kv_heads,
+                    self.layout.num_cache_tensors, self.layout.block_size, self.layout.num_kv_heads,
                     self.layout.head_dim, self._dtype_name.ljust(8, b"\0"), self.payload_nbytes)
         actual = (header.magic, header.version, header.fingerprint, header.key, header.num_layers,
                   header.block_size, header.num_kv_heads, header.head_dim, header.dtype_name,

@@ -9,6 +9,9 @@ Configured in `kv_connector_extra_config` (other keys pass to the inner connecto
 counting from 0) or a float p (each such request with probability p).
 `blocks`: "all", "first", "last", "middle", a list of block positions within the
 request's loaded blocks, or a float fraction (a seeded random subset).
+`group`: the KV cache group whose loaded blocks `blocks` counts (default 0; a model
+with sliding-window layers has several, `kv_groups.py`; a windowed group's loaded
+blocks are its window and margin only).
 `kind`: "missing" (not loaded), "error" (the read raises), "corrupt" (bytes are
 altered after the read, before verification: only the checksum catches it),
 "hang" (the read never returns; the load deadline ends it).
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_layout import NULL_BLOCK_ID, KVCacheLayout
 from kvrecover.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -81,6 +84,8 @@ class FaultRule:
         describe=f"one of {BLOCK_SELECTORS}, a list of ints or a float in [0, 1]")
     kind: str = option("missing", "how they fail: " + ", ".join(FAULT_KINDS), str,
                        choices=FAULT_KINDS, describe=f"one of {FAULT_KINDS}")
+    group: int = option(0, "the KV cache group whose loaded blocks `blocks` selects from",
+                        int, minimum=0)
 
     def __post_init__(self) -> None:
         validate(self, FAULT_LABEL)
@@ -184,6 +189,14 @@ class FaultInjectionConnector(KVConnectorBase):
     settings_class = FaultSettings
 
     @classmethod
+    def kv_groups_supported(cls, config: KVTransferConfig) -> bool:
+        """Per KV cache group exactly when the connector it wraps is."""
+        from kvrecover.kv_transfer.registry import connector_class
+
+        inner = connector_class(KVTransferConfig(_inner_name(config), config.kv_role))
+        return inner.kv_groups_supported(config)
+
+    @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
         """Its own settings and those of the inner connector (None: it takes any)."""
         from kvrecover.kv_transfer.registry import connector_class
@@ -222,7 +235,7 @@ class FaultInjectionConnector(KVConnectorBase):
         # Scheduler role: which requests are broken, in order of their first load, and
         # their bad blocks (position in the request's block table -> kind), chosen then.
         self._load_order: dict[str, int] = {}
-        self._bad_blocks: dict[str, dict[int, str]] = {}
+        self._bad_blocks: dict[str, dict[tuple[int, int], str]] = {}
         self._step_faults: dict[str, dict[int, str]] = {}
         # Worker role.
         self._active: dict[str, dict[int, str]] = {}
@@ -239,19 +252,28 @@ class FaultInjectionConnector(KVConnectorBase):
         self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
         if num_external_tokens <= 0:
             return
-        first = request.num_computed_tokens // self.layout.block_size
-        end = first + num_external_tokens // self.layout.block_size
+        block_size = self.layout.block_size
+        first = request.num_computed_tokens // block_size
+        last = first + num_external_tokens // block_size
+        tables = request.block_tables or (tuple(block_ids),)
         bad = self._bad_blocks.get(request.request_id)
-        if bad is None:  # its first load: choose them
+        if bad is None:  # its first load: choose them, by (group, position), for every retry
             load_index = self._load_order.setdefault(request.request_id, len(self._load_order))
+            groups = self.layout.kv_groups
+            load_end = request.num_computed_tokens + num_external_tokens
             rng = random.Random(f"{self.seed}:{load_index}")
             bad = {}
             for rule in self.rules:
+                if rule.group >= len(tables):
+                    continue
+                start = max(first, groups[rule.group].first_loaded_block(load_end, block_size))
+                loaded = [p for p in range(start, last) if tables[rule.group][p] != NULL_BLOCK_ID]
                 if rule.selects_request(load_index, rng):
-                    for position in rule.select_positions(end - first, rng):
-                        bad.setdefault(first + position, rule.kind)
+                    for position in rule.select_positions(len(loaded), rng):
+                        bad.setdefault((rule.group, loaded[position]), rule.kind)
             self._bad_blocks[request.request_id] = bad
-        faults = {block_ids[p]: kind for p, kind in bad.items() if first <= p < end}
+        faults = {tables[g][p]: kind for (g, p), kind in bad.items()
+                  if first <= p < min(last, len(tables[g])) and tables[g][p] != NULL_BLOCK_ID}
         if faults:
             self._step_faults[request.request_id] = faults
 

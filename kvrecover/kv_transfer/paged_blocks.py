@@ -141,7 +141,8 @@ class PagedBlocks:
 
     # ----- loads -------------------------------------------------------------------
     def load_direct(self, block_ids: list[int], read_row: Callable[[int, memoryview], int],
-                    cancelled: ReadCancel, threads: int) -> list[RowResult]:
+                    cancelled: ReadCancel, threads: int, every_row: bool = False,
+                    ) -> list[RowResult]:
         """Load entries 0..len(block_ids)-1 into the given cache blocks (direct caches
         only) on up to `threads` threads: `read_row(position, row)` reads an entry into a
         bounce row and returns its stored payload checksum (header checked); the row is
@@ -168,7 +169,7 @@ class PagedBlocks:
                 self._give_back(row)
 
         return read_rows(len(block_ids), load_one, cancelled, threads,
-                         max(1, DIRECT_CHUNK_BYTES // self.block_nbytes))
+                         max(1, DIRECT_CHUNK_BYTES // self.block_nbytes), every_row=every_row)
 
     @staticmethod
     def _copy_row(row: memoryview, parts: list[memoryview]) -> None:
@@ -180,10 +181,12 @@ class PagedBlocks:
             offset = end
 
     def stage(self, count: int, read_row: Callable[[int, memoryview], int],
-              cancelled: threading.Event, threads: int) -> tuple[StagedRows, list[RowResult]]:
+              cancelled: threading.Event, threads: int, every_row: bool = False,
+              ) -> tuple[StagedRows, list[RowResult]]:
         """Read `count` entries into staging rows, `read_row(position, row)` each (it
         returns the entry's checksum or raises), on up to `threads` threads; on a GPU
-        each chunk goes up as soon as it is read. Results as `staged_io.read_rows`."""
+        each chunk goes up as soon as it is read. Results as `staged_io.read_rows`
+        (`every_row` too)."""
         host = self.staging(count)
         rows = byte_view(host)
         nbytes = self.block_nbytes
@@ -203,11 +206,33 @@ class PagedBlocks:
 
         results = read_rows(
             count, lambda position: read_row(position, rows[position * nbytes : (position + 1) * nbytes]),
-            cancelled, threads, chunk_rows(nbytes), after_chunk)
+            cancelled, threads, chunk_rows(nbytes), after_chunk, every_row)
         if self.on_gpu:  # every chunk's copy was queued before read_rows returned
             staged.uploaded = torch.cuda.Event()
             staged.uploaded.record(self._upload_stream)
         return staged, results
+
+    def install_each(self, block_ids: list[int], staged: StagedRows,
+                     checksums: list[int | None]) -> list[bool]:
+        """`install` of every row, judged block by block: row i goes into `block_ids[i]`
+        whatever the others hold (a row that failed to read fills its block with
+        garbage, and that block is reported invalid); returns, per block, whether it
+        holds its stored bytes (`checksums[i]`, None: a row that failed to read). For
+        loads whose blocks do not depend on each other (KV cache groups, rule 8)."""
+        if self.direct:
+            rows, nbytes = byte_view(staged.host), self.block_nbytes
+            passed = []
+            for position, block_id in enumerate(block_ids):
+                parts = self.parts(block_id)
+                self._copy_row(rows[position * nbytes : (position + 1) * nbytes], parts)
+                passed.append(checksums[position] is not None
+                              and parts_checksum(parts) == checksums[position])
+            self.release(staged.host)
+            return passed
+        self._scatter(block_ids, staged)
+        self.release(staged.host, staged.uploaded)
+        actual = self.checksums(block_ids)
+        return [c is not None and a == c for a, c in zip(actual, checksums)]
 
     def install(self, block_ids: list[int], staged: StagedRows,
                 checksums: list[int] | None) -> int:

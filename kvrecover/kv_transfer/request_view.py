@@ -25,6 +25,10 @@ class KVRequestView:
     block_hashes: tuple[bytes, ...]
     num_computed_tokens: int  # at the time of the call (see each method)
     sampling_params: SamplingParams
+    # Every KV cache group's block table at the call (`kv_groups.py`), group 0's first:
+    # what a connector with `supports_kv_groups` reads. A windowed group's table holds
+    # the null block (`kv_layout.NULL_BLOCK_ID`) where it keeps no block.
+    block_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -147,17 +147,22 @@ class SharedStorageConnector(StoreConnectorBase):
         results: list[RowResult]
         if into_cache:
             results = paged.load_direct(transfer.block_ids, lambda position, row: self._read_entry(
-                transfer, position, [row], cancelled, check_payload=False), cancelled, self.io_threads)
+                transfer, position, [row], cancelled, check_payload=False), cancelled,
+                self.io_threads, every_row=self._grouped)
         else:
             staged, results = paged.stage(len(transfer.block_ids), lambda position, row: (
-                self._read_entry(transfer, position, [row], cancelled)), cancelled, self.io_threads)
+                self._read_entry(transfer, position, [row], cancelled)), cancelled,
+                self.io_threads, every_row=self._grouped)
         blocks: list[LoadedBlock | None] = []
         for position, result in enumerate(results):
             if not isinstance(result, int):
                 self._log_failure(transfer.keys[position], result)
-                break
+                if not self._grouped:
+                    break
+                blocks.append(None)  # KV cache groups: each block stands on its own
+                continue
             blocks.append(LoadedBlock(result, staged, position))
-        if staged is not None and not blocks:
+        if staged is not None and not any(blocks):
             paged.release(staged.host, staged.uploaded)
         return blocks + [None] * (len(transfer.block_ids) - len(blocks))
 
@@ -190,7 +195,11 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
         """Copy the leading verified blocks into the cache unless they were loaded there;
-        report every block from the first bad one on as invalid."""
+        report every block from the first bad one on as invalid (with KV cache groups,
+        every verified block is installed and only the bad ones are invalid)."""
+        if self._grouped:
+            self._install_each(transfer, blocks)
+            return
         loaded = prefix_before_none(blocks)
         count = len(loaded)
         if count and loaded[0].staging is not None:
@@ -202,6 +211,22 @@ class SharedStorageConnector(StoreConnectorBase):
                                transfer.block_ids[count])
         if count < len(blocks):
             self._invalid_block_ids.update(transfer.block_ids[count:])
+            self._failed_requests.add(transfer.request_id)
+
+    def _install_each(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
+        """`_install` block by block: a bad block costs itself only (rule 8 decides what
+        the request redoes)."""
+        staging = next((b.staging for b in blocks if b is not None and b.staging is not None),
+                       None)
+        passed = [block is not None for block in blocks]
+        if staging is not None:
+            checksums = [None if block is None else block.checksum for block in blocks]
+            installed = self._paged_blocks().install_each(transfer.block_ids, staging, checksums)
+            if self.verify_after_load:
+                passed = installed
+        invalid = [b for b, ok in zip(transfer.block_ids, passed) if not ok]
+        if invalid:
+            self._invalid_block_ids.update(invalid)
             self._failed_requests.add(transfer.request_id)
 
     def wait_for_save(self) -> None:

@@ -31,10 +31,12 @@ def chunk_rows(row_nbytes: int) -> int:
 
 def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.Event,
               threads: int, rows_per_chunk: int,
-              after_chunk: Callable[[int, int], None] | None = None) -> list[RowResult]:
+              after_chunk: Callable[[int, int], None] | None = None,
+              every_row: bool = False) -> list[RowResult]:
     """Run `read_row(position)` for positions 0..count-1 (it returns the row's checksum
     or raises) on up to `threads` threads, the calling one included; stops early
-    when `cancelled` is set. One result per row (see `RowResult`)."""
+    when `cancelled` is set, and after a row fails unless `every_row` (rows that do not
+    depend on each other: KV cache groups). One result per row (see `RowResult`)."""
     results: list[RowResult] = [None] * count
     num_chunks = -(-count // rows_per_chunk)
     claims = itertools.count()  # next() on it is atomic under the GIL
@@ -54,7 +56,8 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
                     results[done] = read_row(done)
                 except Exception as error:  # a bad entry is an invalid block, never a crash
                     fail(done, error)
-                    break
+                    if not every_row:
+                        break
                 done += 1
             if after_chunk is not None and done > start:
                 try:  # the rows read so far, even of a chunk cut short: they may be used
@@ -66,6 +69,8 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
 
     def fail(position: int, error: Exception) -> None:
         results[position] = error
+        if every_row:
+            return
         with lock:
             first_failure[0] = min(first_failure[0], position)
 

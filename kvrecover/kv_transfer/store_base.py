@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_groups import single_group
+from kvrecover.kv_layout import NULL_BLOCK_ID, KVCacheLayout, group_block_key
 from kvrecover.kv_transfer.base import (
     SETTING_LABEL,
     KVConnectorBase,
@@ -149,6 +150,9 @@ class StoreConnectorBase(KVConnectorBase):
     # A step's sync loads are read as one group (one batched store read) rather than
     # each on its own reader thread.
     batched_sync_reads = False
+    # Per KV cache group: a block id spans the layers of one group (the registered
+    # tensors), so only the scheduler role's choice of blocks and keys knows groups.
+    supports_kv_groups = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -159,6 +163,9 @@ class StoreConnectorBase(KVConnectorBase):
                                else settings.load_timeout_s)
         self.verify_after_load = settings.verify_after_load
         self.block_size = layout.block_size
+        self.kv_groups = layout.kv_groups
+        # Several groups or a window: blocks and keys per group (`_group_blocks`).
+        self._grouped = layout.kv_groups != single_group(layout.num_layers)
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         # Scheduler role state.
         self._requests: dict[str, KVRequestView] = {}
@@ -188,7 +195,13 @@ class StoreConnectorBase(KVConnectorBase):
         keys = request.block_hashes  # the engine hashed every full prompt block
         last_loadable = (request.num_prompt_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
-        end = first + self._count_stored_prefix(request, keys[first : min(last_loadable, len(keys))])
+        wanted = keys[first : min(last_loadable, len(keys))]
+        if self._grouped:  # a position counts when every group's entry is stored
+            num_groups = len(self.kv_groups)
+            group_keys = [group_block_key(key, g) for key in wanted for g in range(num_groups)]
+            end = first + self._count_stored_prefix(request, group_keys) // num_groups
+        else:
+            end = first + self._count_stored_prefix(request, wanted)
         num_tokens = max(0, end * self.block_size - num_computed_tokens)
         return num_tokens, self.async_load and num_tokens > 0
 
@@ -211,8 +224,34 @@ class StoreConnectorBase(KVConnectorBase):
         first = request.num_computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
         keys = request.block_hashes
+        if self._grouped:
+            end = request.num_computed_tokens + num_external_tokens
+            ids, group_keys = self._group_blocks(request, request.block_tables, first,
+                                                 first + count, load_end=end)
+            self._pending_loads.append(self._new_load(request, ids, group_keys))
+            return
         self._pending_loads.append(self._new_load(
             request, block_ids[first : first + count], keys[first : first + count]))
+
+    def _group_blocks(self, request: KVRequestView, tables: Sequence[Sequence[int]],
+                      first: int, last: int, load_end: int | None = None,
+                      ) -> tuple[list[int], list[bytes]]:
+        """(block ids, store keys) of positions [first, last) in every group, position
+        by position (a failure cuts the fewest valid blocks after it), skipping a
+        windowed group's null blocks and, for a load ending at `load_end`, the blocks
+        before its window and margin (`KVCacheGroup.first_loaded_block`)."""
+        starts = [first if load_end is None else max(first, g.first_loaded_block(
+            load_end, self.block_size)) for g in self.kv_groups]
+        ids: list[int] = []
+        keys: list[bytes] = []
+        hashes = request.block_hashes
+        for position in range(first, last):
+            for g, table in enumerate(tables):
+                if position < starts[g] or table[position] == NULL_BLOCK_ID:
+                    continue
+                ids.append(table[position])
+                keys.append(group_block_key(hashes[position], g))
+        return ids, keys
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StorageConnectorMetadata:
         metadata = StorageConnectorMetadata(loads=self._pending_loads)
@@ -228,6 +267,10 @@ class StoreConnectorBase(KVConnectorBase):
             if last <= first:
                 continue
             keys = request.block_hashes
+            if self._grouped:
+                ids, group_keys = self._group_blocks(request, item.tables, first, last)
+                metadata.saves.append(BlockTransfer(item.request_id, ids, group_keys))
+                continue
             metadata.saves.append(BlockTransfer(
                 item.request_id, item.block_ids[first:last], keys[first:last],
             ))

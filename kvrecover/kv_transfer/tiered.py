@@ -133,7 +133,7 @@ class TieredConnector(BlockStoreConnector):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []
-        self._lookups: dict[str, list[int]] = {}
+        self._lookups: dict[str, dict[bytes, int]] = {}
         super().__init__(config, role, layout)
         self._counts = {f"kv_tier{i}_{name}_blocks": 0
                         for i in range(len(self.tiers)) for name in COUNTERS}
@@ -180,13 +180,15 @@ class TieredConnector(BlockStoreConnector):
                     first_tiers[position] = tier.index
             pending = [position for position in pending if first_tiers[position] is None]
         planned = prefix_before_none(first_tiers)
-        self._lookups[request.request_id] = planned
+        self._lookups[request.request_id] = dict(zip(keys, planned))
         return len(planned)
 
     def _new_load(self, request: KVRequestView, block_ids: list[int],
                   keys: Sequence[bytes]) -> BlockTransfer:
-        first_tiers = self._lookups.pop(request.request_id, [])[: len(keys)]
-        first_tiers += [self._first_load_tier()] * (len(keys) - len(first_tiers))
+        # By key: a load of several KV cache groups skips some of the keys looked up.
+        planned = self._lookups.pop(request.request_id, {})
+        default = self._first_load_tier()
+        first_tiers = [planned.get(key, default) for key in keys]
         for tier in first_tiers:
             self._count(tier, "hit")
         return TieredTransfer(request.request_id, block_ids, keys, is_async=self.async_load,

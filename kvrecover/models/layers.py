@@ -15,6 +15,7 @@ parameter names follow Hugging Face Llama, so checkpoints load by name
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -320,13 +321,17 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         attn_meta: Any,
         before_layer: Any = None,
         after_layer: Any = None,
+        layer_meta: Sequence[Any] | None = None,
     ) -> torch.Tensor:
+        """Hidden states of the step. `kv_caches[i]` is layer i's cache; `layer_meta`
+        (one per layer: its KV cache group's record) replaces `attn_meta` where given."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(index)
-            hidden, residual = layer(positions, hidden, residual, kv_caches[index], attn_meta)
+            meta = attn_meta if layer_meta is None else layer_meta[index]
+            hidden, residual = layer(positions, hidden, residual, kv_caches[index], meta)
             if after_layer is not None:
                 after_layer(index)
         if residual is None:

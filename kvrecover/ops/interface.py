@@ -23,7 +23,7 @@ scheduler's requests are seen through the structural types `RotaryTables` and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -236,7 +236,11 @@ class ScheduledTokens(Protocol):
         ...
 
     @property
-    def block_ids(self) -> list[int]:  # the request's whole block table
+    def block_ids(self) -> list[int]:  # the request's whole block table (of group 0)
+        ...
+
+    @property
+    def tables(self) -> list[list[int]]:  # one block table per KV cache group
         ...
 
     @property
@@ -252,6 +256,9 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     sample_rows: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
     attn: Any  # the metadata record of the backend's attention (`PagedAttention[...]`)
+    # One record per KV cache group (`kv_groups.py`: its own block table and cache
+    # slots), group 0's being `attn`; empty for a model of one group.
+    group_attn: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,7 @@ class StepInputSpec:
     num_kv_heads: int
     max_model_len: int
     device: torch.device
+    num_kv_groups: int = 1  # block tables per request (`kv_groups.py`)
 
 
 class GraphStepInputs(Protocol):

@@ -42,7 +42,7 @@ HOUSE: dict[str, int] = {
     "kvrecover.models": 2,
     "kvrecover.ops": 1,
     **{f"kvrecover.{name}": 0 for name in (
-        "config", "options", "device_defaults", "sampling", "outputs", "kv_layout",
+        "config", "options", "device_defaults", "sampling", "outputs", "kv_layout", "kv_groups",
         "step_messages", "tokenizer", "model_source", "default_model", "cache_dir",
         "structured")},
 }

@@ -40,8 +40,10 @@ class DecodeGraphs:
         builder: GraphStepInputs,
         max_blocks_per_seq: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
         self.forward = forward
+        self.num_kv_groups = num_kv_groups  # one block table each
         self.builder = builder
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
@@ -90,7 +92,7 @@ class DecodeGraphs:
         if self.buffer is None:
             # Sized for the largest bucket at full context; never reallocated (graphs hold its address).
             probe = self.builder.pack([], pad_to=BUCKETS[-1])
-            extra = BUCKETS[-1] * (self.max_blocks_per_seq - 1)
+            extra = BUCKETS[-1] * (self.max_blocks_per_seq - 1) * self.num_kv_groups
             self.buffer = torch.empty(probe.size + extra, dtype=torch.int32, device=self.device)
         return self.buffer
 

@@ -26,7 +26,8 @@ def available_kv_cache_bytes(device: torch.device, gpu_memory_utilization: float
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """One `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer.
+    """One `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer of a KV
+    cache group (`layout.num_cache_tensors`: every layer without sliding windows).
 
     Left uninitialised (zeroing gigabytes costs seconds at start-up) except the
     null block 0, which padded attention reads: slots past a request's length
@@ -34,7 +35,7 @@ def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.dev
     request's last block), and written slots always hold finite values.
     """
     shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    caches = [torch.empty(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+    caches = [torch.empty(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_cache_tensors)]
     for cache in caches:
         cache[:, 0].zero_()
     return caches

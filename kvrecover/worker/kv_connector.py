@@ -20,7 +20,7 @@ Each kind of failure is logged once in full (`ConnectorErrorLog`) and counted in
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,9 +42,11 @@ LayerHook = Callable[[int], None]
 class WorkerConnector:
     """Calls the worker-role connector for the model runner; contains its exceptions."""
 
-    def __init__(self, connector: KVConnectorBase, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, connector: KVConnectorBase, kv_caches: list[torch.Tensor],
+                 layer_caches: list[torch.Tensor] | None = None) -> None:
         self.connector = connector
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches  # the cache tensors (one per layer of a KV cache group)
+        self.layer_caches = kv_caches if layer_caches is None else layer_caches  # layer i's
         self.errors = ConnectorErrorLog(logger)
         self._load_error = False  # this step's load methods raised: its loads failed
         self._save_error = False  # this step's save methods raised: its saves are lost
@@ -70,9 +72,11 @@ class WorkerConnector:
         except Exception:
             return True
 
-    def layer_hooks(self, attn_meta: Any) -> tuple[LayerHook, LayerHook]:
+    def layer_hooks(self, attn_meta: Any, layer_meta: Sequence[Any] | None = None
+                    ) -> tuple[LayerHook, LayerHook]:
         """(before_layer, after_layer) for the model's forward: wait for layer i's load
-        before it reads the cache; save layer i's KV after it wrote it."""
+        before it reads the cache; save layer i's KV after it wrote it (its cache tensor
+        and the metadata of its KV cache group, `layer_meta[i]` where given)."""
         connector = self.connector
 
         def before_layer(index: int) -> None:
@@ -81,7 +85,8 @@ class WorkerConnector:
 
         def after_layer(index: int) -> None:
             if not self._save_error:
-                self._guard(connector.save_kv_layer, index, self.kv_caches[index], attn_meta,
+                meta = attn_meta if layer_meta is None else layer_meta[index]
+                self._guard(connector.save_kv_layer, index, self.layer_caches[index], meta,
                             on_error="save")
 
         return before_layer, after_layer

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrecover.kv_groups import layer_slots
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
@@ -100,6 +101,12 @@ class ModelRunner:
             tables.to(torch.float32)  # cos/sin tables stay float32, cast per use
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
+        # Layer i's cache tensor and KV cache group (`kv_groups.py`): a block id spans the
+        # cache tensors, layer j of each group using tensor j.
+        slots = layer_slots(layout.kv_groups)
+        self._layer_tensors = [slot.tensor for slot in slots]
+        self._layer_groups = [slot.group for slot in slots]
+        self.layer_caches: list[torch.Tensor] = []
         self.sampler = Sampler(device)
         self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
         self.sampler.token_masks.append(GrammarMask(self.grammar_bitmask))
@@ -115,6 +122,7 @@ class ModelRunner:
                             tp.size, tp.rank)
         self.inputs = self.backend.step_inputs(StepInputSpec(
             layout.block_size, heads.num_heads, heads.num_kv_heads, max_model_len, device,
+            len(layout.kv_groups),
         ))
         graph_inputs = self.inputs.for_graphs()
         # Graphs and overlap replay one rank's step alone; ranks step together (eagerly).
@@ -123,7 +131,8 @@ class ModelRunner:
             from kvrecover.worker.cuda_graphs import DecodeGraphs
 
             max_blocks = blocks_needed(max_model_len, layout.block_size)
-            self.graphs = DecodeGraphs(self._decode_step, graph_inputs, max_blocks, device)
+            self.graphs = DecodeGraphs(self._decode_step, graph_inputs, max_blocks, device,
+                                       len(layout.kv_groups))
 
     @property
     def connector(self) -> KVConnectorBase | None:
@@ -134,6 +143,7 @@ class ModelRunner:
         """Allocate the paged KV cache. The engine calls this after construction, so a
         memory budget measured on the device already accounts for the weights."""
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.device)
+        self.layer_caches = [self.kv_caches[t] for t in self._layer_tensors]
 
     def release(self) -> None:
         """Drop every tensor this runner holds: the KV cache (emptying the list that
@@ -149,7 +159,7 @@ class ModelRunner:
 
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Give the runner the worker-role connector and the connector the cache."""
-        self.kv_connector = WorkerConnector(connector, self.kv_caches)
+        self.kv_connector = WorkerConnector(connector, self.kv_caches, self.layer_caches)
         connector.register_kv_caches(self.kv_caches)
 
     @torch.inference_mode()
@@ -287,10 +297,11 @@ class ModelRunner:
             tokens, rows = source
             inputs.input_ids.copy_(tokens.index_select(0, torch.tensor(rows, device=self.device)))
         before_layer = after_layer = None
+        layer_meta = self._layer_meta(inputs)
         if self.kv_connector is not None:
-            before_layer, after_layer = self.kv_connector.layer_hooks(inputs.attn)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
-                            before_layer, after_layer)
+            before_layer, after_layer = self.kv_connector.layer_hooks(inputs.attn, layer_meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.attn,
+                            before_layer, after_layer, layer_meta)
         if prompt_scores is not None:
             scored = score_prompt_tokens(scheduled, hidden, self.model.logits)
             if scored is not None:
@@ -317,11 +328,18 @@ class ModelRunner:
     def _decode_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and greedy tokens for every
         row (the float32 cast and the argmax from the backend's sampling kernels)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.attn,
+                            layer_meta=self._layer_meta(inputs))
         logits = self.model.logits(hidden, upcast=False)
         if logits is None:  # graphs run at tensor_parallel_size 1 only
             raise RuntimeError("a graphed decode step needs the whole vocabulary's logits")
         return self.backend.sampling.upcast_greedy(logits)
+
+    def _layer_meta(self, inputs: StepInputs) -> list[Any] | None:
+        """Each layer's attention record (its group's); None for a model of one group."""
+        if not inputs.group_attn:
+            return None
+        return [inputs.group_attn[g] for g in self._layer_groups]
 
     def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
         """Graphs run only pure decode steps whose connector has nothing to load or save."""

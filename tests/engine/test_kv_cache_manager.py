@@ -35,7 +35,7 @@ def test_allocate_and_free_return_every_block():
     assert manager.allocate(request, 13)
     assert len(request.block_ids) == 4
     other = make_request("b", list(range(100, 110)))
-    assert not manager.can_allocate(other, 10, [])
+    assert not manager.can_allocate(other, 10)
     assert not manager.allocate(other, 10)
     assert other.block_ids == [] and manager.pool.num_free_blocks == 1
     manager.free(request)
@@ -50,9 +50,9 @@ def test_find_cached_prefix_hits_full_blocks_of_an_equal_prefix():
     assert first.num_cached_blocks == 2
     second = make_request("b", list(range(9)) + [99, 98, 97])
     hits = manager.find_cached_prefix(second)
-    assert [b.block_id for b in hits] == first.block_ids[:2]
+    assert [b.block_id for b in hits.blocks[0]] == first.block_ids[:2]
     diverging = make_request("c", [0, 1, 2, 77] + list(range(4, 12)))
-    assert manager.find_cached_prefix(diverging) == []
+    assert len(manager.find_cached_prefix(diverging)) == 0
     # Hits are shared: allocating takes a reference on each.
     assert manager.allocate(second, second.num_tokens, hits)
     assert second.block_ids[:2] == first.block_ids[:2]
@@ -70,7 +70,7 @@ def test_find_cached_prefix_never_covers_the_last_token():
     assert len(hits) == 2
     longer = make_request("c", list(range(13)))
     assert len(manager.find_cached_prefix(longer)) == 3
-    assert manager.find_cached_prefix(make_request("d", [0, 1, 2, 3])) == []
+    assert len(manager.find_cached_prefix(make_request("d", [0, 1, 2, 3]))) == 0
 
 
 def test_freed_blocks_stay_hit_able_and_disabled_caching_never_hits():
@@ -80,12 +80,12 @@ def test_freed_blocks_stay_hit_able_and_disabled_caching_never_hits():
     cached_ids = first.block_ids[:2]
     manager.free(first)
     hits = manager.find_cached_prefix(make_request("b", list(range(9))))
-    assert [b.block_id for b in hits] == cached_ids
+    assert [b.block_id for b in hits.blocks[0]] == cached_ids
 
     plain = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=False)
     first = make_request("a", list(range(9)))
     run_prefill(plain, first)
-    assert plain.find_cached_prefix(make_request("b", list(range(9)))) == []
+    assert len(plain.find_cached_prefix(make_request("b", list(range(9))))) == 0
 
 
 def test_can_allocate_counts_free_hit_blocks_as_used():
@@ -138,7 +138,7 @@ def test_make_private_from_swaps_shared_blocks_for_fresh_ones():
     assert [manager.block(i).ref_count for i in shared] == [2, 1, 1]
     assert sharer.num_cached_blocks == 1
     hits = manager.find_cached_prefix(make_request("c", list(range(13))))
-    assert [b.block_id for b in hits] == shared[:1]
+    assert [b.block_id for b in hits.blocks[0]] == shared[:1]
 
 
 def test_make_private_from_without_spare_blocks_drops_the_tail():
@@ -177,7 +177,7 @@ def test_blocks_completed_by_later_chunks_and_decodes_get_cached():
     manager.cache_computed_blocks(request)
     assert request.num_cached_blocks == 4
     probe = make_request("b", list(range(17)))
-    assert [b.block_id for b in manager.find_cached_prefix(probe)] == request.block_ids
+    assert [b.block_id for b in manager.find_cached_prefix(probe).blocks[0]] == request.block_ids
 
 
 def test_uncache_blocks_ignores_ids_outside_the_pool():

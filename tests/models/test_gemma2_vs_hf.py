@@ -78,8 +78,11 @@ def test_gemma2_prefix_cache_and_tight_budget_keep_outputs(tiny_gemma2):
     assert token_ids(llm.generate(as_requests(prompts), GREEDY)) == expected
     assert token_ids(llm.generate(as_requests(prompts), GREEDY)) == expected
     assert llm.stats["prefix_cache_hit_tokens"] == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    # A block holds one KV cache group's layers: room for the longest request alone.
+    longest = max(len(p) for p in prompts) + GREEDY.max_tokens
+    needed = llm.engine.scheduler.kv_manager.max_blocks_needed(longest)
     tight = LLM(str(tiny_gemma2), block_size=16, max_num_batched_tokens=64, device="cpu",
-                num_kv_blocks=13)
+                num_kv_blocks=needed + 1)
     assert token_ids(tight.generate(as_requests(prompts), GREEDY)) == expected
     assert tight.stats["num_preemptions"] > 0
 
@@ -132,10 +135,15 @@ def test_bad_gemma2_configs_are_refused_naming_the_field(tmp_path, fields, messa
 def model_logits(llm, prompt: list[int], block_size: int = 16) -> torch.Tensor:
     """The engine's model's float32 logits of the last prompt token, one prefill step."""
     runner = llm.engine.model_runner
-    blocks = list(range(1, 1 + -(-len(prompt) // block_size)))
-    step = runner.inputs.build([ScheduledRequest("r", prompt, 0, blocks, True, GREEDY, 0)])
+    count = -(-len(prompt) // block_size)
+    # One table per KV cache group, each of its own blocks.
+    tables = [list(range(1 + g * count, 1 + (g + 1) * count))
+              for g in range(len(runner.layout.kv_groups))]
+    step = runner.inputs.build([ScheduledRequest("r", prompt, 0, tables[0], True, GREEDY, 0,
+                                                 tables if len(tables) > 1 else [])])
     with torch.no_grad():
-        hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.attn)
+        hidden = runner.model(step.input_ids, step.positions, runner.layer_caches, step.attn,
+                              layer_meta=runner._layer_meta(step))
         return runner.model.logits(hidden[step.sample_rows])[0]
 
 

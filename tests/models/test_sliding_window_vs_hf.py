@@ -82,10 +82,16 @@ def test_mistral_prefix_cache_reuse_keeps_outputs(tiny_mistral):
 def test_mistral_tight_kv_budget_preempts_and_keeps_outputs(tiny_mistral):
     prompts = _prompts()
     expected = hf_reference(tiny_mistral, prompts)
-    # The longest request (170 + 20 tokens) needs 12 blocks of 16: 14 usable blocks
-    # hold it but not the batch.
+    # The longest request (170 + 20 tokens) would need 12 blocks of 16 with full
+    # attention, and 14 usable blocks would not hold the batch; the window (24 tokens,
+    # chunks of 64) keeps at most 7 per request and releases the rest: no preemption.
     llm = LLM(str(tiny_mistral), block_size=16, max_num_batched_tokens=64, device="cpu",
               num_kv_blocks=15)
+    assert token_ids(llm.generate(as_requests(prompts), GREEDY)) == expected
+    assert llm.stats["num_preemptions"] == 0
+    # 7 usable blocks hold one request at a time: the batch preempts.
+    llm = LLM(str(tiny_mistral), block_size=16, max_num_batched_tokens=64, device="cpu",
+              num_kv_blocks=8)
     assert token_ids(llm.generate(as_requests(prompts), GREEDY)) == expected
     assert llm.stats["num_preemptions"] > 0
 

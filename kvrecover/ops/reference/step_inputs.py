@@ -46,9 +46,13 @@ def reference_step_inputs(
         torch.tensor(num_computed) - (ends - lengths), lengths
     )
     sample = torch.tensor([s.sample for s in scheduled])
-    attn = AttentionMetadata.build(
-        num_computed, query_lens, [s.block_ids for s in scheduled], block_size, device
-    )
+    num_groups = len(scheduled[0].tables)
+    group_attn = [
+        AttentionMetadata.build(
+            num_computed, query_lens, [s.tables[g] for s in scheduled], block_size, device)
+        for g in range(num_groups)
+    ]
     return StepInputs(
-        token_ids.to(device), positions.to(device), (ends[sample] - 1).to(device), attn
+        token_ids.to(device), positions.to(device), (ends[sample] - 1).to(device), group_attn[0],
+        group_attn if num_groups > 1 else [],
     )

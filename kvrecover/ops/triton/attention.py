@@ -437,4 +437,5 @@ class TritonPagedAttention:
 def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:
     """The packed step inputs whose query tiles match this kernel's prefill tiles."""
     group = spec.num_attention_heads // spec.num_kv_heads
-    return StepInputBuilder(spec.block_size, tile_tokens(group), spec.device, spec.max_model_len)
+    return StepInputBuilder(spec.block_size, tile_tokens(group), spec.device, spec.max_model_len,
+                            spec.num_kv_groups)

@@ -8,13 +8,18 @@ one copy, and are handed to the model as views. With `pad_to` the batch is
 padded with dummy one-token requests (token 0 at position 0, cache slot 0 of
 the null block 0) so that a CUDA graph captured for that size can replay it;
 the offsets of every segment then depend on `pad_to` alone.
+
+A model with several KV cache groups (`kv_groups.py`) has one block table and one
+cache-slot segment per group (group 0's are `table` and `slots`, as for one group);
+padded steps then give every table the model's full width, so that the offsets still
+depend on `pad_to` alone (only the last segment, group 0's table, may grow).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -29,6 +34,21 @@ from kvrecover.ops.triton.metadata import PagedAttentionMetadata
 _ALIGN = 32  # int32 elements (128 bytes) between segments, for aligned kernel loads
 _SEGMENTS = ("ids", "positions", "slots", "seq_lens", "query_start", "tile_request",
              "tile_query_start", "sample_rows", "table_stride", "table")
+
+
+def _segments(num_groups: int) -> tuple[str, ...]:
+    """The segment names of a step with `num_groups` block tables, in buffer order."""
+    if num_groups == 1:
+        return _SEGMENTS
+    extra = range(1, num_groups)
+    return ("ids", "positions", "slots", *(f"slots{g}" for g in extra), "seq_lens",
+            "query_start", "tile_request", "tile_query_start", "sample_rows", "table_stride",
+            *(f"table{g}" for g in extra), "table")
+
+
+def _group_names(num_groups: int) -> list[tuple[str, str]]:
+    """(slots segment, table segment) of each group."""
+    return [("slots", "table")] + [(f"slots{g}", f"table{g}") for g in range(1, num_groups)]
 
 
 @dataclass
@@ -47,9 +67,9 @@ def _round_up(value: int) -> int:
     return -(-value // _ALIGN) * _ALIGN
 
 
-def _offsets(lengths: dict[str, int]) -> tuple[dict[str, int], int]:
+def _offsets(lengths: dict[str, int], num_groups: int = 1) -> tuple[dict[str, int], int]:
     offsets, size = {}, 0
-    for name in _SEGMENTS:
+    for name in _segments(num_groups):
         offsets[name] = size
         size = _round_up(size + lengths[name])
     return offsets, size
@@ -64,9 +84,14 @@ class StepInputBuilder:
     """
 
     def __init__(
-        self, block_size: int, tile_tokens: int, device: torch.device, max_model_len: int = 0
+        self, block_size: int, tile_tokens: int, device: torch.device, max_model_len: int = 0,
+        num_kv_groups: int = 1,
     ) -> None:
         self.block_size = block_size
+        self.num_kv_groups = num_kv_groups
+        self._groups = _group_names(num_kv_groups)
+        # Padded steps of several groups give every table this width (see the module doc).
+        self._graph_width = max(1, -(-max_model_len // block_size))
         self.max_model_len = max_model_len
         self.tile_tokens = tile_tokens
         self.device = device
@@ -75,8 +100,8 @@ class StepInputBuilder:
         self._host_np = self._host.numpy()
         self._device = torch.empty(0, dtype=torch.int32, device=device)
         self._uploaded: torch.cuda.Event | None = None
-        # Block-table rows left in the host buffer by the last decode pack, by row.
-        self._table_rows: list[tuple[str, int, int, int] | None] = []  # per row: what it holds
+        # Block-table rows left in the host buffer by the last decode pack, by group and row.
+        self._table_rows: list[list[tuple[str, int, int, int] | None]] = []
         self._table_shape: tuple[int, int, int] | None = None
 
     def build(self, scheduled: Sequence[ScheduledTokens]) -> StepInputs:
@@ -112,16 +137,20 @@ class StepInputBuilder:
         tiles_per_req = -(-query_lens // self.tile_tokens)
         num_tiles = int(tiles_per_req.sum()) + num_pad
         samples = [] if pad_to else [i for i, s in enumerate(scheduled) if s.sample]
-        width = max([len(s.block_ids) for s in scheduled] + [1])
+        groups = self._groups
+        width = max([len(t) for s in scheduled for t in s.tables] + [1])
         lengths = {
-            "ids": num_tokens, "positions": num_tokens, "slots": num_tokens,
-            "seq_lens": num_reqs, "query_start": num_reqs + 1, "tile_request": num_tiles,
+            "ids": num_tokens, "positions": num_tokens, "seq_lens": num_reqs,
+            "query_start": num_reqs + 1, "tile_request": num_tiles,
             "tile_query_start": num_tiles, "sample_rows": len(samples), "table_stride": 1,
-            "table": num_reqs * width,
         }
-        offsets, size = _offsets(lengths)
+        for slots_name, table_name in groups:
+            lengths[slots_name] = num_tokens
+            lengths[table_name] = num_reqs * width
+        offsets, size = _offsets(lengths, len(groups))
         host = self._host_buffer(size)
-        seg = {name: host[offsets[name] : offsets[name] + lengths[name]] for name in _SEGMENTS}
+        seg = {name: host[offsets[name] : offsets[name] + lengths[name]]
+               for name in _segments(len(groups))}
 
         query_start = seg["query_start"]
         query_start[0] = 0
@@ -129,10 +158,14 @@ class StepInputBuilder:
         query_start[num_real + 1 :] = num_real_tokens + np.arange(1, num_pad + 1)
         seg["seq_lens"][:num_real] = starts + query_lens
         seg["seq_lens"][num_real:] = 1
-        table = seg["table"].reshape(num_reqs, width)
-        table[:] = 0
-        for row, item in zip(table, scheduled):
-            row[: len(item.block_ids)] = item.block_ids
+        tables = []
+        for g, (_, table_name) in enumerate(groups):
+            table = seg[table_name].reshape(num_reqs, width)
+            table[:] = 0
+            for row, item in zip(table, scheduled):
+                ids = item.tables[g]
+                row[: len(ids)] = ids
+            tables.append(table)
         seg["table_stride"][0] = width
 
         request_of_row = np.repeat(np.arange(num_real), query_lens)
@@ -143,9 +176,11 @@ class StepInputBuilder:
         seg["ids"][num_real_tokens:] = 0
         seg["positions"][:num_real_tokens] = positions
         seg["positions"][num_real_tokens:] = 0
-        blocks = table[request_of_row, positions // self.block_size]
-        seg["slots"][:num_real_tokens] = blocks * self.block_size + positions % self.block_size
-        seg["slots"][num_real_tokens:] = 0
+        for (slots_name, _), table in zip(groups, tables):
+            blocks = table[request_of_row, positions // self.block_size]
+            seg[slots_name][:num_real_tokens] = (
+                blocks * self.block_size + positions % self.block_size)
+            seg[slots_name][num_real_tokens:] = 0
 
         tile_start = np.cumsum(tiles_per_req) - tiles_per_req
         real_tiles = num_tiles - num_pad
@@ -172,16 +207,22 @@ class StepInputBuilder:
         lists is the slow part; a request's list only grows while it decodes).
         """
         num_real, block_size = len(scheduled), self.block_size
-        width = max([len(s.block_ids) for s in scheduled] + [1])
+        groups = self._groups
+        if len(groups) == 1:
+            width = max([len(s.block_ids) for s in scheduled] + [1])
+        else:  # every table at full width: the offsets depend on num_reqs alone
+            width = self._graph_width
         shape = (id(self._host), num_reqs, width)
         if shape != self._table_shape:
             lengths = {
-                "ids": num_reqs, "positions": num_reqs, "slots": num_reqs,
+                "ids": num_reqs, "positions": num_reqs,
                 "seq_lens": num_reqs, "query_start": num_reqs + 1, "tile_request": num_reqs,
                 "tile_query_start": num_reqs, "sample_rows": 0, "table_stride": 1,
-                "table": num_reqs * width,
             }
-            offsets, size = _offsets(lengths)
+            for slots_name, table_name in groups:
+                lengths[slots_name] = num_reqs
+                lengths[table_name] = num_reqs * width
+            offsets, size = _offsets(lengths, len(groups))
             host = self._host_buffer(size)
             if id(self._host) != shape[0]:  # the buffer grew: the shape changed after all
                 shape = (id(self._host), num_reqs, width)
@@ -194,7 +235,7 @@ class StepInputBuilder:
             self._decode_layout = StepLayout(
                 offsets, lengths, size, num_reqs, True, self.max_model_len
             )
-            self._table_rows = [None] * num_reqs
+            self._table_rows = [[None] * num_reqs for _ in groups]
             self._table_shape = shape
         else:
             host = self._host_buffer(self._decode_layout.size)
@@ -205,28 +246,34 @@ class StepInputBuilder:
             input_ids = [s.token_ids[0] for s in scheduled]
         host[o["ids"] : o["ids"] + num_real] = input_ids
         host[o["positions"] : o["positions"] + num_real] = positions
-        host[o["slots"] : o["slots"] + num_real] = [
-            s.block_ids[p // block_size] * block_size + p % block_size
-            for s, p in zip(scheduled, positions)
-        ]
         host[o["seq_lens"] : o["seq_lens"] + num_real] = positions
         host[o["seq_lens"] : o["seq_lens"] + num_real] += 1
-        table = host[o["table"] : o["table"] + num_reqs * width].reshape(num_reqs, width)
-        rows = self._table_rows
-        for index, item in enumerate(scheduled):
-            ids = item.block_ids
-            key = (item.request_id, len(ids), ids[0], ids[-1])
-            if rows[index] != key:
-                table[index, : len(ids)] = ids
-                table[index, len(ids) :] = 0
-                rows[index] = key
-        for index in range(num_real, num_reqs):
-            if rows[index] is not None:  # a row that held a request last step: back to padding
-                table[index] = 0
-                rows[index] = None
-                for name in ("ids", "positions", "slots"):
-                    host[o[name] + index] = 0
-                host[o["seq_lens"] + index] = 1
+        for g, (slots_name, table_name) in enumerate(groups):
+            host[o[slots_name] : o[slots_name] + num_real] = [
+                s.tables[g][p // block_size] * block_size + p % block_size
+                for s, p in zip(scheduled, positions)
+            ]
+            table = host[o[table_name] : o[table_name] + num_reqs * width].reshape(num_reqs, width)
+            rows = self._table_rows[g]
+            for index, item in enumerate(scheduled):
+                ids = item.tables[g]
+                # A windowed group's table also changes where it releases blocks (they
+                # become the null block) without changing this key: the kernels never
+                # read a block below the window, so such a stale entry is never used.
+                key = (item.request_id, len(ids), ids[0], ids[-1])
+                if rows[index] != key:
+                    table[index, : len(ids)] = ids
+                    table[index, len(ids) :] = 0
+                    rows[index] = key
+            for index in range(num_real, num_reqs):
+                if rows[index] is not None:  # a row that held a request last step: padding
+                    table[index] = 0
+                    rows[index] = None
+                    host[o[slots_name] + index] = 0
+                    if g == 0:
+                        for name in ("ids", "positions"):
+                            host[o[name] + index] = 0
+                        host[o["seq_lens"] + index] = 1
         return layout
 
     def upload(self, layout: StepLayout, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -249,7 +296,7 @@ class StepInputBuilder:
         """The model's inputs as views of an uploaded buffer."""
         seg = {
             name: buffer[layout.offsets[name] : layout.offsets[name] + layout.lengths[name]]
-            for name in _SEGMENTS
+            for name in _segments(self.num_kv_groups)
         }
         attn = PagedAttentionMetadata(
             slot_mapping=seg["slots"],
@@ -263,7 +310,13 @@ class StepInputBuilder:
             decode_only=layout.decode_only,
             max_seq_len=layout.max_seq_len,
         )
-        return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn)
+        if self.num_kv_groups == 1:
+            return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn)
+        group_attn = [attn] + [
+            replace(attn, slot_mapping=seg[slots_name], block_tables=seg[table_name])
+            for slots_name, table_name in self._groups[1:]
+        ]
+        return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn, group_attn)
 
     def _host_buffer(self, size: int) -> np.ndarray:
         if self._uploaded is not None:
