@@ -9,7 +9,7 @@ from kvrecover.config import ENGINE_OPTIONS, EngineArgs
 from kvrecover.engine.engine import Engine
 from kvrecover.engine.snapshot import EngineSnapshot
 from kvrecover.options import option_fields, reject_unknown
-from kvrecover.outputs import RequestOutput
+from kvrecover.outputs import RequestOutput, choice_request_id
 from kvrecover.sampling import SamplingParams
 
 
@@ -107,6 +107,9 @@ class LLM:
             raise
         from tqdm import tqdm  # here, not at module level: the import costs ~60 ms of start-up
 
+        choices = {request_id: [choice_request_id(request_id, i, params.n)
+                                for i in range(params.n)]
+                   for request_id, params in zip(request_ids, sampling_params)}
         results: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:
@@ -117,10 +120,27 @@ class LLM:
                             progress.update(1)
         except BaseException:  # an engine error or Ctrl-C: leave no request of ours behind
             for request_id in request_ids:
-                if request_id not in results:
+                if any(choice not in results for choice in choices[request_id]):
                     self.engine.abort_request(request_id)
             raise
-        return [results[request_id] for request_id in request_ids]
+        return [merge_choices(request_id, [results[c] for c in choices[request_id]])
+                for request_id in request_ids]
+
+
+def merge_choices(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's output from the finished outputs of its `n` choices (in index
+    order; the first error, if any, is the request's)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    failed = next((o for o in outputs if o.error is not None), None)
+    return RequestOutput(
+        request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+        outputs=[o.outputs[0] for o in outputs], finished=True,
+        error=None if failed is None else failed.error,
+        error_type=None if failed is None else failed.error_type,
+        prompt_logprobs=first.prompt_logprobs,
+    )
 
 
 def _options_doc() -> str:

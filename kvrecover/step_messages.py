@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvrecover.outputs import TokenLogprob
 from kvrecover.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -18,6 +19,35 @@ if TYPE_CHECKING:
 # Stands in `ScheduledRequest.token_ids` for a token that the previous step is still
 # sampling on the device (overlapped decode); the worker reads it from there.
 PENDING_TOKEN = -1
+
+
+@dataclass
+class LogitsSpec:
+    """What a request's logits processors need (`SamplingParams.has_logits_processors`),
+    resolved against the tokenizer once when the engine adds the request; the worker
+    turns it into device state the first time the request samples
+    (`worker/logits_processors.py`)."""
+
+    prompt_token_ids: list[int]  # repetition_penalty counts them
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    min_tokens_banned: list[int]  # EOS (unless ignore_eos) and stop ids: banned before min_tokens
+    logit_bias: dict[int, float]
+    allowed_token_ids: list[int] | None
+    banned_token_ids: list[int]  # bad words of one token
+    bad_word_sequences: list[list[int]]  # bad words of several tokens
+    # Earlier outputs ending the prompt (`SamplingParams.resumed_output_tokens`): counted
+    # as output before the request's own.
+    resumed_output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def needs_output_on_host(self) -> bool:
+        """Whether sampling reads the request's last outputs on the host (a bad word of
+        several tokens bans its last token after the others): such a request cannot
+        decode a step whose input token is still on the device."""
+        return bool(self.bad_word_sequences)
 
 
 @dataclass
@@ -34,6 +64,13 @@ class ScheduledRequest:
     # The request's grammar matcher (structured outputs), read by the runner to mask the
     # sampled row's logits; None for an unconstrained request.
     grammar: GrammarState | None = None
+    num_output_tokens: int = 0  # outputs before the token this step samples
+    logits_spec: LogitsSpec | None = None  # None: no logits processors
+    # The request's outputs so far (its own list, not a copy; in an overlapped step it
+    # lacks the token still on the device). Set only with `logits_spec`.
+    output_token_ids: list[int] | None = None
+    # The request's prompt (its own list), set only when it asks for prompt logprobs.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -67,3 +104,8 @@ class ModelRunnerOutput:
     # request id -> message. The scheduler ends these with an internal error, except
     # those the step's own failed loads roll back (their part read invalid KV).
     failed_requests: dict[str, str] = field(default_factory=dict)
+    # The sampled token's logprobs, for requests that ask for them (`logprobs`).
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Prompt logprobs this step computed (`prompt_logprobs`): request id -> (index of
+    # the prompt token the first entry scores, one entry per prompt token scored).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

@@ -76,13 +76,21 @@ class Tokenizer:
         token_id = self._transformers().convert_tokens_to_ids(token)
         return token_id if isinstance(token_id, int) else None  # a list: for a list of tokens
 
-    def encode(self, text: str, field: str = "text") -> list[int]:
-        """Token ids of a prompt, with the special tokens the checkpoint adds; a
-        ValueError naming `field` for text that `check_text` refuses."""
+    def encode(self, text: str, field: str = "text", add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, with the special tokens the checkpoint adds (unless
+        not `add_special_tokens`); a ValueError naming `field` for text that
+        `check_text` refuses."""
         check_text(text, field)
         if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=True).ids
-        return self._transformers().encode(text)
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._transformers().encode(text, add_special_tokens=add_special_tokens)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded alone, special tokens included (what logprobs name)."""
+        if self._fast is not None:
+            return [self._fast.decode([t], skip_special_tokens=False) for t in token_ids]
+        hf = self._transformers()
+        return [str(hf.decode([t], skip_special_tokens=False)) for t in token_ids]
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""

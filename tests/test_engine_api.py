@@ -245,8 +245,8 @@ def test_prompt_longer_than_max_model_len(tiny_llama):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
-        ({"max_tokens": -3}, "max_tokens must be an integer >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0 .0 is only for scoring a prompt"),
+        ({"max_tokens": -3}, "max_tokens must be an integer >= 0"),
         ({"temperature": -0.1}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
         ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
         ({"top_p": 0.0}, r"top_p must be a finite number >= 1e-06 and <= 1"),

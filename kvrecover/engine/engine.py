@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrecover.config import EngineArgs
-from kvrecover.engine.inputs import check_request, prompt_tokens
+from kvrecover.engine.inputs import check_request, logits_spec, prompt_tokens
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.resolve import ResolvedConfig, resolve_config
@@ -21,8 +21,8 @@ from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.options import validate
-from kvrecover.outputs import CompletionOutput, RequestOutput
-from kvrecover.sampling import SamplingParams
+from kvrecover.outputs import CompletionOutput, RequestOutput, choice_request_id
+from kvrecover.sampling import SamplingParams, choice_seed
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.structured.state import GrammarState
 from kvrecover.tokenizer import Tokenizer
@@ -81,6 +81,7 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
+        self._choices: dict[str, list[str]] = {}  # an n > 1 request's id -> its choices' ids
         # Prefix caching and connectors key blocks by their chain hash: hash the
         # prompt once here; connectors only read `request.block_hashes`.
         self._hash_prompts = args.enable_prefix_caching or connector is not None
@@ -100,7 +101,11 @@ class Engine:
         prompt: str | dict | list[int],
         sampling_params: SamplingParams | None = None,
     ) -> None:
-        """Tokenize (if needed), validate and queue a request."""
+        """Tokenize (if needed), validate and queue a request. With `n` > 1 it is queued
+        as `n` choices, each a request of its own (`outputs.choice_request_id`; choice
+        i seeded `choice_seed(seed, i)`); choices after the first wait for the first
+        one's prompt KV and take it from the prefix cache. `abort_request` of the
+        request id aborts every choice."""
         if self.closed:
             raise RuntimeError("the engine is closed; create a new LLM")
         sampling_params = sampling_params or SamplingParams()
@@ -113,19 +118,37 @@ class Engine:
             vocab_size=self.model_config.vocab_size, block_size=self.args.block_size,
             num_blocks=self.num_blocks,
         )
-        grammar = self._grammar(sampling_params, token_ids)
-        seed = sampling_params.seed
-        if seed is None:
-            seed = self.args.seed * 1_000_003 + self._request_counter
-        self._request_counter += 1
-        request = Request(
-            str(request_id), text, token_ids, sampling_params, self.eos_token_ids, seed,
-            self.max_model_len,
-        )
-        request.grammar = grammar
-        if self._hash_prompts:
-            update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
-        self.scheduler.add_request(request)
+        spec = logits_spec(sampling_params, token_ids, self.eos_token_ids, self.tokenizer)
+        n = sampling_params.n
+        ids = [choice_request_id(str(request_id), i, n) for i in range(n)]
+        if n > 1:
+            used = [i for i in [str(request_id), *ids] if i in self.scheduler.requests
+                    or i in self._choices]
+            if used:
+                raise ValueError(f"request id {used[0]!r} is already in use")
+        # Every choice walks its own grammar (all built first: a spec that does not
+        # compile adds no choice).
+        grammars = [self._grammar(sampling_params, token_ids) for _ in ids]
+        base_seed = sampling_params.seed
+        first: Request | None = None
+        for index, (choice_id, grammar) in enumerate(zip(ids, grammars)):
+            seed = None if base_seed is None else choice_seed(base_seed, index)
+            if seed is None:
+                seed = self.args.seed * 1_000_003 + self._request_counter
+            self._request_counter += 1
+            request = Request(
+                choice_id, text, token_ids, sampling_params, self.eos_token_ids, seed,
+                self.max_model_len, choice_index=index, logits_spec=spec,
+            )
+            request.grammar = grammar
+            if self._hash_prompts:
+                update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
+            if first is not None and self.args.enable_prefix_caching:
+                request.prefill_after = first
+            self.scheduler.add_request(request)
+            first = first or request
+        if n > 1:
+            self._choices[str(request_id)] = ids
 
     def _grammar(self, params: SamplingParams, token_ids: list[int]) -> GrammarState | None:
         """The matcher of a request with `structured_outputs`, past its replayed prompt
@@ -147,10 +170,12 @@ class Engine:
         return grammar
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request; a later `step()` no longer reports it."""
-        request = self.scheduler.abort_request(str(request_id))
-        if request is not None:
-            self.scheduler.pop_finished(request.request_id)
+        """Stop a request (every choice of an `n` > 1 one, or one choice by its own id);
+        a later `step()` no longer reports it."""
+        for choice_id in self._choices.pop(str(request_id), [str(request_id)]):
+            request = self.scheduler.abort_request(choice_id)
+            if request is not None:
+                self.scheduler.pop_finished(request.request_id)
 
     def has_unfinished(self) -> bool:
         """Whether `step()` still has work (never, once closed)."""
@@ -239,6 +264,11 @@ class Engine:
         for request in progressed:
             if request.is_finished:
                 self.scheduler.pop_finished(request.request_id)
+        if self._choices and any(request.is_finished for request in progressed):
+            requests = self.scheduler.requests
+            for parent in [p for p, ids in self._choices.items()
+                           if not any(i in requests for i in ids)]:
+                del self._choices[parent]
         return outputs
 
     def _check_progress(self) -> None:
@@ -252,14 +282,18 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished
         text = self.tokenizer.decode(request.output_token_ids) if finished else ""
+        logprobs = request.output_logprobs
         completion = CompletionOutput(
-            index=0,
+            index=request.choice_index,
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
+            logprobs=None if logprobs is None else list(logprobs),
         )
         if request.status is RequestStatus.FINISHED_ERROR:
             completion.text, completion.token_ids = "", []
+            completion.logprobs = None if logprobs is None else []
+        prompt_logprobs = request.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -268,6 +302,7 @@ class Engine:
             finished=finished,
             error=request.error,
             error_type=request.error_type,
+            prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
         )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from kvrecover.outputs import TokenLogprob
 from kvrecover.sampling import SamplingParams, sample_seed
+from kvrecover.step_messages import LogitsSpec
 
 if TYPE_CHECKING:
     from kvrecover.structured.state import GrammarState
@@ -58,6 +60,8 @@ class Request:
         eos_token_ids: frozenset[int],
         sampling_seed: int,
         max_model_len: int,
+        choice_index: int = 0,
+        logits_spec: LogitsSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -84,6 +88,18 @@ class Request:
         # Structured outputs: the matcher, advanced by every appended token (the engine
         # sets it when the request has `sampling_params.structured_outputs`).
         self.grammar: GrammarState | None = None
+        # Sampling beyond the token: processors, logprobs, the choices of `n`.
+        self.choice_index = choice_index
+        self.logits_spec = logits_spec
+        self.output_logprobs: list[TokenLogprob] | None = (
+            None if sampling_params.logprobs is None else [])
+        # Only choice 0 scores the prompt (so the other choices may share its blocks).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if sampling_params.prompt_logprobs is None or choice_index
+            else [None] * len(prompt_token_ids))
+        # A choice of `n` waits for this sibling's prompt KV (then finds it in the prefix
+        # cache) instead of computing the same prompt beside it; cleared once admitted.
+        self.prefill_after: Request | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,6 +112,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """True when every prompt position must be computed here (its logits score the
+        next prompt token): no prefix-cache hits and no connector loads for it."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def waits_for_sibling(self) -> bool:
+        """True while the sibling choice it follows is still computing the prompt."""
+        sibling = self.prefill_after
+        return sibling is not None and not sibling.is_finished and \
+            sibling.num_computed_tokens < sibling.num_prompt_tokens
 
     @property
     def pending_range(self) -> tuple[int, int]:
@@ -115,10 +144,13 @@ class Request:
         self.pending_external = None
         self.connector_consulted = False
 
-    def append_output_token(self, token_id: int) -> None:
-        """Record a sampled token and set a finished status if it ends the request."""
+    def append_output_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Record a sampled token (and its logprobs, when the request asks for them) and
+        set a finished status if it ends the request."""
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.output_logprobs is not None and logprob is not None:
+            self.output_logprobs.append(logprob)
         if self.grammar is not None and self._grammar_ends(token_id):
             return
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:

@@ -172,6 +172,8 @@ class Scheduler:
                 return None  # rolled back since `previous` was scheduled: recompute it first
             if request.grammar is not None:
                 return None  # its mask needs `previous`'s token accepted on the host first
+            if request.logits_spec is not None and request.logits_spec.needs_output_on_host:
+                return None  # its sampling reads the token `previous` is still sampling
             num_continued += 1
             num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
             if (
@@ -190,6 +192,9 @@ class Scheduler:
                 sample=True,
                 sampling_params=request.sampling_params,
                 sample_seed=request.next_sample_seed(num_outputs),
+                num_output_tokens=num_outputs,
+                logits_spec=request.logits_spec,
+                output_token_ids=None if request.logits_spec is None else request.output_token_ids,
             ))
         if not scheduled or num_continued != len(self.running):
             return None
@@ -223,12 +228,17 @@ class Scheduler:
         stalled = None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS or request.waits_for_sibling:
                 skipped.append(request)
                 continue
-            hits = [] if request.block_ids else self.kv_manager.find_cached_prefix(request)
+            request.prefill_after = None
+            # A request scoring its prompt computes every position itself.
+            computes_all = request.needs_every_prompt_position
+            hits = [] if request.block_ids or computes_all else \
+                self.kv_manager.find_cached_prefix(request)
             num_local = len(hits) * self.kv_manager.block_size if hits else request.num_computed_tokens
-            num_external, load_async = self.kv_loads.external_tokens(request, num_local)
+            num_external, load_async = (0, False) if computes_all else \
+                self.kv_loads.external_tokens(request, num_local)
             if request.is_finished:
                 continue  # the connector failed it under policy `fail`
             load_async = load_async and num_external > 0
@@ -283,6 +293,8 @@ class Scheduler:
 
     def _slice(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        spec = request.logits_spec
+        scores_prompt = request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids[start : start + num_new],
@@ -292,6 +304,10 @@ class Scheduler:
             sampling_params=request.sampling_params,
             sample_seed=request.next_sample_seed(),
             grammar=request.grammar,
+            num_output_tokens=len(request.output_token_ids),
+            logits_spec=spec,
+            output_token_ids=None if spec is None else request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids if scores_prompt else None,
         )
 
     # ----- results ----------------------------------------------------------------
@@ -332,10 +348,17 @@ class Scheduler:
         for request in stepped:
             if request.request_id in recovered:
                 continue  # its step read invalid KV: the sampled token is discarded
+            scored = output.prompt_logprobs.get(request.request_id)
+            if scored is not None and request.prompt_logprobs is not None:
+                first, records = scored
+                request.prompt_logprobs[first : first + len(records)] = records
             token = output.sampled_token_ids.get(request.request_id)
             if token is not None and request.num_computed_tokens == request.num_tokens:
-                request.append_output_token(token)
-                self.stats.generation_tokens += 1
+                if request.sampling_params.max_tokens == 0:
+                    request.status = RequestStatus.FINISHED_LENGTH  # it scored the prompt alone
+                else:
+                    request.append_output_token(token, output.logprobs.get(request.request_id))
+                    self.stats.generation_tokens += 1
                 progressed.append(request)
             self.kv_manager.cache_computed_blocks(request)
             if request.is_finished:

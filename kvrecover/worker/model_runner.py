@@ -29,6 +29,11 @@ from kvrecover.structured.bitmask import TokenBitmask
 from kvrecover.worker.cpu_threads import set_cpu_threads
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.kv_connector import WorkerConnector
+from kvrecover.worker.prompt_logprobs import (
+    PendingPromptLogprobs,
+    add_logprobs,
+    score_prompt_tokens,
+)
 from kvrecover.worker.sampler import SampledRows, Sampler
 
 if TYPE_CHECKING:
@@ -91,7 +96,8 @@ class ModelRunner:
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
-        self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
+        self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks
+        self.sampler.token_masks.append(self._grammar_mask)
         self.kv_connector: WorkerConnector | None = None
         self.graphs: DecodeGraphs | None = None
         self._token_buffers: TokenBuffers | None = None  # host buffers for overlapped decode tokens
@@ -147,14 +153,19 @@ class ModelRunner:
         if scheduled:
             try:
                 sampling = [s for s in scheduled if s.sample]
-                logits, greedy = self._forward(scheduler_output)
+                scored: list[PendingPromptLogprobs] = []
+                logits, greedy = self._forward(scheduler_output, prompt_scores=scored)
                 if logits is not None:  # None exactly when no row samples
-                    tokens, errors = self._sample(logits, sampling, greedy).to_host()
+                    sampled = self._sample(logits, sampling, greedy)
+                    tokens, errors = sampled.to_host()
                     for row, message in errors.items():
                         output.failed_requests[sampling[row].request_id] = message
                     output.sampled_token_ids = {
                         s.request_id: t for s, t in zip(sampling, tokens) if t is not None
                     }
+                    add_logprobs(output, sampled, [s.request_id for s in sampling])
+                for pending in scored:  # read after the tokens: the step's one wait
+                    pending.add_to(output)
             except Exception as error:  # ends this step's requests, never the engine
                 self._fail_step(scheduler_output, error, output)
         if self.kv_connector is not None:
@@ -215,6 +226,7 @@ class ModelRunner:
     def _start_step(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Note where the step's failed rows go; bind the connector metadata, start loads."""
         self._failed_requests = output.failed_requests
+        self.sampler.processors.release(scheduler_output.finished_request_ids)
         if self.kv_connector is not None:
             self.kv_connector.start_step(scheduler_output)
 
@@ -229,13 +241,16 @@ class ModelRunner:
     def _forward(
         self, scheduler_output: SchedulerOutput,
         source: tuple[torch.Tensor, list[int]] | None = None,
+        prompt_scores: list[PendingPromptLogprobs] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The one forward path: (float32 logits of the sampled rows, their greedy tokens
         where a graph replay computed them, else None); logits None when no row samples.
 
         A graph replays a pure decode step that needs no connector hooks; any other step
         runs eagerly, with the connector's per-layer hooks. With `source` = (tokens on
-        the device, row per request), the input tokens are gathered there.
+        the device, row per request), the input tokens are gathered there. The prompt
+        logprobs of requests that ask for them (from the logits of their prompt rows
+        only), still on the device, are appended to `prompt_scores`.
         """
         scheduled = scheduler_output.scheduled
         if self.graphs is not None and self._can_replay(scheduler_output):
@@ -256,6 +271,10 @@ class ModelRunner:
             before_layer, after_layer = self.kv_connector.layer_hooks(inputs.attn)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
                             before_layer, after_layer)
+        if prompt_scores is not None:
+            scored = score_prompt_tokens(scheduled, hidden, self.model.logits)
+            if scored is not None:
+                prompt_scores.append(scored)
         if not any(s.sample for s in scheduled):
             return None, None
         return self.model.logits(hidden[inputs.sample_rows]), None
@@ -268,19 +287,16 @@ class ModelRunner:
         self, logits: torch.Tensor, sampling: list[ScheduledRequest],
         greedy: torch.Tensor | None = None,
     ) -> SampledRows:
-        """The one sampling path: the sampled rows' tokens, left on the device. `greedy`
-        (a graph's argmax) serves an all-greedy step without grammars; otherwise `Sampler`
-        samples. Rows with a grammar have their logits masked first: the forward pass was
-        launched already, so on a GPU the host fills the masks while it runs."""
-        grammars = [s.grammar for s in sampling]
-        if any(grammar is not None for grammar in grammars):
-            self.grammar_bitmask.apply(logits, grammars)
-            greedy = None
-        if greedy is not None and all(s.sampling_params.is_greedy for s in sampling):
-            return SampledRows(greedy)
-        return self.sampler.sample(
-            logits, [s.sampling_params for s in sampling], [s.sample_seed for s in sampling]
-        )
+        """The one sampling path: the sampled rows' tokens (and logprobs), left on the
+        device. `greedy` (a graph's argmax) serves an all-greedy step without logits
+        processors or token masks; otherwise `Sampler` samples."""
+        return self.sampler.sample_step(logits, sampling, greedy)
+
+    def _grammar_mask(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
+        """The sampler's token mask for structured outputs (`TokenMask`): the rows with a
+        grammar lose the tokens it forbids next. The forward pass was launched already,
+        so on a GPU the host fills the masks while it runs."""
+        return self.grammar_bitmask.masked(logits, [s.grammar for s in rows])
 
     def _decode_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and greedy tokens for every
@@ -293,7 +309,7 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
             return False
-        if any(len(s.token_ids) != 1 for s in scheduled):
-            return False
+        if any(len(s.token_ids) != 1 or s.prompt_token_ids is not None for s in scheduled):
+            return False  # a prompt row's logits are needed (prompt logprobs): run eagerly
         connector = self.kv_connector
         return connector is None or not connector.needs_layer_hooks(scheduler_output)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvrecover.step_messages import ModelRunnerOutput
+from kvrecover.worker.prompt_logprobs import add_logprobs
 from kvrecover.worker.sampler import SampledRows, host_results
 
 
@@ -47,6 +48,7 @@ class PendingDecode:
         # [B], a graph output on the all-greedy path: the next replay of that graph
         # overwrites it, after (in stream order) every read of it launched before.
         self.device_tokens = sampled.tokens
+        self._sampled = sampled
         self._errors = sampled.errors
         self._output = output
         count = len(request_ids)
@@ -81,6 +83,8 @@ class PendingDecode:
             request_id: token for request_id, token in zip(self.request_ids, tokens)
             if token is not None
         }
+        # The step is done: reading its logprobs waits for nothing more.
+        add_logprobs(output, self._sampled, self.request_ids)
         return output
 
 

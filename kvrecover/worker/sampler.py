@@ -1,22 +1,32 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-token seeds.
+"""Token sampling: logits processors, token masks, then greedy, temperature, top-k,
+top-p with per-token seeds; and the logprobs of what was sampled.
 
-Every step samples on the device without waiting for it (`Sampler.sample`), so
+Every step samples on the device without waiting for it (`Sampler.sample_step`), so
 the overlapped decode path can feed the tokens to the next step before the host
 sees them; the synchronous path reads the same result (`SampledRows.to_host`).
-There is one implementation for both. Every `SamplingParams` option samples on
-the device; an option that needs the host (penalties over the generated text,
-logprobs) would have to keep its steps off the overlapped path
-(`ModelRunner.can_overlap`).
+There is one implementation for both. A step's logits pass, in order:
+1. the requests' logits processors (`worker/logits_processors.py`: biases, bans,
+   penalties), batched on the device;
+2. the token masks in `Sampler.token_masks` (a grammar's bitmask hooks in here);
+3. greedy, or temperature, top-k and top-p and a seeded draw (`Sampler.sample`).
+Logprobs are taken from the raw logits, before step 1 (`worker/logprobs.py`).
+Only a request with a bad word of several tokens needs the host (its last outputs):
+the scheduler keeps it off chained overlapped steps (`LogitsSpec.needs_output_on_host`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from kvrecover.sampling import SamplingParams
+from kvrecover.worker.logits_processors import LogitsProcessors
+from kvrecover.worker.logprobs import TokenLogprobRows, token_logprobs
+
+if TYPE_CHECKING:
+    from kvrecover.step_messages import ScheduledRequest
 
 INVALID_DISTRIBUTION = (
     "sampling failed: the distribution holds inf or nan (temperature, top-k or top-p "
@@ -33,6 +43,7 @@ class SampledRows:
     # None when no row was randomly sampled (argmax never fails).
     valid: torch.Tensor | None = None
     errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
+    logprobs: TokenLogprobRows | None = None  # for the rows that ask for them
 
     def to_host(self) -> tuple[list[int | None], dict[int, str]]:
         """Wait for the tokens: (token or None per row, row -> error message)."""
@@ -53,6 +64,16 @@ def host_results(
     return [None if row in errors else token for row, token in enumerate(tokens)], errors
 
 
+class TokenMask(Protocol):
+    """A step of the sampling pipeline after the logits processors (a grammar's token
+    bitmask), called by `Sampler.sample_step` with the step's logits [B, V] and rows:
+    returns its input itself when it masks no row, else new logits with the tokens
+    each row may not take set to -inf (never changing its input in place: the raw
+    logits give the logprobs, and an unchanged step may take the graph's argmax)."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor: ...
+
+
 class Sampler:
     """Picks one token per row of logits.
 
@@ -67,6 +88,33 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
+        self.processors = LogitsProcessors(device)
+        self.token_masks: list[TokenMask] = []
+
+    def sample_step(
+        self, logits: torch.Tensor, rows: list[ScheduledRequest],
+        greedy: torch.Tensor | None = None,
+    ) -> SampledRows:
+        """A step's tokens for `rows` (row i of `logits` [B, V] float32 samples
+        `rows[i]`), on the device, with the logprobs the rows ask for. `greedy` (the
+        argmax of `logits`, a CUDA graph's) serves a step that samples greedily and
+        changes no logit."""
+        processed = self.processors.apply(logits, rows)
+        for mask in self.token_masks:
+            processed = mask(processed, rows)
+        params = [s.sampling_params for s in rows]
+        if greedy is not None and processed is logits and all(p.is_greedy for p in params):
+            sampled = SampledRows(greedy)
+        else:
+            sampled = self.sample(processed, params, [s.sample_seed for s in rows])
+        self.processors.count(sampled.tokens)
+        asking = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if asking:
+            index = torch.tensor(asking, device=logits.device)
+            sampled.logprobs = token_logprobs(
+                logits.index_select(0, index), sampled.tokens.index_select(0, index), asking,
+                [cast(int, params[row].logprobs) for row in asking])
+        return sampled
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]

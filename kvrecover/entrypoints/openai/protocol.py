@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvrecover.sampling import SamplingParams
+from kvrecover.sampling import MAX_LOGPROBS, SamplingParams
 from kvrecover.tokenizer import check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -109,7 +109,14 @@ class _GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     n: int = 1
-    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    min_tokens: int = 0  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's
     # Structured outputs (checked by `openai/structured.py`): OpenAI's and vLLM's fields.
     response_format: Any = None
     structured_outputs: Any = None
@@ -126,13 +133,17 @@ class _GenerationFields(BaseModel):
             return [checked_text(self.stop, "stop")] if self.stop else []
         return [checked_text(s, f"stop[{i}]") for i, s in enumerate(self.stop) if s]
 
+    def output_logprobs(self) -> int | None:
+        """Top logprobs per output token, or None for none (per endpoint)."""
+        raise NotImplementedError
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token (vLLM's `prompt_logprobs`; completions' `echo`
+        with `logprobs` asks too), or None."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters; a bad value is an ApiError naming the field."""
-        if self.n != 1:
-            raise ApiError(400, f"n must be 1 (kvrecover returns one choice), got {self.n}",
-                           param="n")
-        if self.logprobs not in (None, False):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ApiError(400, f"stop takes at most 4 strings, got {len(self.stop)}",
                            param="stop")
@@ -145,10 +156,33 @@ class _GenerationFields(BaseModel):
                 seed=self.seed,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
+                n=self.n,
+                logprobs=self.output_logprobs(),
+                prompt_logprobs=self.scored_prompt_logprobs(),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if self.repetition_penalty is None
+                                    else self.repetition_penalty),
+                min_tokens=self.min_tokens,
+                logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
             )
         except ValueError as error:
             param = str(error).split(" ", 1)[0]
             raise ApiError(400, str(error), param=param) from error
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys (JSON strings) as token ids; a 400 otherwise."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids (decimal integers), "
+                                    f"got {key!r:.40}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_GenerationFields):
@@ -158,6 +192,10 @@ class CompletionRequest(_GenerationFields):
     max_tokens: int | None = None
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None
+    # kvrecover's own: write the logprobs in chat's shape (a chat request the proxy
+    # continues as a completion).
+    chat_logprobs: bool = False
     # kvrecover's own: the last `resumed_output_tokens` prompt tokens are output of an
     # earlier generation (a request the proxy migrated), of which `resumed_output_text`
     # reached the client; the new text continues theirs, and a seeded request's
@@ -178,11 +216,30 @@ class CompletionRequest(_GenerationFields):
                                 f"token-id prompt, got {count}", param="resumed_output_tokens")
         return list(prompt[-count:])
 
+    def output_logprobs(self) -> int | None:
+        """`logprobs`: top logprobs per token (OpenAI allows 0..5; kvrecover up to 20)."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                                f"{self.logprobs}", param="logprobs")
+        return self.logprobs
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """With `echo`, the prompt's logprobs come with `logprobs` (scoring the prompt
+        alone when max_tokens is 0, as lm-eval asks); else vLLM's `prompt_logprobs`."""
+        if self.echo and self.prompt_logprobs is None:
+            if self.logprobs is not None:
+                return self.output_logprobs()
+            if self.max_tokens == 0:
+                return 0  # the prompt is echoed alone: nothing to generate
+        return self.prompt_logprobs
+
     def engine_prompt(self) -> str | dict[str, list[int]]:
         """The one prompt, as the engine takes it; a batch of prompts is a 400."""
         prompt = self._single_prompt()
-        if self.echo or self.suffix:
-            raise ApiError(400, "echo and suffix are not supported", param="echo")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if self.echo and self.resumed_output_tokens:
+            raise ApiError(400, "echo does not go with resumed_output_tokens", param="echo")
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
@@ -247,6 +304,20 @@ class ChatCompletionRequest(_GenerationFields):
     # kvrecover's own (the proxy's): leave tool calls as the model's text in `content`
     # and name the parser in the TOOL_CALL_PARSER_HEADER header.
     raw_tool_calls: bool = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def output_logprobs(self) -> int | None:
+        """`top_logprobs` (0..20) when `logprobs` is true, as in OpenAI."""
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                                f"{top}", param="top_logprobs")
+        if not self.logprobs:
+            if top:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return top or 0
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (an assistant's earlier tool

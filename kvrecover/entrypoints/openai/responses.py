@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrecover.entrypoints.openai.http import internal_error
+from kvrecover.entrypoints.openai.logprobs import join_logprobs
 from kvrecover.entrypoints.openai.protocol import ApiError
 from kvrecover.entrypoints.openai.tools import ToolAnswer
 
@@ -35,11 +36,16 @@ DONE_EVENT = "data: [DONE]\n\n"
 
 
 class Fragment(Protocol):
-    """What one step added to the answer (the server's `Delta`, the proxy's `Piece`)."""
+    """What one step added to one choice of the answer (the server's `Chunk`, the
+    proxy's `Piece`): `logprobs` is the choice's OpenAI `logprobs` object for these
+    tokens (None when not asked for), `prompt_logprobs` vLLM's (on a first fragment)."""
 
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: dict[str, Any] | None
+    prompt_logprobs: list[Any] | None
 
 
 class Progress(Protocol):
@@ -58,6 +64,27 @@ def usage(progress: Progress) -> dict[str, int]:
     completion_tokens = progress.num_output_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class _Choice:
+    """One choice of a whole answer, gathered from its fragments."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[Any] | None = None
+    logprob_parts: list[dict[str, Any] | None] = field(default_factory=list)
+
+    def add(self, fragment: Fragment) -> None:
+        self.text += fragment.text
+        self.token_ids.extend(fragment.token_ids)
+        self.finish = fragment.finish_reason or self.finish
+        self.logprob_parts.append(fragment.logprobs)
+        if fragment.prompt_logprobs is not None:
+            self.prompt_logprobs = fragment.prompt_logprobs
 
 
 def sse_event(body: dict[str, Any]) -> str:
@@ -79,11 +106,23 @@ class OpenAIResponse:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     request_id: str = ""  # default: "chatcmpl-<hex>" or "cmpl-<hex>"
     created: int = field(default_factory=lambda: int(time.time()))
-    tools: ToolAnswer | None = None  # a chat request with tools: its calls' writer
+    # A chat request with tools: choice 0's calls' writer (each other choice of `n`
+    # gets a fresh one of the same request and parser: its text is parsed on its own).
+    tools: ToolAnswer | None = None
+    _choice_tools: dict[int, ToolAnswer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.request_id:
             self.request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _tool_answer(self, index: int) -> ToolAnswer | None:
+        """The tool-call writer of choice `index` (None: the request has no tools)."""
+        if self.tools is None or index == 0:
+            return self.tools
+        answer = self._choice_tools.get(index)
+        if answer is None:
+            answer = self._choice_tools[index] = ToolAnswer(self.tools.request, self.tools.parser)
+        return answer
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
@@ -93,24 +132,31 @@ class OpenAIResponse:
         # vLLM's place for them: on the body of a chat answer, on the choice of a completion.
         (body if self.chat else choice)["prompt_token_ids"] = self.progress.prompt_token_ids
 
-    def chunk(self, fragment: Fragment, first: bool) -> dict[str, Any]:
-        """One streamed chunk; the `first` one opens the assistant's message (chat) and
-        carries the prompt's token ids (with `return_token_ids`)."""
+    def chunk(self, fragment: Fragment, first: bool, first_of_choice: bool | None = None
+              ) -> dict[str, Any]:
+        """One streamed chunk; the first of a choice opens the assistant's message
+        (chat); the `first` of the stream carries the prompt's token ids (with
+        `return_token_ids`)."""
+        opens = first if first_of_choice is None else first_of_choice
         choice: dict[str, Any]
         if self.chat:
             finish = fragment.finish_reason
             delta = {"content": fragment.text}
-            if self.tools is not None:
-                delta = self.tools.delta(fragment.text, final=finish is not None)
-                finish = self.tools.finish_reason(finish)
-            if first:
+            tools = self._tool_answer(fragment.index)
+            if tools is not None:
+                delta = tools.delta(fragment.text, final=finish is not None)
+                finish = tools.finish_reason(finish)
+            if opens:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": fragment.index, "delta": delta, "logprobs": fragment.logprobs,
+                      "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": fragment.text, "logprobs": None,
-                      "finish_reason": fragment.finish_reason}
+            choice = {"index": fragment.index, "text": fragment.text,
+                      "logprobs": fragment.logprobs, "finish_reason": fragment.finish_reason}
         body = {**self._head(CHAT_CHUNK_OBJECT if self.chat else COMPLETION_OBJECT),
                 "choices": [choice]}
+        if fragment.prompt_logprobs is not None:
+            (body if self.chat else choice)["prompt_logprobs"] = fragment.prompt_logprobs
         if self.return_token_ids:
             choice["token_ids"] = fragment.token_ids
             if first:
@@ -124,39 +170,51 @@ class OpenAIResponse:
         return {**self._head(CHAT_CHUNK_OBJECT if self.chat else COMPLETION_OBJECT),
                 "choices": [], "usage": usage(self.progress)}
 
-    def whole(self, text: str, token_ids: list[int], finish_reason: str | None
-              ) -> dict[str, Any]:
-        """The body of a non-streamed answer."""
-        choice: dict[str, Any]
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                message = self.tools.message(text)
-                finish_reason = self.tools.finish_reason(finish_reason)
-            choice = {"index": 0, "message": message, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason}
-        body = {**self._head(CHAT_OBJECT if self.chat else COMPLETION_OBJECT),
-                "choices": [choice], "usage": usage(self.progress)}
-        if self.return_token_ids:
-            self._add_prompt_ids(body, choice)
-            choice["token_ids"] = token_ids
+    def whole(self, text: str, token_ids: list[int], finish_reason: str | None,
+              logprobs: dict[str, Any] | None = None,
+              prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+        """The body of a non-streamed answer of one choice."""
+        return self.whole_choices([_Choice(0, text, token_ids, finish_reason, logprobs,
+                                           prompt_logprobs)])
+
+    def whole_choices(self, choices: list[_Choice]) -> dict[str, Any]:
+        """The body of a non-streamed answer of several choices (in index order)."""
+        body: dict[str, Any] = {**self._head(CHAT_OBJECT if self.chat else COMPLETION_OBJECT),
+                                "choices": []}
+        for gathered in sorted(choices, key=lambda c: c.index):
+            choice: dict[str, Any]
+            if self.chat:
+                message = {"role": "assistant", "content": gathered.text}
+                finish = gathered.finish
+                tools = self._tool_answer(gathered.index)
+                if tools is not None:
+                    message = tools.message(gathered.text)
+                    finish = tools.finish_reason(finish)
+                choice = {"index": gathered.index, "message": message,
+                          "logprobs": gathered.logprobs, "finish_reason": finish}
+            else:
+                choice = {"index": gathered.index, "text": gathered.text,
+                          "logprobs": gathered.logprobs, "finish_reason": gathered.finish}
+            if gathered.prompt_logprobs is not None:
+                (body if self.chat else choice)["prompt_logprobs"] = gathered.prompt_logprobs
+            if self.return_token_ids:
+                self._add_prompt_ids(body, choice)
+                choice["token_ids"] = gathered.token_ids
+            body["choices"].append(choice)
+        body["usage"] = usage(self.progress)
         return body
 
     async def collect(self, fragments: AsyncGenerator[Fragment, None]) -> dict[str, Any]:
-        """The whole answer of `fragments` (their texts and token ids joined, the last
-        finish reason given); `fragments` is closed on the way out."""
-        text: list[str] = []
-        token_ids: list[int] = []
-        finish: str | None = None
+        """The whole answer of `fragments` (per choice: texts, token ids and logprobs
+        joined, the last finish reason given); `fragments` is closed on the way out."""
+        choices: dict[int, _Choice] = {}
         async with aclosing(fragments):
             async for fragment in fragments:
-                text.append(fragment.text)
-                token_ids.extend(fragment.token_ids)
-                finish = fragment.finish_reason or finish
-        return self.whole("".join(text), token_ids, finish)
+                gathered = choices.setdefault(fragment.index, _Choice(fragment.index))
+                gathered.add(fragment)
+        for gathered in choices.values():
+            gathered.logprobs = join_logprobs(gathered.logprob_parts)
+        return self.whole_choices(list(choices.values()) or [_Choice(0)])
 
     async def events(self, fragments: AsyncGenerator[Fragment, None]) -> AsyncIterator[str]:
         """The server-sent events of `fragments`: a chunk for each, the usage chunk when
@@ -164,10 +222,12 @@ class OpenAIResponse:
         `internal_error`) ends the stream with an error event and no `[DONE]`.
         `fragments` is closed on the way out (a client that left included)."""
         first = True
+        opened: set[int] = set()
         try:
             async with aclosing(fragments):
                 async for fragment in fragments:
-                    yield sse_event(self.chunk(fragment, first))
+                    yield sse_event(self.chunk(fragment, first, fragment.index not in opened))
+                    opened.add(fragment.index)
                     first = False
         except ApiError as error:
             yield sse_event(error.body())

@@ -57,6 +57,7 @@ class CompletionChoice(_Choice):
 
     text: str
     prompt_token_ids: TokenIds | None = None
+    prompt_logprobs: list[Any] | None = None  # vLLM's
 
 
 class ChatDelta(_Shape):
@@ -105,6 +106,7 @@ class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"]
     choices: list[ChatStreamChoice]
     prompt_token_ids: TokenIds | None = None
+    prompt_logprobs: list[Any] | None = None  # vLLM's
 
 
 class ChatCompletion(_Answer):
@@ -113,6 +115,7 @@ class ChatCompletion(_Answer):
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
     prompt_token_ids: TokenIds | None = None
+    prompt_logprobs: list[Any] | None = None  # vLLM's
 
 
 class ErrorDetail(_Shape):

@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
 from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_body
+from kvrecover.entrypoints.openai.interleave import interleave
 from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
 from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
@@ -34,7 +35,14 @@ from kvrecover.entrypoints.openai.tools import ToolAnswer, ToolRequest
 from kvrecover.entrypoints.proxy.checks import Piece
 from kvrecover.entrypoints.proxy.config import ProxyConfig
 from kvrecover.entrypoints.proxy.instances import InstancePool, ProxyMetrics
-from kvrecover.entrypoints.proxy.request import CHAT, COMPLETIONS, ProxiedRequest, ProxyContext
+from kvrecover.entrypoints.proxy.request import (
+    CHAT,
+    COMPLETIONS,
+    ProxiedChoices,
+    ProxiedRequest,
+    ProxyContext,
+    choice_bodies,
+)
 from kvrecover.entrypoints.proxy.upstream import Rejected, classify_error
 
 FORWARDED_HEADERS = ("authorization",)
@@ -107,11 +115,12 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         usage = parse_stream_usage(body)
-        proxied = ProxiedRequest(holder["context"], path, body, _forwarded(request))
+        choices = [ProxiedRequest(holder["context"], path, choice_body, _forwarded(request))
+                   for choice_body in choice_bodies(body)]
         # Until a streamed response starts (Starlette watches the client from then
         # on), a client that leaves cancels the work, which closes the upstream
         # request, so the instance aborts it and frees its blocks.
-        answer = asyncio.ensure_future(respond(proxied, path, body, usage))
+        answer = asyncio.ensure_future(respond(choices, path, body, usage))
         try:
             while True:
                 done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
@@ -125,28 +134,43 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         finally:
             answer.cancel()  # a no-op once it is done; else this handler was cancelled
 
-    async def respond(proxied: ProxiedRequest, path: str, body: dict[str, Any],
+    async def respond(choices: list[ProxiedRequest], path: str, body: dict[str, Any],
                       usage: tuple[bool, bool]) -> Response:
-        await proxied.prefill()
-        first = await proxied.open_decode()
+        async def close() -> None:
+            for proxied in choices:
+                await proxied.close()
+
+        try:
+            await choices[0].prefill()  # the other choices find its KV (or compute it)
+            firsts = []
+            for index, proxied in enumerate(choices):
+                if index:
+                    proxied.prompt_token_ids = choices[0].prompt_token_ids
+                firsts.append(await proxied.open_decode())
+        except BaseException:
+            await close()
+            raise
         tools = ToolRequest.of(body.get("tools"), body.get("tool_choice")) \
             if path == CHAT else None
-        writer = OpenAIResponse(path == CHAT, body.get("model") or first.model or "",
-                                proxied, bool(body.get("return_token_ids")), *usage,
-                                request_id=f"proxy-{uuid.uuid4().hex}",
+        # Every choice's text is parsed on its own (with the parser that choice 0's
+        # instance named: the instances serve one checkpoint).
+        writer = OpenAIResponse(path == CHAT, body.get("model") or firsts[0].model or "",
+                                ProxiedChoices(choices), bool(body.get("return_token_ids")),
+                                *usage, request_id=f"proxy-{uuid.uuid4().hex}",
                                 tools=None if tools is None else
-                                ToolAnswer(tools, proxied.tool_call_parser))
-        headers = {"x-kvrecover-decode-instance": proxied.decode_stream.instance.url}
-        pieces = _chain(first, proxied.pieces(first))
+                                ToolAnswer(tools, choices[0].tool_call_parser))
+        headers = {"x-kvrecover-decode-instance": choices[0].decode_stream.instance.url}
+        pieces = interleave([_chain(index, first, proxied.pieces(first)) for index, (proxied, first)
+                             in enumerate(zip(choices, firsts))])
         if body.get("stream"):
             return StreamingResponse(writer.events(pieces), headers=headers,
                                      media_type="text/event-stream",
-                                     background=BackgroundTask(proxied.close))
+                                     background=BackgroundTask(close))
         try:
             return JSONResponse(await writer.collect(pieces), headers=headers)
         finally:
             await pieces.aclose()
-            await proxied.close()  # `pieces` may not have started: then aclose ran nothing
+            await close()  # `pieces` may not have started: then aclose ran nothing
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -164,11 +188,14 @@ def _forwarded(request: Request) -> dict[str, str]:
 
 
 async def _chain(
-    first: Piece, rest: AsyncGenerator[Piece, None]
+    index: int, first: Piece, rest: AsyncGenerator[Piece, None]
 ) -> AsyncGenerator[Piece, None]:
+    """Choice `index`'s pieces: `first`, then `rest`."""
     try:
+        first.index = index
         yield first
         async for piece in rest:
+            piece.index = index
             yield piece
     finally:
         await rest.aclose()

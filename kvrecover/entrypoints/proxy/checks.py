@@ -51,13 +51,16 @@ class ImpossibleOutput(ValueError):
 
 @dataclass
 class Piece:
-    """What one upstream chunk added."""
+    """What one upstream chunk added (to choice `index` of the client's answer)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None  # on the first chunk
     model: str | None = None
+    logprobs: dict[str, Any] | None = None  # the chunk's OpenAI logprobs object
+    prompt_logprobs: list[Any] | None = None  # vLLM's, on the first chunk
+    index: int = 0
 
 
 def piece_from_event(event: Any, chat: bool) -> Piece:
@@ -70,15 +73,18 @@ def piece_from_event(event: Any, chat: bool) -> Piece:
         text, token_ids, finish = (chat_choice.delta.content or "", chat_choice.token_ids,
                                    chat_choice.finish_reason)
         prompt_ids, model = chunk.prompt_token_ids, chunk.model
+        logprobs, prompt_logprobs = chat_choice.logprobs, chunk.prompt_logprobs
     else:
         completion = parse_shape(Completion, event)
         choice = _only_choice(completion.choices)
         text, token_ids, finish = choice.text, choice.token_ids, choice.finish_reason
         prompt_ids, model = choice.prompt_token_ids, completion.model
+        logprobs, prompt_logprobs = choice.logprobs, choice.prompt_logprobs
     if token_ids is None:
         raise ShapeError("a chunk without the token_ids the proxy asked for")
     return Piece(text, list(token_ids), finish,
-                 None if prompt_ids is None else list(prompt_ids), model)
+                 None if prompt_ids is None else list(prompt_ids), model, logprobs,
+                 prompt_logprobs)
 
 
 def prefill_prompt_ids(answer: Any, chat: bool, instance: Instance) -> list[int]:

@@ -11,12 +11,15 @@
 3. Migration: an instance that dies mid-stream has the request continued on
    another one as a completion of prompt + tokens already sent, with the rest of
    `max_tokens` (and `resumed_output_tokens` / `resumed_output_text`, so its text
-   continues the first one's). Greedy and seeded requests continue token for
-   token as if undisturbed (the instance resumes a seeded request's per-token
-   seeds at `resumed_output_tokens`); unseeded sampling continues afresh. A
-   request's grammar (`response_format`, `structured_outputs`, or the one its
-   `tool_choice` forces) goes with it: the instance replays the resumed tokens
-   through a fresh matcher before it samples.
+   continues the first one's, its penalties and `min_tokens` count the tokens sent
+   as output, and its logprobs come in the client's shape). Greedy and seeded
+   requests continue token for token as if undisturbed (the instance resumes a
+   seeded request's per-token seeds at `resumed_output_tokens`); unseeded sampling
+   continues afresh. A request's grammar (`response_format`, `structured_outputs`,
+   or the one its `tool_choice` forces) goes with it: the instance replays the
+   resumed tokens through a fresh matcher before it samples. A request of `n`
+   choices is `n` requests of one (choice i seeded `choice_seed(seed, i)`, as an
+   instance seeds it), each migrated alone, with its own grammar.
 Every step is bounded by `max_retries`. An instance whose answer is of the wrong
 shape or impossible for the request (`checks.py`) counts as failed: at
 step 1 it is skipped, at step 2 failed over, at step 3 migrated away from.
@@ -50,12 +53,16 @@ from kvrecover.entrypoints.proxy.upstream import (
     open_stream,
     post_json,
 )
+from kvrecover.sampling import MAX_N, choice_seed
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-# What a continuation keeps of the original request (besides the prompt).
+# What a continuation keeps of the original request (besides the prompt). Penalties
+# count the resumed tokens as output (`resumed_output_tokens`), as does `min_tokens`.
 CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "ignore_eos", "response_format", "structured_outputs")
+                     "stop_token_ids", "ignore_eos", "response_format", "structured_outputs",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_tokens", "logit_bias", "allowed_token_ids", "bad_words")
 UNBOUNDED_MAX_TOKENS = 1 << 30  # the engine caps a request at max_model_len anyway
 
 
@@ -188,9 +195,21 @@ class ProxiedRequest:
                     stream=True, return_token_ids=True,
                     resumed_output_tokens=len(self.generated),
                     resumed_output_text="".join(self.sent_text))
+        body.update(self._continued_logprobs())
         piece = await self._open(COMPLETIONS, body, continuation=True)
         piece.prompt_token_ids = None  # the continuation's prompt is not the client's
+        piece.prompt_logprobs = None  # nor are its prompt logprobs (the first piece had them)
         return piece
+
+    def _continued_logprobs(self) -> dict[str, Any]:
+        """The logprobs a continuation (a completion) asks for: the client's, in the
+        client's shape (a chat's through kvrecover's `chat_logprobs`)."""
+        if self.path == COMPLETIONS:
+            logprobs = self.body.get("logprobs")
+            return {} if logprobs is None else {"logprobs": logprobs}
+        if self.body.get("logprobs") is not True:
+            return {}
+        return {"logprobs": self.body.get("top_logprobs") or 0, "chat_logprobs": True}
 
     async def _open(self, path: str, body: dict[str, Any], continuation: bool = False) -> Piece:
         context = self.context
@@ -239,3 +258,31 @@ class ProxiedRequest:
             stream.instance.in_flight -= 1
             await stream.close()
 
+
+
+def choice_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests of one choice each that a request of `n` choices becomes: choice i
+    seeded `choice_seed(seed, i)`, as an instance seeds it. An `n` the instance would
+    refuse is passed on as it is (the instance answers the 400)."""
+    n = body.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N:
+        return [body]
+    seed = body.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return [{**body, "n": 1} for _ in range(n)]
+    return [{**body, "n": 1, "seed": choice_seed(seed, i)} for i in range(n)]
+
+
+class ProxiedChoices:
+    """The usage of an answer of several proxied choices: one prompt, all their outputs."""
+
+    def __init__(self, choices: list[ProxiedRequest]) -> None:
+        self.choices = choices
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.choices[0].prompt_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrecover.engine import EngineSnapshot
-from kvrecover.outputs import CompletionOutput, RequestOutput
+from kvrecover.outputs import CompletionOutput, RequestOutput, choice_request_id
 from kvrecover.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class _Add:
     request_id: str
     prompt: str | dict
     params: SamplingParams
-    stream: OutputStream
+    streams: list[OutputStream]  # one per choice (`params.n`)
 
 
 @dataclass
@@ -114,14 +114,23 @@ class EngineLoop:
 
     # ----- called from the asyncio loop ----------------------------------------
     def add(self, request_id: str, prompt: str | dict, params: SamplingParams) -> OutputStream:
-        """Queue a request; its outputs arrive on the returned stream."""
-        stream = OutputStream(asyncio.get_running_loop())
+        """Queue a request of one choice; its outputs arrive on the returned stream."""
+        return self.add_choices(request_id, prompt, params)[0]
+
+    def add_choices(self, request_id: str, prompt: str | dict,
+                    params: SamplingParams) -> list[OutputStream]:
+        """Queue a request of `params.n` choices: choice i's outputs arrive on stream i
+        (under `choice_request_id(request_id, i, n)`, the id `abort` takes for it)."""
+        loop = asyncio.get_running_loop()
+        streams = [OutputStream(loop) for _ in range(params.n)]
         if not self.alive:
-            stream.queue.put_nowait(
-                error_output(request_id, "the engine loop is not running", "internal_error"))
-            return stream
-        self._commands.put(_Add(request_id, prompt, params, stream))
-        return stream
+            for index, stream in enumerate(streams):
+                stream.queue.put_nowait(error_output(
+                    choice_request_id(request_id, index, params.n),
+                    "the engine loop is not running", "internal_error"))
+            return streams
+        self._commands.put(_Add(request_id, prompt, params, streams))
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (no more outputs arrive for it)."""
@@ -192,20 +201,24 @@ class EngineLoop:
         ValueError (bad input) as an invalid_request_error, anything else (a bug in
         tokenizing or checking it) as an internal_error, with any part of it already
         queued withdrawn. Only a failing step ends the loop."""
+        n = len(command.streams)
+        ids = [choice_request_id(command.request_id, i, n) for i in range(n)]
         try:
             self.llm.engine.add_request(command.request_id, command.prompt, command.params)
         except Exception as error:
             if isinstance(error, ValueError):
-                output = error_output(command.request_id, str(error), "invalid_request_error")
+                message, error_type = str(error), "invalid_request_error"
             else:
                 logger.exception("adding request %s failed", command.request_id)
-                if command.request_id not in self._streams:  # not another request's id
+                if not any(i in self._streams for i in ids):  # not another request's id
                     self.llm.engine.abort_request(command.request_id)
-                output = error_output(command.request_id, f"the request could not be added: "
-                                      f"{type(error).__name__}: {error}", "internal_error")
-            command.stream.loop.call_soon_threadsafe(command.stream.queue.put_nowait, output)
+                message = f"the request could not be added: {type(error).__name__}: {error}"
+                error_type = "internal_error"
+            for choice_id, stream in zip(ids, command.streams):
+                output = error_output(choice_id, message, error_type)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
             return
-        self._streams[command.request_id] = command.stream
+        self._streams.update(zip(ids, command.streams))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}

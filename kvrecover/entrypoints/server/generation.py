@@ -28,7 +28,7 @@ from kvrecover.entrypoints.openai.protocol import ApiError
 from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.server.engine_loop import EngineLoop, OutputStream
 from kvrecover.entrypoints.server.metrics import ServerMetrics
-from kvrecover.outputs import RequestOutput
+from kvrecover.outputs import RequestOutput, TokenLogprob
 from kvrecover.sampling import SamplingParams
 
 # HTTP status of each engine error type. A KV load failure is 503: the instance is
@@ -38,11 +38,12 @@ ERROR_STATUS = {"invalid_request_error": 400, "kv_load_failed": 503, "internal_e
 
 @dataclass
 class Delta:
-    """What one step added to a request."""
+    """What one step added to a request (one choice of it)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None  # set on the last delta
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
 
 
 class Generation:
@@ -51,7 +52,8 @@ class Generation:
     def __init__(self, loop: EngineLoop, request_id: str, prompt: str | dict,
                  params: SamplingParams, detokenizer: IncrementalDetokenizer,
                  receive: Receive | None,
-                 metrics: ServerMetrics, endpoint: str) -> None:
+                 metrics: ServerMetrics, endpoint: str,
+                 stream: OutputStream | None = None, index: int = 0) -> None:
         self.loop = loop
         self.request_id = request_id
         self.prompt = prompt
@@ -63,17 +65,22 @@ class Generation:
         self.metrics = metrics
         self.endpoint = endpoint
         self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.index = index  # the choice this generation is, of the request's `n`
         self.num_sent_tokens = 0
         self.finish_reason: str | None = None
-        self._stream: OutputStream | None = None
+        self._stream: OutputStream | None = stream  # None: `first` adds the request
         self._pending: RequestOutput | None = None
         self._arrival = time.monotonic()
         self._first_token_at: float | None = None
         self._recorded = False
 
     async def first(self) -> None:
-        """Submit and wait until the first output; an engine error is an ApiError."""
-        self._stream = self.loop.add(self.request_id, self.prompt, self.params)
+        """Submit (unless the stream was given: one choice of a request added with
+        `EngineLoop.add_choices`) and wait until the first output; an engine error is
+        an ApiError."""
+        if self._stream is None:
+            self._stream = self.loop.add(self.request_id, self.prompt, self.params)
         if self._receive is not None:  # after the add: the abort must follow it
             self._watcher = asyncio.create_task(
                 self._watch_disconnect(self._receive, self._stream))
@@ -86,6 +93,7 @@ class Generation:
             self.stop_watching()
             raise self._error(output)
         self.prompt_token_ids = list(output.prompt_token_ids)
+        self.prompt_logprobs = output.prompt_logprobs
         self._pending = output
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
@@ -149,6 +157,8 @@ class Generation:
         if token_ids and self._first_token_at is None:
             self._first_token_at = time.monotonic()
         new_tokens = token_ids[self.num_sent_tokens:]
+        logprobs = None if completion.logprobs is None else \
+            completion.logprobs[self.num_sent_tokens:len(token_ids)]
         self.num_sent_tokens = max(self.num_sent_tokens, len(token_ids))
         text = self.detokenizer.update(token_ids, completion.text if output.finished else None)
         finish = completion.finish_reason if output.finished else None
@@ -158,7 +168,7 @@ class Generation:
         elif self.detokenizer.stopped:
             finish = "stop"
         self.finish_reason = finish
-        return Delta(text, new_tokens, finish)
+        return Delta(text, new_tokens, finish, logprobs)
 
     async def _next(self) -> RequestOutput:
         stream = self._stream

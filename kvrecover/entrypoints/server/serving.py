@@ -1,9 +1,11 @@
 """`/v1/completions` and `/v1/chat/completions`: request -> Generation -> response.
 
-Both wait for the first token (or the error) before answering; the answer, whole or
-streamed, is written by `openai/responses.py` (the format the proxy writes too). A
-streamed answer sends a chunk without new text only to a client that asked for
-token ids (or when it opens the stream or carries the finish reason).
+Both wait for the first token of every choice (or the error) before answering; the
+answer, whole or streamed, is written by `openai/responses.py` (the format the proxy
+writes too), its `n` choices interleaved (`choices.py`). A streamed answer sends a
+chunk without new text only to a client that asked for token ids or logprobs (or
+when it opens a choice or carries its finish reason). A completion with `echo` puts
+the prompt (and, with `logprobs`, the prompt tokens' logprobs) before the output.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from kvrecover.entrypoints.openai.interleave import interleave
+from kvrecover.entrypoints.openai.logprobs import LogprobsFormatter
 from kvrecover.entrypoints.openai.protocol import (
     TOOL_CALL_PARSER_HEADER,
     ApiError,
@@ -30,10 +34,17 @@ from kvrecover.entrypoints.openai.responses import OpenAIResponse
 from kvrecover.entrypoints.openai.structured import structured_outputs_of
 from kvrecover.entrypoints.openai.tools import ToolAnswer, ToolRequest
 from kvrecover.entrypoints.server.chat_template import ChatTemplate
+from kvrecover.entrypoints.server.choices import (
+    ChoicesProgress,
+    Chunk,
+    EchoedPrompt,
+    choice_chunks,
+)
 from kvrecover.entrypoints.server.detokenizer import IncrementalDetokenizer
 from kvrecover.entrypoints.server.engine_loop import EngineLoop
-from kvrecover.entrypoints.server.generation import Delta, Generation
+from kvrecover.entrypoints.server.generation import Generation
 from kvrecover.entrypoints.server.metrics import ServerMetrics
+from kvrecover.outputs import choice_request_id
 from kvrecover.sampling import SamplingParams, resumed_request_seed
 from kvrecover.structured.params import StructuredOutputsParams
 from kvrecover.tokenizer import Tokenizer
@@ -66,20 +77,29 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
     params = request.sampling_params(request.max_new_tokens())
     grammar = structured_outputs_of(request.response_format, request.structured_outputs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
     resumed = request.resumed_token_ids()
+    resumed_text = request.resumed_output_text if resumed else ""
     if resumed:
-        detokenizer.resume(resumed, request.resumed_output_text)
+        params = replace(params, resumed_output_tokens=len(resumed))
         if params.seed is not None:  # continue the original's per-token seeds
             params = replace(params, seed=resumed_request_seed(params.seed, len(resumed)))
         if grammar is not None:  # the grammar resumes where the first instance left it
             grammar = replace(grammar, replay_prompt_tokens=len(resumed))
     params = replace(params, structured_outputs=grammar)
-    generation = await _start(state, http, request_id, prompt, params, detokenizer,
-                              "completions")
-    writer = OpenAIResponse(False, state.model_name, generation, request.return_token_ids,
-                            final_usage, continuous_usage, request_id)
-    return await _answer(generation, writer, request.stream)
+    generations = await _start(state, http, request_id, prompt, params, request.stop_strings(),
+                               "completions", resumed, resumed_text)
+    echo = None
+    if request.echo:
+        prompt_ids = generations[0].prompt_token_ids
+        text = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
+        echo = EchoedPrompt(text, request.logprobs is not None)
+    # A continuation's text offsets go on from the tokens it resumes (as undisturbed).
+    offset = sum(len(t) for t in state.tokenizer.token_texts(resumed)) if resumed else 0
+    chunks = [choice_chunks(g, _formatter(state, params, request.chat_logprobs, offset), echo,
+                            request.prompt_logprobs is not None) for g in generations]
+    writer = OpenAIResponse(False, state.model_name, ChoicesProgress(generations),
+                            request.return_token_ids, final_usage, continuous_usage, request_id)
+    return await _answer(generations, interleave(chunks), writer, request.stream)
 
 
 async def create_chat_completion(state: ServingState, http: Request, body: Any) -> Response:
@@ -105,12 +125,14 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     params = request.sampling_params(request.max_new_tokens(room))
     params = replace(params, structured_outputs=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    detokenizer = IncrementalDetokenizer(state.tokenizer, request.stop_strings())
-    generation = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
-                              params, detokenizer, "chat")
-    writer = OpenAIResponse(True, state.model_name, generation, request.return_token_ids,
-                            final_usage, continuous_usage, request_id, tools=answer)
-    return await _answer(generation, writer, request.stream, headers)
+    generations = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
+                               params, request.stop_strings(), "chat")
+    chunks = [choice_chunks(g, _formatter(state, params, True), None,
+                            request.prompt_logprobs is not None) for g in generations]
+    writer = OpenAIResponse(True, state.model_name, ChoicesProgress(generations),
+                            request.return_token_ids, final_usage, continuous_usage, request_id,
+                            tools=answer)
+    return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 
 
 def _tool_grammar(tools: ToolRequest, grammar: StructuredOutputsParams | None
@@ -125,35 +147,66 @@ def _tool_grammar(tools: ToolRequest, grammar: StructuredOutputsParams | None
     return forced
 
 
+def _formatter(state: ServingState, params: SamplingParams, chat: bool,
+               text_offset: int = 0) -> LogprobsFormatter | None:
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return None
+    return LogprobsFormatter(state.tokenizer.token_texts, chat, text_offset)
+
+
 async def _start(state: ServingState, http: Request, request_id: str,
                  prompt: str | dict[str, list[int]], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, endpoint: str) -> Generation:
-    generation = Generation(state.loop, request_id, prompt, params, detokenizer,
-                            http.receive, state.metrics, endpoint)
-    await generation.first()
-    return generation
+                 stop: list[str], endpoint: str, resumed: list[int] | None = None,
+                 resumed_text: str = "") -> list[Generation]:
+    """Submit the request and wait for every choice's first output (or the error)."""
+    streams = state.loop.add_choices(request_id, prompt, params) if params.n > 1 else [None]
+    generations = []
+    for index, stream in enumerate(streams):
+        detokenizer = IncrementalDetokenizer(state.tokenizer, stop)
+        if resumed:
+            detokenizer.resume(resumed, resumed_text)
+        generations.append(Generation(
+            state.loop, choice_request_id(request_id, index, params.n), prompt, params,
+            detokenizer, http.receive if index == 0 else None, state.metrics, endpoint,
+            stream, index))
+    try:
+        for generation in generations:
+            await generation.first()
+    except BaseException:
+        for generation in generations:
+            generation.close()
+        raise
+    return generations
 
 
-async def _answer(generation: Generation, writer: OpenAIResponse, stream: bool,
+async def _answer(generations: list[Generation], chunks: AsyncGenerator[Chunk, None],
+                  writer: OpenAIResponse, stream: bool,
                   headers: dict[str, str] | None = None) -> Response:
     if not stream:
-        return JSONResponse(await writer.collect(generation.deltas()), headers=headers)
+        return JSONResponse(await writer.collect(chunks), headers=headers)
     # Once streaming, Starlette watches for the disconnect and cancels the events;
     # watching here too would race it for the same ASGI message.
-    generation.stop_watching()
-    deltas = _worth_sending(generation.deltas(), writer.return_token_ids)
-    return StreamingResponse(writer.events(deltas), media_type="text/event-stream",
+    for generation in generations:
+        generation.stop_watching()
+
+    def close() -> None:
+        for generation in generations:
+            generation.close()
+
+    return StreamingResponse(writer.events(_worth_sending(chunks, writer.return_token_ids)),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", **(headers or {})},
-                             background=BackgroundTask(generation.close))
+                             background=BackgroundTask(close))
 
 
-async def _worth_sending(deltas: AsyncGenerator[Delta, None],
-                         with_token_ids: bool) -> AsyncGenerator[Delta, None]:
-    """The deltas a streamed answer sends: the first, the last, and those with new
-    text (or, for a client that asked for token ids, every one)."""
-    first = True
-    async with aclosing(deltas):
-        async for delta in deltas:
-            if first or delta.text or with_token_ids or delta.finish_reason:
-                yield delta
-            first = False
+async def _worth_sending(chunks: AsyncGenerator[Chunk, None],
+                         with_token_ids: bool) -> AsyncGenerator[Chunk, None]:
+    """The chunks a streamed answer sends: each choice's first and last, and those with
+    new text or logprobs (or, for a client that asked for token ids, every one)."""
+    opened: set[int] = set()
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            if chunk.index not in opened or chunk.text or with_token_ids or \
+                    chunk.finish_reason or chunk.logprobs:
+                yield chunk
+            opened.add(chunk.index)

@@ -24,6 +24,9 @@ class Fragment:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    index: int = 0
+    logprobs: dict | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -117,3 +120,32 @@ def test_an_error_mid_stream_ends_with_an_error_event_and_no_done(error, message
 def test_request_ids_by_kind():
     assert OpenAIResponse(False, "m", Progress()).request_id.startswith("cmpl-")
     assert OpenAIResponse(True, "m", Progress()).request_id.startswith("chatcmpl-")
+
+
+def test_choices_interleave_and_a_whole_answer_joins_each_choices_logprobs():
+    def part(tokens: list[str], values: list[float]) -> dict:
+        return {"tokens": tokens, "token_logprobs": values,
+                "top_logprobs": [{t: v} for t, v in zip(tokens, values)],
+                "text_offset": [0] * len(tokens)}
+    items = [Fragment("a", [1], None, 0, part(["a"], [-1.0])),
+             Fragment("x", [7], None, 1, part(["x"], [-2.0])),
+             Fragment("b", [2], "length", 0, part(["b"], [-0.5])),
+             Fragment("y", [8], "stop", 1, part(["y"], [-0.25]))]
+    answer = writer(False)
+    body = asyncio.run(answer.collect(fragments(items, answer.progress)))
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["text"] for c in body["choices"]] == ["ab", "xy"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["choices"][1]["logprobs"]["token_logprobs"] == [-2.0, -0.25]
+    assert body["usage"]["completion_tokens"] == 4
+    parse_shape(Completion, body)
+    chat = writer(True)
+    events = asyncio.run(_events(chat, items))
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    # Each choice opens its own assistant message, once.
+    assert [("role" in c["choices"][0]["delta"], c["choices"][0]["index"]) for c in chunks] == \
+        [(True, 0), (True, 1), (False, 0), (False, 1)]
+
+
+async def _events(answer: OpenAIResponse, items) -> list[str]:
+    return [e async for e in answer.events(fragments(items, answer.progress))]

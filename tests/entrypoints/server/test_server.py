@@ -224,7 +224,7 @@ MALFORMED = [
     ("/v1/completions", json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": "hi", "top_k": 0}).encode(), 400),
-    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}).encode(), 400),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 17}).encode(), 400),  # above MAX_N
     ("/v1/completions", json.dumps({"prompt": "", "max_tokens": 2}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": [1, 99999]}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": ["a", "b"]}).encode(), 400),

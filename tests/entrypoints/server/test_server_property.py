@@ -27,11 +27,13 @@ BASES = {
 }
 SHARED_FIELDS = ["model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "stream", "stream_options", "return_token_ids", "n",
-                 "logprobs", "max_tokens", "an_unknown_field"]
+                 "logprobs", "max_tokens", "an_unknown_field", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+                 "allowed_token_ids", "bad_words", "prompt_logprobs"]
 FIELDS = {
     "/v1/completions": SHARED_FIELDS + ["prompt", "echo", "suffix", "resumed_output_tokens",
                                         "resumed_output_text"],
-    "/v1/chat/completions": SHARED_FIELDS + ["messages", "max_completion_tokens",
+    "/v1/chat/completions": SHARED_FIELDS + ["messages", "max_completion_tokens", "top_logprobs",
                                              "messages.0", "messages.0.role",
                                              "messages.0.content"],
 }
