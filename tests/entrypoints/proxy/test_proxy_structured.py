@@ -134,3 +134,46 @@ def test_auto_tool_calls_through_the_proxy_use_the_instances_parser(tmp_path):
     assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in strip]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_json_schema_with_logprobs_penalties_and_n_migrates_exactly(
+        fresh_cluster, reference):  # noqa: F811
+    """Both choices of a seeded n=2 request under a JSON schema, with logprobs and the
+    three penalties, give the undisturbed stream when their decode instance is killed:
+    each choice's continuation replays its tokens through its own matcher and counts
+    them for its penalties."""
+    from test_proxy_sampling import PENALTIES, assert_same_logprobs, flat_logprobs, read_stream
+
+    spec = StructuredOutputsParams(json=SCORES_SCHEMA)
+    knobs = {"temperature": 0.9, "top_k": 30, "seed": 17}
+    offline = reference.generate([PROMPT], SamplingParams(
+        max_tokens=300, n=2, logprobs=1, structured_outputs=spec, **PENALTIES, **knobs))[0]
+    body = {"prompt": PROMPT, "max_tokens": 300, "stream": True, "return_token_ids": True,
+            "n": 2, "logprobs": 1, **PENALTIES, **knobs,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "scores", "schema": SCORES_SCHEMA}}}
+    cluster = fresh_cluster
+    proxy = cluster.proxy(health_interval=600)
+    undisturbed, done = read_stream(proxy.url, "/v1/completions", body)
+    assert done
+    assert [undisturbed[i]["token_ids"] for i in (0, 1)] == \
+        [c.token_ids for c in offline.outputs]
+    killed = []
+
+    def kill_serving(response):
+        serving = next(d for d in cluster.decode
+                       if d.url == response.headers["x-kvrecover-decode-instance"])
+        serving.kill(signal.SIGKILL)
+        killed.append(serving)
+
+    migrated, done = read_stream(proxy.url, "/v1/completions", body, kill_serving)
+    assert done
+    for index in (0, 1):
+        got, want = migrated[index], undisturbed[index]
+        assert (got["text"], got["token_ids"], got["finish"]) == \
+            (want["text"], want["token_ids"], "stop")
+        assert schema_errors(json.loads(got["text"]), SCORES_SCHEMA) == []
+        assert_same_logprobs(flat_logprobs(got["logprobs"], False),
+                             flat_logprobs(want["logprobs"], False))
+        assert len(flat_logprobs(got["logprobs"], False)) == len(want["token_ids"])
+    assert_migrated(cluster, proxy, killed[0])
