@@ -66,7 +66,7 @@ def test_unsupported_architecture_is_a_clean_error(capsys, tiny_llama, tmp_path)
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
         (["--temperature", "-1"], "temperature must be 0 (greedy) or a finite number >= 1e-05"),
         (["--device", "tpu"], "device must be 'auto', 'cpu' or 'cuda"),
     ],
