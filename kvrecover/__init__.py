@@ -4,6 +4,8 @@ from kvrecover.config import EngineArgs, KVTransferConfig
 from kvrecover.llm import LLM
 from kvrecover.outputs import CompletionOutput, RequestOutput
 from kvrecover.sampling import SamplingParams
+from kvrecover.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "KVTransferConfig", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "KVTransferConfig", "EngineArgs",
+           "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

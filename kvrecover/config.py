@@ -199,6 +199,10 @@ class EngineArgs:
         "promise run (default: on, unless the environment sets KVRECOVER_NATIVE_KERNELS=0)",
         bool, nullable=True)
 
+    tensor_parallel_size: int = option(
+        1, "ranks the model is sharded over, one process each (gloo on the CPU, NCCL on "
+        "GPUs: one GPU per rank)", int, minimum=1, metavar="N")
+
     def __post_init__(self) -> None:
         self.model = path_or_none(self.model)
         validate(self)

@@ -23,7 +23,12 @@ NULL_BLOCK_ID = 0  # never allocated: padding in block tables points here
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The engine's KV cache layout; KV stored under another layout is never loaded."""
+    """The engine's KV cache layout; KV stored under another layout is never loaded.
+
+    Under tensor parallelism each rank has its own layout: `num_kv_heads` is the
+    rank's own KV heads and the fingerprint names the size and the rank, so KV one
+    rank stored is never loaded by another rank, nor at another size.
+    """
 
     model_identity: str
     dtype: torch.dtype
@@ -31,6 +36,8 @@ class KVCacheLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -50,6 +57,8 @@ class KVCacheLayout:
             f"{self.model_identity}|{self.dtype}|{self.block_size}|"
             f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}"
         )
+        if self.tensor_parallel_size > 1:  # size 1 keeps the digests stored before ranks
+            text += f"|tp{self.tensor_parallel_size}|rank{self.tensor_parallel_rank}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

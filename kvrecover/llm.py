@@ -11,6 +11,7 @@ from kvrecover.engine.snapshot import EngineSnapshot
 from kvrecover.options import option_fields, reject_unknown
 from kvrecover.outputs import RequestOutput, choice_request_id
 from kvrecover.sampling import SamplingParams
+from kvrecover.structured.params import StructuredOutputsParams
 
 
 class LLM:
@@ -60,6 +61,11 @@ class LLM:
     def snapshot(self) -> EngineSnapshot:
         """The engine's counters, queue sizes and KV cache use now (between steps)."""
         return self.engine.snapshot()
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile and cache a structured-output grammar before it is used (a ValueError
+        when it does not compile); safe from any thread (`Engine.compile_grammar`)."""
+        self.engine.compile_grammar(spec)
 
     def get_tokenizer(self) -> Any:
         """The tokenizer used to encode prompts and decode outputs."""

@@ -30,7 +30,7 @@ def wide_model(tmp_path_factory) -> Path:
     """Small weights, but 128 KiB KV blocks (16 tokens, bf16) and 32k positions: the KV
     budget (a share of the GPU) binds, not the cap of max_num_seqs full sequences."""
     return build_tiny_model(tmp_path_factory.mktemp("wide"), hidden_size=512,
-                            intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                            intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                             num_key_value_heads=4, max_position_embeddings=32768)
 
 

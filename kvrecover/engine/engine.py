@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrecover.config import EngineArgs
+from kvrecover.distributed.errors import RankFailedError
 from kvrecover.engine.inputs import check_request, logits_spec, prompt_tokens
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.request import Request, RequestStatus
@@ -24,9 +26,11 @@ from kvrecover.options import validate
 from kvrecover.outputs import CompletionOutput, RequestOutput, choice_request_id
 from kvrecover.sampling import SamplingParams, choice_seed
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
+from kvrecover.structured.params import StructuredOutputsParams
 from kvrecover.structured.state import GrammarState
 from kvrecover.tokenizer import Tokenizer
 from kvrecover.worker.model_runner import ModelRunner
+from kvrecover.worker.parallel_runner import RankSpec, TensorParallelRunner
 
 if TYPE_CHECKING:
     from kvrecover.structured.compiler import GrammarCompiler
@@ -62,11 +66,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(args.seed)
-        self.model_runner = ModelRunner(
-            self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len,
-            self.layout, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
-            attention_backend=config.attention_backend, native_kernels=args.native_kernels,
-        )
+        self.model_runner: ModelRunner | TensorParallelRunner = _model_runner(config)
         # After the weights: a GPU's budget is what they left free.
         self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
@@ -82,17 +82,20 @@ class Engine:
         self._request_counter = 0
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._choices: dict[str, list[str]] = {}  # an n > 1 request's id -> its choices' ids
+        self._grammars_lock = threading.Lock()  # compile_grammar may run on another thread
         # Prefix caching and connectors key blocks by their chain hash: hash the
         # prompt once here; connectors only read `request.block_hashes`.
         self._hash_prompts = args.enable_prefix_caching or connector is not None
         # A launched, overlapped decode step: (its schedule, its pending tokens).
         self._in_flight: tuple[SchedulerOutput, PendingDecode] | None = None
         self.closed = False
+        self.failure: str | None = None  # why the engine stopped by itself (`check_health`)
         # Shuts the connectors down on close(), when the engine is garbage collected, or
         # at interpreter exit, whichever comes first: no loader thread may still be inside
         # torch while the interpreter tears down (that aborts the process).
         connectors = [c for c in (self.model_runner.connector, connector) if c is not None]
-        self._shutdown_connectors = weakref.finalize(self, _shutdown, connectors)
+        self._shutdown_connectors = weakref.finalize(self, _shutdown, connectors,
+                                                     self.model_runner)
 
     # ----- requests ------------------------------------------------------------------
     def add_request(
@@ -107,7 +110,7 @@ class Engine:
         one's prompt KV and take it from the prefix cache. `abort_request` of the
         request id aborts every choice."""
         if self.closed:
-            raise RuntimeError("the engine is closed; create a new LLM")
+            raise RuntimeError(f"{self.failure or 'the engine is closed'}; create a new LLM")
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvrecover.SamplingParams")
@@ -159,15 +162,26 @@ class Engine:
         if spec.replay_prompt_tokens >= len(token_ids):
             raise ValueError("structured_outputs.replay_prompt_tokens must be shorter than the "
                              f"prompt ({len(token_ids)} tokens), got {spec.replay_prompt_tokens}")
-        if self._grammars is None:
-            from kvrecover.structured.compiler import GrammarCompiler
-
-            self._grammars = GrammarCompiler(
-                self.model_dir, self.model_config.vocab_size, sorted(self.eos_token_ids))
-        grammar = self._grammars.matcher(spec)
+        grammar = self._grammar_compiler().matcher(spec)
         if spec.replay_prompt_tokens:
             grammar.replay(token_ids[-spec.replay_prompt_tokens:])
         return grammar
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile and cache `spec`'s grammar ahead of `add_request`; a ValueError naming
+        the problem when it does not compile. The one method that may run on another
+        thread than the engine's: the server compiles on a worker thread, so a slow
+        compile (or the first one, which loads the tokenizer) never holds up a step."""
+        self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                from kvrecover.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(
+                    self.model_dir, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (every choice of an `n` > 1 one, or one choice by its own id);
@@ -219,8 +233,33 @@ class Engine:
         if self.model_runner.can_overlap(scheduler_output):
             self._in_flight = (scheduler_output, self._launch(scheduler_output))
             return self._land_in_flight(self._in_flight)
-        runner_output = self.model_runner.execute(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute(scheduler_output)
+        except RankFailedError as failure:
+            return self._fail(failure)
         return self._apply(scheduler_output, runner_output)
+
+    def check_health(self) -> str | None:
+        """None while the engine can step; else why not (a tensor-parallel rank died:
+        the engine then ends its requests and closes, as a failed step does). Cheap: a
+        server calls it between steps, so a rank that dies while idle is noticed."""
+        runner = self.model_runner
+        if self.failure is None and isinstance(runner, TensorParallelRunner):
+            failure = runner.check_ranks()
+            if failure is not None:
+                self._fail(failure)
+        return self.failure
+
+    def _fail(self, failure: RankFailedError) -> list[RequestOutput]:
+        """The model runner cannot run another step: end every request with an error
+        naming the failure, and close."""
+        self.failure = f"the engine stopped: {failure}"
+        ended = self.scheduler.end_all_with_error(self.failure)
+        outputs = [self._output(request) for request in ended]
+        for request in ended:
+            self.scheduler.pop_finished(request.request_id)
+        self.close()
+        return outputs
 
     def _launch(self, scheduler_output: SchedulerOutput,
                 previous: PendingDecode | None = None) -> PendingDecode:
@@ -306,7 +345,27 @@ class Engine:
         )
 
 
-def _shutdown(connectors: list) -> None:
+def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
+    """The model runner: this process's alone, or rank 0's of a tensor-parallel group."""
+    args = config.args
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(
+            config.model_config, config.model_dir, config.device, config.dtype,
+            config.max_model_len, config.layout, enforce_eager=args.enforce_eager,
+            batch_invariant=args.batch_invariant, attention_backend=config.attention_backend,
+            native_kernels=args.native_kernels,
+        )
+    return TensorParallelRunner(RankSpec(
+        config.model_config, config.model_dir, config.device, config.dtype,
+        config.max_model_len, config.layout, args.enforce_eager, args.batch_invariant,
+        config.attention_backend, args.native_kernels, args.kv_transfer_config, args.seed,
+        config.tensor_parallel_size,
+    ))
+
+
+def _shutdown(connectors: list, runner: ModelRunner | TensorParallelRunner) -> None:
+    if isinstance(runner, TensorParallelRunner):  # the other ranks' connectors first
+        runner.close()
     for connector in connectors:  # worker role first: it owns the loader threads
         try:
             connector.shutdown()

@@ -11,7 +11,7 @@ the KV cache, which needs the weights loaded first (`KVCacheSizing.num_blocks`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,12 @@ from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from kvrecover.model_source import resolve_model_dir
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.fingerprint import checkpoint_fingerprint
-from kvrecover.models.registry import load_model_config
+from kvrecover.models.parallel_layers import shard_heads
+from kvrecover.models.registry import (
+    check_tensor_parallel_family,
+    load_model_config,
+    model_class,
+)
 from kvrecover.worker.kv_cache import available_kv_cache_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,9 +89,14 @@ class ResolvedConfig:
     dtype: torch.dtype
     attention_backend: str
     scheduler_config: SchedulerConfig
-    layout: KVCacheLayout
+    layout: KVCacheLayout  # rank 0's under tensor parallelism (`rank_layout`)
     kv_sizing: KVCacheSizing
     connector: ConnectorPlan | None
+    tensor_parallel_size: int = 1
+
+    def rank_layout(self, rank: int) -> KVCacheLayout:
+        """Rank `rank`'s KV layout: its own KV heads, its rank in the fingerprint."""
+        return replace(self.layout, tensor_parallel_rank=rank)
 
     @property
     def max_model_len(self) -> int:
@@ -107,13 +117,16 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
     )
+    tp_size = resolve_tensor_parallel(args.tensor_parallel_size, model_config, device)
     layout = KVCacheLayout(
         model_identity=f"{model_config.identity}-{checkpoint_fingerprint(model_dir)}",
         dtype=dtype,
         block_size=args.block_size,
         num_layers=model_config.num_hidden_layers,
-        num_kv_heads=model_config.num_key_value_heads,
+        num_kv_heads=shard_heads(model_config.num_attention_heads,
+                                 model_config.num_key_value_heads, tp_size, 0).num_kv_heads,
         head_dim=model_config.head_dim,
+        tensor_parallel_size=tp_size,
     )
     return ResolvedConfig(
         args=args, model_dir=model_dir, model_config=model_config, device=device, dtype=dtype,
@@ -121,7 +134,20 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
         scheduler_config=scheduler_config, layout=layout,
         kv_sizing=resolve_kv_sizing(args, device, layout, scheduler_config),
         connector=resolve_connector(args.kv_transfer_config),
+        tensor_parallel_size=tp_size,
     )
+
+
+def resolve_tensor_parallel(size: int, model_config: ModelConfig, device: torch.device) -> int:
+    """The rank count, checked: the family shards, `size` splits its heads, and on CUDA
+    there is a GPU per rank (from the device's index on); a ValueError names both numbers."""
+    check_tensor_parallel_family(model_class(model_config.architecture), model_config, size)
+    if device.type == "cuda" and size > 1:
+        available = torch.cuda.device_count() - (device.index or 0)
+        if size > available:
+            raise ValueError(f"tensor_parallel_size {size} exceeds the {available} CUDA "
+                             f"device(s) from {device} on; lower it or choose another device")
+    return size
 
 
 def _device_default(args: EngineArgs, name: str, device: torch.device):

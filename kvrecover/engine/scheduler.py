@@ -90,6 +90,15 @@ class Scheduler:
         self._finish(request)
         return request
 
+    def end_all_with_error(self, error: str) -> list[Request]:
+        """End every unfinished request with an internal error (the engine cannot run
+        another step); returns them. Blocks an async load may still write stay held."""
+        unfinished = [*self.running, *self.waiting]
+        for request in unfinished:
+            self._end_with_internal_error(request, error)
+        ended, self._ended = self._ended, []  # with those ended before and not yet reported
+        return ended
+
     def has_unfinished(self) -> bool:
         """Whether any request still needs steps (or an aborted load or an ended
         request's send its confirmation, within the deadline)."""
@@ -170,8 +179,6 @@ class Scheduler:
                 continue
             if self._is_void(item, request):
                 return None  # rolled back since `previous` was scheduled: recompute it first
-            if request.grammar is not None:
-                return None  # its mask needs `previous`'s token accepted on the host first
             if request.logits_spec is not None and request.logits_spec.needs_output_on_host:
                 return None  # its sampling reads the token `previous` is still sampling
             num_continued += 1

@@ -40,11 +40,10 @@ class ConnectorErrorLog:
 def checked_block_ids(value: object, num_blocks: int) -> set[int]:
     """`get_block_ids_with_load_errors`'s answer as a set of valid block ids.
 
-    Raises ValueError for anything else (not an iterable of ints in [1, num_blocks)):
-    a garbled report tells nothing about which blocks failed.
+    Raises ValueError for anything else (not an iterable of ints in [1, num_blocks)),
+    None included (the contract's answer for "nothing failed" is an empty set): a
+    garbled report tells nothing about which blocks failed.
     """
-    if value is None:
-        return set()
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"expected a set of block ids, got {value!r}")
     block_ids = set()

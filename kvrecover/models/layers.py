@@ -9,13 +9,22 @@ parameter names follow Hugging Face Llama, so checkpoints load by name
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.loader import attach_shard_loader
+from kvrecover.models.loader import CheckpointRename, attach_shard_loader
+from kvrecover.models.parallel_layers import (
+    SINGLE_RANK,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+    shard_heads,
+)
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.interface import BackendFeatures
 
@@ -59,22 +68,35 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: bool = False,
         window: int | None = None,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.window = window
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
         self.head_dim = config.head_dim
+        heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp.size,
+                            tp.rank)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.attention = attention
         self.scale = self.head_dim**-0.5
+        if tp.size > 1:
+            dim = self.head_dim
+            self.qkv_proj: nn.Linear = ColumnParallelLinear(config.hidden_size, {
+                "q": (0, heads.head_start * dim, self.q_size),
+                "k": (self.q_size, heads.kv_head_start * dim, self.kv_size),
+                "v": (self.q_size + self.kv_size, heads.kv_head_start * dim, self.kv_size),
+            }, bias=bias)
+            self.o_proj: nn.Linear = RowParallelLinear(self.q_size, config.hidden_size,
+                                                       heads.head_start * dim)
+            return
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                   "v": (self.q_size + self.kv_size, self.kv_size)}
         for param in self.qkv_proj.parameters():
@@ -94,15 +116,27 @@ class Attention(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
                                     self.scale, window=self.window)
-        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
+        out = ops.linear(out.reshape(-1, self.q_size), self.o_proj)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate and up projections."""
+    """SwiGLU feed-forward with fused gate and up projections (split over `tp`'s ranks
+    by the intermediate size)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
+        if tp.size > 1:
+            local = intermediate_size // tp.size
+            self.intermediate_size = local
+            start = tp.rank * local
+            self.gate_up_proj: nn.Linear = ColumnParallelLinear(hidden_size, {
+                "gate": (0, start, local), "up": (local, start, local)})
+            self.down_proj: nn.Linear = RowParallelLinear(local, hidden_size, start)
+            return
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -112,7 +146,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        out = ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -164,6 +199,9 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     """
 
     config_class: type[ConfigT]  # set by each family
+    # Whether the family's layers shard over tensor-parallel ranks (`make_layer` passes
+    # `self.tp` to them); a family that does not is refused at tensor_parallel_size > 1.
+    tensor_parallel: ClassVar[bool] = False
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -178,20 +216,26 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         `layer_windows`, which the layers were built with)."""
         return self.config.layer_windows()
 
-    def __init__(self, config: ConfigT, backend: KernelBackend, max_positions: int) -> None:
+    def __init__(self, config: ConfigT, backend: KernelBackend, max_positions: int,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.ops = ops = backend.ops
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if tp.size == 1
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                         tp))
         self.layers = nn.ModuleList(
             self.make_layer(config, index, backend.attention, ops)
             for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                        if tp.size == 1 else ParallelLMHead(config.hidden_size,
+                                                            config.vocab_size, tp))
         if config.tie_word_embeddings:
             # One tensor, unless the backend repacks the LM head's weight for its
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
@@ -211,7 +255,11 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         before_layer: Any = None,
         after_layer: Any = None,
     ) -> torch.Tensor:
-        hidden = self.ops.embedding(input_ids, self.embed_tokens.weight)
+        embed = self.embed_tokens
+        if isinstance(embed, VocabParallelEmbedding):
+            hidden = embed.lookup(input_ids, self.ops)
+        else:
+            hidden = self.ops.embedding(input_ids, embed.weight)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
@@ -224,11 +272,22 @@ class CausalLM(nn.Module, Generic[ConfigT]):
                              "must be at least 1")
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
-    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
         """Float32 logits for the given final hidden states (the model's dtype unless
-        `upcast`: a caller that casts them itself)."""
-        logits = self.ops.linear(hidden, self.lm_head)
+        `upcast`: a caller that casts them itself). Under tensor parallelism the whole
+        vocabulary's logits on rank 0, and None on the other ranks."""
+        head = self.lm_head
+        if isinstance(head, ParallelLMHead):
+            logits = head.logits(hidden, self.ops)
+            if logits is None:
+                return None
+        else:
+            logits = self.ops.linear(hidden, head)
         return logits.float() if upcast else logits
+
+    # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
+    # weights: `models.moe.expert_renames`); tried first.
+    checkpoint_renames: tuple[CheckpointRename, ...] = ()
 
     # Hugging Face parameter name fragments -> (our fragment, shard id).
     packed_modules = {

@@ -46,11 +46,12 @@ class LlamaForCausalLM(CausalLM[LlamaConfig]):
     (optionally biased, optionally with q/k norms, optionally windowed) and a SwiGLU MLP."""
 
     config_class = LlamaConfig
+    tensor_parallel = True
 
     def make_layer(self, config: LlamaConfig, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
         self_attn = Attention(config, self.rotary, attention, ops,
                               bias=config.attention_bias, qk_norm=config.qk_norm,
-                              window=config.layer_windows()[index])
-        mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+                              window=config.layer_windows()[index], tp=self.tp)
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, self.tp)
         return DecoderLayer(config, self_attn, mlp, ops)

@@ -29,6 +29,17 @@ def attach_shard_loader(param: torch.Tensor, loader: ShardLoader,
     param.weight_shards = frozenset(shards or ())  # type: ignore[attr-defined]
 
 
+SliceLoader = Callable[[nn.Parameter, "CheckpointTensor", "str | None"], None]
+"""Copies this rank's slice of one checkpoint tensor into a tensor-parallel parameter:
+(parameter, the checkpoint tensor unread, shard id or None for an unfused weight)."""
+
+
+def attach_slice_loader(param: torch.Tensor, loader: SliceLoader) -> None:
+    """Mark `param` as a tensor-parallel slice: `load_weights` hands it the checkpoint
+    tensor unread, and `loader` reads only the rows or columns it holds."""
+    param.slice_loader = loader  # type: ignore[attr-defined]  # a hook torch does not declare
+
+
 def _shard_loader(param: nn.Parameter) -> ShardLoader:
     loader: ShardLoader = param.weight_loader  # type: ignore[attr-defined]  # see attach_shard_loader
     return loader
@@ -160,8 +171,47 @@ class SafetensorsFile:
             self._map.madvise(mmap.MADV_DONTNEED, page_start, start + nbytes - page_start)
         return target
 
+    def read_slice(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (`dim` 0) or columns (`dim` 1) [start, start + length) of tensor `name`,
+        copied into a new tensor; only those bytes are copied (a tensor-parallel rank
+        never holds the whole tensor)."""
+        dtype, shape, begin = self.entries[name]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        start_byte = self._data_start + begin
+        if nbytes == 0 or length == 0:
+            return torch.empty(shape, dtype=dtype).narrow(dim, start, length).clone()
+        with memoryview(self._map)[start_byte : start_byte + nbytes] as view:
+            whole = torch.frombuffer(view, dtype=dtype).view(shape)
+            piece = whole.narrow(dim, start, length).clone()
+            del whole  # releases the buffer before the view closes
+        if hasattr(mmap, "MADV_DONTNEED"):
+            page_start = start_byte - start_byte % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, page_start,
+                              start_byte + nbytes - page_start)
+        return piece
+
     def close(self) -> None:
         self._map.close()
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor of a safetensors file, not yet read: a slice loader reads its part."""
+
+    file: SafetensorsFile
+    name: str
+    shape: tuple[int, ...]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def read_rows(self, start: int, length: int) -> torch.Tensor:
+        """Rows [start, start + length)."""
+        return self.file.read_slice(self.name, 0, start, length)
+
+    def read_columns(self, start: int, length: int) -> torch.Tensor:
+        """Columns [start, start + length) of a 2-D tensor."""
+        return self.file.read_slice(self.name, 1, start, length)
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
@@ -182,7 +232,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
                 with torch.no_grad():
-                    if shard is None:
+                    slice_loader = getattr(param, "slice_loader", None)
+                    if slice_loader is not None:  # a tensor-parallel slice
+                        slice_loader(param, CheckpointTensor(handle, name, shape), shard)
+                    elif shard is None:
                         if param.shape != shape:
                             raise ValueError(
                                 f"checkpoint tensor {name!r} has shape {shape}, "
@@ -199,9 +252,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                             _shard_loader(param)(param, handle.read_into(name), shard)
                         except ValueError as error:
                             raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
-                        loaded_shards.setdefault(target, set()).add(shard)
                 if shard is None:
                     loaded.add(target)
+                else:
+                    loaded_shards.setdefault(target, set()).add(shard)
         finally:
             handle.close()
     if getattr(model.config, "tie_word_embeddings", False):

@@ -1,20 +1,21 @@
-"""Mixtral (`MixtralForCausalLM`): Llama attention and a sparse mixture of SwiGLU experts.
+"""Mixtral (`MixtralForCausalLM`): Mistral attention and a sparse mixture of SwiGLU experts.
 
 Every layer's feed-forward is a `moe.SparseMoeBlock`: `num_local_experts` experts of
 `intermediate_size`, `num_experts_per_tok` of them per token with renormalised
-float32 weights. Checkpoints name the experts `block_sparse_moe.experts.E.w1/w2/w3`
+float32 weights. Every layer attends over `sliding_window` tokens where config.json
+sets it (null, the usual value and Hugging Face's default: the whole context). Checkpoints name the experts `block_sparse_moe.experts.E.w1/w2/w3`
 (gate, down, up) or, as `transformers` holds them, fused under `mlp.experts`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import ModelConfig, refuse_quantization, refuse_sliding_window
+from kvrecover.models.config import ModelConfig, refuse_quantization, sliding_window_field
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer
 from kvrecover.models.llama import LlamaConfig
 from kvrecover.models.moe import SparseMoeBlock, check_routing, expert_renames
@@ -26,17 +27,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class MixtralConfig(LlamaConfig):
-    """Mixtral's config: the Llama fields plus the expert count and top-k."""
+    """Mixtral's config: the Llama fields plus the expert count, top-k and one window
+    shared by every layer."""
 
     num_experts: int = 1
     num_experts_per_tok: int = 1
+    sliding_window: int | None = None
+
+    @classmethod
+    def window_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+        # Mixtral's attention slides whenever `sliding_window` is set (no separate switch).
+        return {"sliding_window": sliding_window_field(raw, model_dir)}
+
+    def layer_windows(self) -> list[int | None]:
+        return [self.sliding_window] * self.num_hidden_layers
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         refuse_quantization(raw, model_dir)
-        # Mixtral's attention slides whenever `sliding_window` is set (no separate switch).
-        refuse_sliding_window({**raw, "use_sliding_window": raw.get("sliding_window") is not None},
-                              model_dir)
         num_experts, top_k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
         check_routing(model_dir, "num_local_experts", num_experts, top_k)
         return {**super().hf_fields(raw, model_dir), "num_experts": num_experts,
@@ -44,7 +52,8 @@ class MixtralConfig(LlamaConfig):
 
 
 class MixtralForCausalLM(CausalLM[MixtralConfig]):
-    """Mixtral decoder: GQA attention and a sparse-MoE feed-forward in every layer."""
+    """Mixtral decoder: GQA attention (windowed or not) and a sparse-MoE feed-forward in
+    every layer."""
 
     config_class = MixtralConfig
     checkpoint_renames = expert_renames("block_sparse_moe", {"w1": "gate", "w3": "up",
@@ -52,11 +61,12 @@ class MixtralForCausalLM(CausalLM[MixtralConfig]):
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
-        return BackendFeatures(moe=True)
+        return replace(super().required_features(config), moe=True)
 
     def make_layer(self, config: MixtralConfig, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
-        self_attn = Attention(config, self.rotary, attention, ops, bias=config.attention_bias)
+        self_attn = Attention(config, self.rotary, attention, ops, bias=config.attention_bias,
+                              window=config.layer_windows()[index])
         mlp = SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_experts,
                              config.num_experts_per_tok, ops, renormalize=True,
                              round_weights=False)

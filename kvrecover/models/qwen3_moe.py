@@ -10,7 +10,7 @@ the model dtype (as Hugging Face does). Checkpoints name the experts
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +69,7 @@ class Qwen3MoeForCausalLM(CausalLM[Qwen3MoeConfig]):
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
-        return BackendFeatures(moe=True)
+        return replace(super().required_features(config), moe=True)
 
     def make_layer(self, config: Qwen3MoeConfig, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:

@@ -17,6 +17,7 @@ from kvrecover.models.config import ModelConfig, architecture_of, read_hf_config
 
 if TYPE_CHECKING:
     from kvrecover.models.layers import CausalLM
+    from kvrecover.models.parallel_layers import TensorParallelGroup
     from kvrecover.ops.backend import KernelBackend
 
 MODELS: dict[str, tuple[str, str]] = {
@@ -55,10 +56,29 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return cls.config_class.from_hf_config(raw, Path(model_dir))
 
 
-def build_model(config: ModelConfig, backend: KernelBackend, max_positions: int) -> CausalLM[Any]:
-    """The (uninitialised) model of `config`'s family, its kernels from `backend`."""
+def build_model(config: ModelConfig, backend: KernelBackend, max_positions: int,
+                tp: TensorParallelGroup | None = None) -> CausalLM[Any]:
+    """The (uninitialised) model of `config`'s family, its kernels from `backend`; with a
+    `tp` group of more than one rank, this rank's shard of it."""
     cls = model_class(config.architecture)
     if not isinstance(config, cls.config_class):
         raise ValueError(f"{config.architecture} needs a {cls.config_class.__name__}, got a "
                          f"{type(config).__name__}; read it with load_model_config")
-    return cls(config, backend, max_positions)
+    if tp is None or tp.size == 1:
+        return cls(config, backend, max_positions)
+    check_tensor_parallel_family(cls, config, tp.size)
+    return cls(config, backend, max_positions, tp)
+
+
+def check_tensor_parallel_family(cls: type[CausalLM[Any]], config: ModelConfig,
+                                 size: int) -> None:
+    """A ValueError when `cls` cannot run on `size` ranks (its family does not shard,
+    or `size` does not split its heads); size 1 always passes."""
+    if size == 1:
+        return
+    if not cls.tensor_parallel:
+        raise ValueError(f"model family {config.architecture} does not support tensor "
+                         f"parallelism; use tensor_parallel_size 1 (got {size})")
+    from kvrecover.models.parallel_layers import check_tensor_parallel
+
+    check_tensor_parallel(config, size)

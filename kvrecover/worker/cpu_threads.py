@@ -24,12 +24,13 @@ def available_cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def set_cpu_threads() -> int:
-    """Give torch `available_cpu_cores()` threads unless `OMP_NUM_THREADS` is set;
-    returns the thread count in force. Called once when a CPU engine starts."""
+def set_cpu_threads(num_ranks: int = 1) -> int:
+    """Give torch `available_cpu_cores()` threads (shared out among `num_ranks`
+    tensor-parallel ranks on one machine) unless `OMP_NUM_THREADS` is set; returns the
+    thread count in force. Called once when a CPU engine (or rank) starts."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    threads = available_cpu_cores()
+    threads = max(1, available_cpu_cores() // num_ranks)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return threads

@@ -21,6 +21,7 @@ from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.loader import load_weights, skip_weight_init
+from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup, shard_heads
 from kvrecover.models.registry import build_model, model_class
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.interface import StepInputs, StepInputSpec
@@ -71,6 +72,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         attention_backend: str = "auto",
         native_kernels: bool | None = None,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         self.backend = select_backend(
             attention_backend, device, batch_invariant=batch_invariant, dtype=dtype,
@@ -81,15 +83,16 @@ class ModelRunner:
             model_config.architecture,
         )
         if device.type == "cpu":
-            set_cpu_threads()
+            set_cpu_threads(tp.size)
         self.device = device
         self.dtype = dtype
         self.layout = layout
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
         self.batch_invariant = batch_invariant
+        self.tp = tp
         with torch.device(device), skip_weight_init():
-            model = build_model(model_config, self.backend, max_model_len)
+            model = build_model(model_config, self.backend, max_model_len, tp)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
@@ -106,12 +109,15 @@ class ModelRunner:
         # path on the CPU with it.
         self.eager_overlap = False
         self._failed_requests: dict[str, str] = {}  # the running step's, see ModelRunnerOutput
+        heads = shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads,
+                            tp.size, tp.rank)
         self.inputs = self.backend.step_inputs(StepInputSpec(
-            layout.block_size, model_config.num_attention_heads,
-            model_config.num_key_value_heads, max_model_len, device,
+            layout.block_size, heads.num_heads, heads.num_kv_heads, max_model_len, device,
         ))
         graph_inputs = self.inputs.for_graphs()
-        if device.type == "cuda" and not enforce_eager and graph_inputs is not None:
+        # Graphs and overlap replay one rank's step alone; ranks step together (eagerly).
+        if (device.type == "cuda" and not enforce_eager and graph_inputs is not None
+                and tp.size == 1):
             from kvrecover.worker.cuda_graphs import DecodeGraphs
 
             max_blocks = blocks_needed(max_model_len, layout.block_size)
@@ -151,11 +157,18 @@ class ModelRunner:
         self._start_step(scheduler_output, output)
         scheduled = scheduler_output.scheduled
         if scheduled:
+            sampling = [s for s in scheduled if s.sample]
+            logits = greedy = None
+            scored: list[PendingPromptLogprobs] = []
             try:
-                sampling = [s for s in scheduled if s.sample]
-                scored: list[PendingPromptLogprobs] = []
                 logits, greedy = self._forward(scheduler_output, prompt_scores=scored)
-                if logits is not None:  # None exactly when no row samples
+            except Exception as error:  # ends this step's requests, never the engine ...
+                if self.tp.size > 1:  # ... unless other ranks wait in its collectives
+                    raise
+                self._fail_step(scheduler_output, error, output)
+            # None when no row samples or the forward failed, and off rank 0.
+            if logits is not None:
+                try:
                     sampled = self._sample(logits, sampling, greedy)
                     tokens, errors = sampled.to_host()
                     for row, message in errors.items():
@@ -164,9 +177,12 @@ class ModelRunner:
                         s.request_id: t for s, t in zip(sampling, tokens) if t is not None
                     }
                     add_logprobs(output, sampled, [s.request_id for s in sampling])
+                except Exception as error:  # rank 0's alone: the group is unaffected
+                    self._fail_step(scheduler_output, error, output)
+            try:
                 for pending in scored:  # read after the tokens: the step's one wait
                     pending.add_to(output)
-            except Exception as error:  # ends this step's requests, never the engine
+            except Exception as error:
                 self._fail_step(scheduler_output, error, output)
         if self.kv_connector is not None:
             self.kv_connector.finish_step(scheduler_output, output)
@@ -181,6 +197,8 @@ class ModelRunner:
         step with a structured-output request does not overlap (its grammar must accept
         this step's token before the next mask exists); it still replays its graph."""
         scheduled = scheduler_output.scheduled
+        if self.tp.size > 1:
+            return False
         if not scheduled or any(len(s.token_ids) != 1 or not s.sample for s in scheduled):
             return False
         if any(s.grammar is not None for s in scheduled):
@@ -277,7 +295,7 @@ class ModelRunner:
                 prompt_scores.append(scored)
         if not any(s.sample for s in scheduled):
             return None, None
-        return self.model.logits(hidden[inputs.sample_rows]), None
+        return self.model.logits(hidden[inputs.sample_rows]), None  # None off rank 0
 
     def _step_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """The step's inputs on the device, in the form the backend's attention reads."""
@@ -302,7 +320,10 @@ class ModelRunner:
         """The graphed part of a decode step: forward, LM head and greedy tokens for every
         row (the float32 cast and the argmax from the backend's sampling kernels)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        return self.backend.sampling.upcast_greedy(self.model.logits(hidden, upcast=False))
+        logits = self.model.logits(hidden, upcast=False)
+        if logits is None:  # graphs run at tensor_parallel_size 1 only
+            raise RuntimeError("a graphed decode step needs the whole vocabulary's logits")
+        return self.backend.sampling.upcast_greedy(logits)
 
     def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
         """Graphs run only pure decode steps whose connector has nothing to load or save."""

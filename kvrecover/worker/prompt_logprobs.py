@@ -56,11 +56,12 @@ class PendingPromptLogprobs:
 
 def score_prompt_tokens(
     scheduled: list[ScheduledRequest], hidden: torch.Tensor,
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    logits_of: Callable[[torch.Tensor], torch.Tensor | None],
 ) -> PendingPromptLogprobs | None:
     """Score the prompt tokens of this step's slices that ask for prompt logprobs:
     `hidden` holds the step's flat rows in `scheduled` order, `logits_of` is the LM
-    head; None when no slice asks."""
+    head (a collective under tensor parallelism: every rank calls it, rank 0 gets the
+    logits); None when no slice asks, or off rank 0."""
     rows: list[int] = []
     targets: list[int] = []
     num_top: list[int] = []
@@ -79,6 +80,8 @@ def score_prompt_tokens(
         return None
     device = hidden.device
     logits = logits_of(hidden[torch.tensor(rows, device=device)])
+    if logits is None:
+        return None  # a tensor-parallel rank other than 0: rank 0 scores them
     scored = token_logprobs(logits, torch.tensor(targets, device=device),
                             list(range(len(rows))), num_top)
     return PendingPromptLogprobs(scored, spans)

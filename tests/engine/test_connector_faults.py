@@ -93,7 +93,7 @@ for _method in SCHEDULER_SIDE + WORKER_SIDE:
 
 GARBAGE_REPORTS = {
     "strings": ["x"], "floats": {1.5}, "bools": {True}, "negative": {-1},
-    "out-of-range": {10**9}, "not-iterable": 5, "a-string": "12",
+    "out-of-range": {10**9}, "not-iterable": 5, "a-string": "12", "none": None,
 }
 
 

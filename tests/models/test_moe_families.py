@@ -13,7 +13,7 @@ import torch
 from kvrecover import LLM
 from kvrecover.models.layers import GatedMLP
 from kvrecover.models.moe import SparseMoeBlock, route_topk
-from kvrecover.models.registry import build_model, load_model_config
+from kvrecover.models.registry import build_model, load_model_config, model_class
 from kvrecover.ops.backend import select_backend
 
 
@@ -34,6 +34,18 @@ def test_mixtral_reads_its_experts(tiny_mixtral):
     experts = model.layers[0].mlp.experts
     assert tuple(experts.gate_up_proj.shape) == (8, 2 * 128, 64)
     assert tuple(experts.down_proj.shape) == (8, 64, 128)
+
+
+def test_mixtral_reads_its_sliding_window_and_needs_the_feature(tmp_path, tiny_mixtral):
+    model = load_model_config(tiny_mixtral)
+    assert model.sliding_window is None and set(model.layer_windows()) == {None}
+    windowed = load_model_config(edited_copy(tiny_mixtral, tmp_path / "w", sliding_window=32))
+    assert windowed.layer_windows() == [32] * windowed.num_hidden_layers
+    needed = model_class("MixtralForCausalLM").required_features(windowed)
+    assert (needed.moe, needed.sliding_window) == (True, True)
+    backend = select_backend("torch", torch.device("cpu"))
+    layers = build_model(windowed, backend, max_positions=64).layers
+    assert [layer.self_attn.window for layer in layers] == windowed.layer_windows()
 
 
 def test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_the_sparse_step(tmp_path,
@@ -67,7 +79,7 @@ def test_route_topk_is_softmax_then_topk_then_renormalise():
     ("tiny_qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size must be a "
                                                         "positive integer"),
     ("tiny_qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive"),
-    ("tiny_mixtral", {"sliding_window": 32}, "sliding-window attention"),
+    ("tiny_mixtral", {"sliding_window": 0}, "sliding_window must be a positive integer"),
     ("tiny_qwen3_moe", {"use_sliding_window": True, "sliding_window": 32},
      "sliding-window attention"),
     ("tiny_mixtral", {"quantization_config": {"quant_method": "mxfp4"}},

@@ -1,8 +1,9 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE) equal Hugging Face token for token.
 
-Float32 on the CPU, on tiny random checkpoints with 8 experts and top-2 (the
+Float32 on the CPU (the reference kernels, and the batch-invariant ones), on tiny random checkpoints with 8 experts and top-2 (the
 routing differs between tokens: asserted), under chunked prefill, odd block
-sizes, prefix-cache reuse and a KV budget tight enough to preempt; checkpoints
+sizes, prefix-cache reuse and a KV budget tight enough to preempt (Mixtral also
+with a sliding window); checkpoints
 with the classic per-expert tensors and with the fused ones `transformers`
 holds in memory load alike.
 """
@@ -63,6 +64,15 @@ def tiny_qwen3_moe_sparse_step(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_mixtral_windowed(tmp_path_factory) -> Path:
+    """Mixtral whose layers attend over the last 24 tokens (shorter than most prompts)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("mixtral_windowed"), model_type="mixtral", seed=10,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=24,
+    )
+
+
+@pytest.fixture(scope="module")
 def tiny_mixtral_fused(tiny_mixtral, tmp_path_factory) -> Path:
     """tiny_mixtral saved with the fused expert tensors transformers holds in memory
     (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`, `mlp.gate`)."""
@@ -86,7 +96,8 @@ def test_routing_differs_between_tokens(request, family):
 
 
 @pytest.mark.parametrize("block_size", [16, 13])
-@pytest.mark.parametrize("family", [*FAMILIES, "tiny_qwen3_moe_sparse_step"])
+@pytest.mark.parametrize("family", [*FAMILIES, "tiny_qwen3_moe_sparse_step",
+                                    "tiny_mixtral_windowed"])
 def test_greedy_matches_hf_under_chunked_prefill(request, family, block_size):
     model_dir = request.getfixturevalue(family)
     # A 64-token budget prefills the longer prompts in several chunks.
@@ -96,6 +107,16 @@ def test_greedy_matches_hf_under_chunked_prefill(request, family, block_size):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_float32_batch_invariant_kernels_match_hf(request, family):
+    """The CPU-invariant kernels (fixed-tile experts) in float32 give HF's tokens too."""
+    model_dir = request.getfixturevalue(family)
+    llm = LLM(str(model_dir), block_size=16, max_num_batched_tokens=64, device="cpu",
+              batch_invariant=True)
+    assert llm.engine.model_runner.backend.name == "cpu_invariant"
+    assert generate(llm) == hf_reference(model_dir)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "tiny_mixtral_windowed"])
 def test_prefix_cache_reuse_keeps_hf_outputs(request, family):
     model_dir = request.getfixturevalue(family)
     llm = LLM(str(model_dir), block_size=16, max_num_batched_tokens=128, device="cpu")

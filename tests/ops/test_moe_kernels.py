@@ -18,7 +18,13 @@ from conftest import random_prompts
 from kvrecover import LLM, SamplingParams
 from kvrecover.models.moe import SparseMoeBlock, route_topk
 from kvrecover.ops.cpu.invariant_ops import InvariantCpuOps
-from kvrecover.ops.reference.moe import ExpertGroups, combine_topk
+from kvrecover.ops.reference.grouped_moe import (
+    align_by_expert,
+    grouped_mm_available,
+    grouped_mm_moe,
+    max_blocks,
+)
+from kvrecover.ops.reference.moe import ExpertGroups, combine_topk, reference_moe
 from kvrecover.ops.reference.torch_ops import TorchOps
 
 # A hidden size at which an untiled oneDNN matmul's row bits do depend on the row count
@@ -77,6 +83,40 @@ def test_expert_groups_sort_assignments_by_expert_in_token_order():
     assert groups.ranges == [(0, 0, 2), (1, 2, 4), (3, 4, 6)]  # expert 2 and 4: no rows
     assert groups.order.tolist() == [3, 5, 1, 2, 0, 4]
     assert groups.tokens.tolist() == [1, 2, 0, 1, 0, 2]
+
+
+def test_align_by_expert_makes_one_expert_blocks_of_a_size_fixed_by_the_token_count():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 0]])
+    blocks = align_by_expert(ids, num_experts=5, block_m=4)
+    pad = 6  # the sentinel: the number of assignments
+    assert blocks.sorted_ids.tolist() == [3, 5, pad, pad, 1, 2, pad, pad, 0, 4, pad, pad,
+                                          *[pad] * 12]
+    assert blocks.block_expert.tolist() == [0, 1, 3, -1, -1, -1]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):  # any routing of 37 tokens x 2 fits the same buffer
+        ids = torch.randint(0, EXPERTS, (37, TOP_K), generator=generator)
+        blocks = align_by_expert(ids, EXPERTS, block_m=16)
+        assert blocks.num_blocks == max_blocks(37 * TOP_K, EXPERTS, 16)
+        rows = blocks.sorted_ids.view(-1, 16)
+        for block, expert in enumerate(blocks.block_expert.tolist()):
+            real = rows[block][rows[block] < 37 * TOP_K]
+            if expert < 0:
+                assert real.numel() == 0
+            else:
+                assert real.numel() > 0 and (ids.view(-1)[real.long()] == expert).all()
+        assert sorted(blocks.sorted_ids[blocks.sorted_ids < 74].tolist()) == list(range(74))
+
+
+@pytest.mark.skipif(not grouped_mm_available(torch.empty(0, dtype=torch.bfloat16)),
+                    reason="this torch has no torch._grouped_mm")
+def test_grouped_mm_moe_equals_the_reference_on_the_cpu():
+    block = moe_block(TorchOps(), torch.bfloat16)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(5)).bfloat16()
+    weights, ids = route_topk(block.ops.linear(x, block.gate), TOP_K, renormalize=True)
+    silu_mul = TorchOps().silu_mul
+    expected = reference_moe(x, weights, ids, block.experts, silu_mul)
+    got = grouped_mm_moe(x, weights, ids, block.experts, silu_mul)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
 
 
 def test_combine_sums_in_topk_order_in_float32_and_rounds_once():

@@ -11,7 +11,7 @@ from conftest import random_prompts
 from structured_helpers import CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX, schema_errors
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.structured.params import StructuredOutputsParams as Spec
+from kvrecover import StructuredOutputsParams as Spec
 
 VOCAB = 384
 PROMPTS = random_prompts(4, [9, 30, 3, 17], VOCAB, seed=5)
@@ -146,3 +146,31 @@ def test_bad_specs_and_replays_are_value_errors_and_the_engine_goes_on(llm):
     text = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
                         params(Spec(choice=CHOICES)))[0].outputs[0].text
     assert text in CHOICES
+
+
+def test_a_request_ends_when_its_grammar_does_and_errs_on_a_forbidden_token(tiny_llama):
+    from kvrecover.engine.request import Request, RequestStatus
+    from kvrecover.structured.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tiny_llama, VOCAB, [1])
+
+    def request(ignore_eos: bool) -> Request:
+        params = SamplingParams(max_tokens=50, ignore_eos=ignore_eos,
+                                structured_outputs=Spec(choice=["a"]))
+        made = Request("r", None, [5, 6], params, frozenset({1}), 0, 512)
+        made.grammar = compiler.matcher(params.structured_outputs)
+        return made
+
+    from transformers import AutoTokenizer
+
+    (token,) = AutoTokenizer.from_pretrained(str(tiny_llama)).encode(
+        "a", add_special_tokens=False)
+    done = request(ignore_eos=True)
+    done.append_output_token(token)
+    assert not done.is_finished
+    done.append_output_token(1)  # EOS completes the grammar, even under ignore_eos
+    assert done.status is RequestStatus.FINISHED_STOPPED
+    wrong = request(ignore_eos=False)
+    wrong.append_output_token(token + 1)
+    assert wrong.status is RequestStatus.FINISHED_ERROR and wrong.error_type == "internal_error"
+    assert "forbids" in (wrong.error or "")

@@ -161,6 +161,9 @@ class EngineLoop:
                 self._drain_commands(block=not engine.has_unfinished())
                 if engine.has_unfinished():
                     self._deliver(engine.step())
+                failure = engine.check_health()  # a tensor-parallel rank may have died
+                if failure is not None:
+                    raise RuntimeError(failure)
         except Exception as error:
             logger.exception("the engine loop failed")
             self.alive = False

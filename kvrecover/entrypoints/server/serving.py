@@ -85,6 +85,7 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
             params = replace(params, seed=resumed_request_seed(params.seed, len(resumed)))
         if grammar is not None:  # the grammar resumes where the first instance left it
             grammar = replace(grammar, replay_prompt_tokens=len(resumed))
+    await _compile(state, grammar, _grammar_field(request))
     params = replace(params, structured_outputs=grammar)
     generations = await _start(state, http, request_id, prompt, params, request.stop_strings(),
                                "completions", resumed, resumed_text)
@@ -112,6 +113,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     grammar = structured_outputs_of(request.response_format, request.structured_outputs)
     answer = None
     headers = {}
+    forced = tools is not None and tools.grammar() is not None
     if tools is not None:
         parser = await asyncio.to_thread(state.chat_template.tool_parser)
         if request.raw_tool_calls:  # the proxy writes the calls: tell it how to parse them
@@ -123,6 +125,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
                                          None if tools is None else tools.template_tools())
     room = max(1, state.max_model_len - len(prompt_ids))
     params = request.sampling_params(request.max_new_tokens(room))
+    await _compile(state, grammar, "tool_choice" if forced else _grammar_field(request))
     params = replace(params, structured_outputs=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generations = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
@@ -133,6 +136,22 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
                             request.return_token_ids, final_usage, continuous_usage, request_id,
                             tools=answer)
     return await _answer(generations, interleave(chunks), writer, request.stream, headers)
+
+
+def _grammar_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+    return "response_format" if request.response_format is not None else "structured_outputs"
+
+
+async def _compile(state: ServingState, grammar: StructuredOutputsParams | None,
+                   field: str) -> None:
+    """Compile the request's grammar on a worker thread (the engine thread then finds it
+    cached); one that does not compile is a 400 naming `field`."""
+    if grammar is None:
+        return
+    try:
+        await asyncio.to_thread(state.loop.llm.compile_grammar, grammar)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=field) from error
 
 
 def _tool_grammar(tools: ToolRequest, grammar: StructuredOutputsParams | None

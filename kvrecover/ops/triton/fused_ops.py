@@ -14,24 +14,11 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kvrecover.ops.interface import RotaryTables
+from kvrecover.ops.interface import ExpertWeights, RotaryTables
 from kvrecover.ops.reference.torch_ops import TorchOps
 from kvrecover.ops.triton.batch_invariant_matmul import linear as batch_invariant_linear
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Round float32 `x` to `dtype` and widen it again, where torch rounds between ops.
-
-    bf16 is rounded (to nearest even) with integer ops, which the compiler
-    cannot fold away the way it may fold a cast pair.
-    """
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
+from kvrecover.ops.triton.moe import fused_moe
+from kvrecover.ops.triton.rounding import round_to as _round
 
 
 @triton.jit
@@ -240,7 +227,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class TritonOps(TorchOps):
     """The model's small ops as the fused Triton kernels above (each op is the launcher
-    of its name; `rotary` is `rotary_`, in place); linears stay on cuBLAS."""
+    of its name; `rotary` is `rotary_`, in place); linears stay on cuBLAS; the experts
+    of a MoE layer run the fused Triton MoE (`ops.triton.moe`)."""
+
+    moe_batch_invariant = False  # fixed MoE tiles whatever the step's size
 
     embedding = staticmethod(embedding)
     rms_norm = staticmethod(rms_norm)
@@ -253,9 +243,20 @@ class TritonOps(TorchOps):
         """One kernel adds `x` into `residual` in place and norms the sum."""
         return rms_norm(x, weight, eps, residual=residual), residual
 
+    def moe(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """Two grouped-GEMM launches over the assignments sorted by expert; no host sync."""
+        return fused_moe(x, topk_weights, topk_ids, experts,
+                         batch_invariant=self.moe_batch_invariant)
+
 
 class BatchInvariantOps(TritonOps):
-    """TritonOps whose linears use the fixed-reduction-order Triton matmul."""
+    """TritonOps whose linears use the fixed-reduction-order Triton matmul and whose MoE
+    runs one fixed tile configuration."""
+
+    moe_batch_invariant = True
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Nothing to pack: the Triton matmul reads the dense weights."""

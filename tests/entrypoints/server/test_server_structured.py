@@ -109,4 +109,5 @@ def test_bad_structured_outputs_are_400s_and_the_server_goes_on(url, fields, mes
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and message in error["message"]
+    assert error["param"].split(".")[0] in fields  # the field the client sent
     assert completion(url, structured_outputs={"choice": CHOICES}).choices[0].text in CHOICES
