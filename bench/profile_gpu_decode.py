@@ -248,11 +248,13 @@ def small_ops(runner, batch: int) -> list[dict]:
     for warps in (2, 4, 8, 16):
         ops[f"add_rms_norm warps={warps}"] = lambda wp=warps: t._rms_norm_kernel[(batch,)](
             x, residual, w, x, x.stride(0), residual.stride(0), x.stride(0), hidden, 1e-5,
-            HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden), num_warps=wp)
+            HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden), PLUS_ONE=False,
+            num_warps=wp)
     for block, warps in ((2048, 8), (1024, 4), (512, 2), (4096, 16), (1024, 8)):
         ops[f"silu_mul block={block} warps={warps}"] = lambda b=block, wp=warps: (
             t._silu_mul_kernel[(batch, triton.cdiv(inter, b))](
-                gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=b, num_warps=wp))
+                gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=b, GELU_TANH=False,
+                num_warps=wp))
     rows = []
     for name, fn in ops.items():
         try:

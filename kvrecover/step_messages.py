@@ -61,9 +61,6 @@ class ScheduledRequest:
     sample: bool  # the slice reaches the end of the sequence: sample a next token
     sampling_params: SamplingParams
     sample_seed: int
-    # The request's grammar matcher (structured outputs), read by the runner to mask the
-    # sampled row's logits; None for an unconstrained request.
-    grammar: GrammarState | None = None
     num_output_tokens: int = 0  # outputs before the token this step samples
     logits_spec: LogitsSpec | None = None  # None: no logits processors
     # The request's outputs so far (its own list, not a copy; in an overlapped step it
@@ -71,6 +68,9 @@ class ScheduledRequest:
     output_token_ids: list[int] | None = None
     # The request's prompt (its own list), set only when it asks for prompt logprobs.
     prompt_token_ids: list[int] | None = None
+    # The request's grammar matcher (structured outputs), read by the runner to mask the
+    # sampled row's logits; None for an unconstrained request.
+    grammar: GrammarState | None = None
 
 
 @dataclass

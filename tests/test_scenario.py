@@ -41,6 +41,26 @@ def test_scenario_on_tiny_model(long_context_model, tmp_path):
         assert '"kv_load_recovered_requests": 0' not in stats
 
 
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    """A tiny Gemma 3 (text): five layers in six over a 64-token window, two rope bases."""
+    return build_tiny_model(tmp_path_factory.mktemp("windowed"), seed=5,
+                            model_type="gemma3_text", num_hidden_layers=6, head_dim=16,
+                            sliding_window=64, max_position_embeddings=4096,
+                            tie_word_embeddings=True)
+
+
+@pytest.mark.slow  # four processes, each loading the model
+def test_scenario_on_a_windowed_model(windowed_model, tmp_path):
+    result = run_cli("scenario", "--model", str(windowed_model), "--device", "cpu",
+                     "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+    baseline = (tmp_path / scenario.DECODE_OUTPUT).read_text()
+    for name in (scenario.SYNC_RECOVERED_OUTPUT, scenario.ASYNC_RECOVERED_OUTPUT):
+        assert (tmp_path / name).read_text() == baseline
+
+
 GOOD_STATS = {
     "prefill": {"prompt_tokens_external": 0, "kv_load_failed_blocks": 0,
                 "kv_load_recovered_requests": 0},

@@ -80,8 +80,8 @@ class Engine:
         transfer = plan.transfer if plan is not None else None
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
         self._request_counter = 0
-        self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._choices: dict[str, list[str]] = {}  # an n > 1 request's id -> its choices' ids
+        self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._grammars_lock = threading.Lock()  # compile_grammar may run on another thread
         # Prefix caching and connectors key blocks by their chain hash: hash the
         # prompt once here; connectors only read `request.block_hashes`.
@@ -129,29 +129,27 @@ class Engine:
                     or i in self._choices]
             if used:
                 raise ValueError(f"request id {used[0]!r} is already in use")
-        # Every choice walks its own grammar (all built first: a spec that does not
-        # compile adds no choice).
-        grammars = [self._grammar(sampling_params, token_ids) for _ in ids]
         base_seed = sampling_params.seed
-        first: Request | None = None
-        for index, (choice_id, grammar) in enumerate(zip(ids, grammars)):
+        requests: list[Request] = []  # all built (grammars compiled) before any is queued
+        for index, choice_id in enumerate(ids):
             seed = None if base_seed is None else choice_seed(base_seed, index)
             if seed is None:
-                seed = self.args.seed * 1_000_003 + self._request_counter
-            self._request_counter += 1
+                seed = self.args.seed * 1_000_003 + self._request_counter + index
             request = Request(
                 choice_id, text, token_ids, sampling_params, self.eos_token_ids, seed,
                 self.max_model_len, choice_index=index, logits_spec=spec,
             )
-            request.grammar = grammar
+            request.grammar = self._grammar(sampling_params, token_ids)  # one per choice
             if self._hash_prompts:
                 update_block_hashes(request.block_hashes, token_ids, self.args.block_size)
-            if first is not None and self.args.enable_prefix_caching:
-                request.prefill_after = first
-            self.scheduler.add_request(request)
-            first = first or request
+            if requests and self.args.enable_prefix_caching:
+                request.prefill_after = requests[0]
+            requests.append(request)
+        self._request_counter += n
         if n > 1:
             self._choices[str(request_id)] = ids
+        for request in requests:
+            self.scheduler.add_request(request)
 
     def _grammar(self, params: SamplingParams, token_ids: list[int]) -> GrammarState | None:
         """The matcher of a request with `structured_outputs`, past its replayed prompt

@@ -85,9 +85,6 @@ class Request:
         self.pending_external: tuple[int, int] | None = None  # token range being loaded
         self.error: str | None = None
         self.error_type: str | None = None  # see RequestOutput.error_type
-        # Structured outputs: the matcher, advanced by every appended token (the engine
-        # sets it when the request has `sampling_params.structured_outputs`).
-        self.grammar: GrammarState | None = None
         # Sampling beyond the token: processors, logprobs, the choices of `n`.
         self.choice_index = choice_index
         self.logits_spec = logits_spec
@@ -100,6 +97,9 @@ class Request:
         # A choice of `n` waits for this sibling's prompt KV (then finds it in the prefix
         # cache) instead of computing the same prompt beside it; cleared once admitted.
         self.prefill_after: Request | None = None
+        # Structured outputs: the matcher, advanced by every appended token (the engine
+        # sets it when the request has `sampling_params.structured_outputs`).
+        self.grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

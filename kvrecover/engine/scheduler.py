@@ -181,6 +181,8 @@ class Scheduler:
                 return None  # rolled back since `previous` was scheduled: recompute it first
             if request.logits_spec is not None and request.logits_spec.needs_output_on_host:
                 return None  # its sampling reads the token `previous` is still sampling
+            if request.grammar is not None:
+                return None  # its mask needs `previous`'s token accepted on the host first
             num_continued += 1
             num_outputs = len(request.output_token_ids) + 1  # once `previous` lands
             if (
@@ -310,11 +312,11 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             sample_seed=request.next_sample_seed(),
-            grammar=request.grammar,
             num_output_tokens=len(request.output_token_ids),
             logits_spec=spec,
             output_token_ids=None if spec is None else request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids if scores_prompt else None,
+            grammar=request.grammar,
         )
 
     # ----- results ----------------------------------------------------------------

@@ -123,6 +123,37 @@ def sliding_window_field(raw: dict[str, Any], model_dir: Path, name: str = "slid
     return value
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the `layer_types` kvrecover runs
+
+
+def layer_types_field(raw: dict[str, Any], model_dir: Path, default: list[str]) -> list[str]:
+    """`raw["layer_types"]` (`default` where absent or null): one known type per layer,
+    else a ValueError naming the field."""
+    value = raw.get("layer_types") or default
+    source = Path(model_dir) / "config.json"
+    if not isinstance(value, list) or len(value) != raw["num_hidden_layers"]:
+        raise ValueError(f"{source}: layer_types must list one type per layer "
+                         f"(num_hidden_layers = {raw['num_hidden_layers']}), got {value!r}")
+    unknown = sorted({str(kind) for kind in value if kind not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"{source}: layer_types names {', '.join(unknown)}; kvrecover runs "
+                         f"{', '.join(LAYER_TYPES)}")
+    return list(value)
+
+
+def positive_field(raw: dict[str, Any], model_dir: Path, name: str,
+                   default: float | None) -> float | None:
+    """`raw[name]` (`default` where absent) as a positive number or None (null), else a
+    ValueError naming the field (soft-caps, scalars)."""
+    value = raw.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: {name} must be a positive "
+                         f"number or null, got {value!r}")
+    return float(value)
+
+
 def refuse_quantization(raw: dict[str, Any], model_dir: Path) -> None:
     """A config with a `quantization_config` is a ValueError naming its method: kvrecover
     runs unquantized weights only, and would misread quantized ones."""

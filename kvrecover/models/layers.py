@@ -1,6 +1,12 @@
 """Layers the decoder families share: norms, the attention block, the gated MLP, the
 pre-norm decoder layer, and the decoder stack with its embedding and LM head.
 
+The Gemma families use the same blocks with named options: `RMSNorm(plus_one=True)`
+(times `1 + weight`, rounded once), `GatedMLP(activation="gelu_pytorch_tanh")`
+(GeGLU), `DecoderLayer(sandwich_norms=True)` (norms after attention and the MLP as
+well), an attention `scale` and `softcap`, and the `CausalLM.embed` / `soft_cap`
+hooks for scaled embeddings and capped logits.
+
 Only the model definition: every kernel (linears, norms, rotary, attention) comes
 from the `KernelBackend` the model runner passes in (`kvrecover.ops`). Module and
 parameter names follow Hugging Face Llama, so checkpoints load by name
@@ -34,12 +40,32 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`."""
+    """Root-mean-square layer norm parameters; the math is `ops.rms_norm`, or with
+    `plus_one` Gemma's `ops.rms_norm_plus_one` (times `1 + weight`, in float32)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if plus_one else torch.ones(size))
         self.eps = eps
+        self.plus_one = plus_one
+
+    def norm(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
+        """`x` normalised by this norm's flavour of the backend's kernel."""
+        if self.plus_one:
+            return ops.rms_norm_plus_one(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, ops: ModelOps, x: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); `residual` may be updated in place."""
+        if self.plus_one:
+            return ops.add_rms_norm_plus_one(x, residual, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """`cap * tanh(x / cap)` (Gemma's logit soft-capping), in `x`'s dtype."""
+    return torch.tanh(x / cap) * cap
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:
@@ -55,8 +81,9 @@ def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int
 
 
 class Attention(nn.Module):
-    """Self-attention with fused QKV projection, GQA, an optional per-head q/k norm and an
-    optional sliding `window` (the last so many positions only)."""
+    """Self-attention with fused QKV projection, GQA, an optional per-head q/k norm (of
+    the `plus_one` flavour with `norm_plus_one`), an optional sliding `window` (the last
+    so many positions only), score `scale` (default head_dim**-0.5) and `softcap`."""
 
     def __init__(
         self,
@@ -68,11 +95,15 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: bool = False,
         window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        norm_plus_one: bool = False,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.window = window
+        self.softcap = softcap
         self.tp = tp
         self.head_dim = config.head_dim
         heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp.size,
@@ -80,11 +111,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, norm_plus_one) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, norm_plus_one) if qk_norm else None
         self.rotary = rotary
         self.attention = attention
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         if tp.size > 1:
             dim = self.head_dim
             self.qkv_proj: nn.Linear = ColumnParallelLinear(config.hidden_size, {
@@ -112,22 +144,29 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q = self.q_norm.norm(ops, q)
+            k = self.k_norm.norm(ops, k)
         out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
-                                    self.scale, window=self.window)
+                                    self.scale, window=self.window, softcap=self.softcap)
         out = ops.linear(out.reshape(-1, self.q_size), self.o_proj)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # Hugging Face names: SwiGLU, GeGLU
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate and up projections (split over `tp`'s ranks
-    by the intermediate size)."""
+    """Gated feed-forward (SwiGLU, or GeGLU with `activation="gelu_pytorch_tanh"`) with
+    fused gate and up projections (split over `tp`'s ranks by the intermediate size)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps,
-                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
+                 tp: TensorParallelGroup = SINGLE_RANK, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r} in config.json "
+                             f"(hidden_activation / hidden_act); supported: {GATED_ACTIVATIONS}")
         self.ops = ops
+        self.activation = activation
         self.tp = tp
         if tp.size > 1:
             local = intermediate_size // tp.size
@@ -146,7 +185,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        out = ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        gate_up = ops.linear(x, self.gate_up_proj)
+        if self.activation == "silu":
+            out = ops.linear(ops.silu_mul(gate_up), self.down_proj)
+        else:
+            out = ops.linear(ops.gelu_tanh_mul(gate_up), self.down_proj)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
@@ -154,16 +197,25 @@ class DecoderLayer(nn.Module):
     """One pre-norm transformer block around a given attention and feed-forward module.
 
     Carries the residual stream separately (`residual`, None before the first
-    layer) so that each residual add fuses with the next norm.
+    layer) so that each residual add fuses with the next norm. `sandwich_norms`
+    (Gemma): the attention and MLP outputs are normed too before their residual
+    add (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP's
+    input norm is `pre_feedforward_layernorm`; `norm_plus_one` picks the norms'
+    flavour.
     """
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module,
-                 ops: ModelOps) -> None:
+                 ops: ModelOps, *, sandwich_norms: bool = False,
+                 norm_plus_one: bool = False) -> None:
         super().__init__()
         self.ops = ops
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps, norm_plus_one)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(size, eps, norm_plus_one)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps, norm_plus_one) if sandwich_norms else None
+        self.post_feedforward_layernorm = (RMSNorm(size, eps, norm_plus_one) if sandwich_norms
+                                           else None)
         self.mlp = mlp
 
     def forward(
@@ -176,13 +228,17 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ops, norm = self.ops, self.input_layernorm
         if residual is None:
-            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+            residual, hidden = hidden, norm.norm(ops, hidden)
         else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden, residual = norm.add_norm(ops, hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, attn_meta)
-        norm = self.post_attention_layernorm
-        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
+        pre_mlp, post_mlp = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre_mlp is None or post_mlp is None:  # both or neither
+            hidden, residual = self.post_attention_layernorm.add_norm(ops, hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm.norm(ops, hidden)
+        hidden, residual = pre_mlp.add_norm(ops, hidden, residual)
+        return post_mlp.norm(ops, self.mlp(hidden)), residual
 
 
 ConfigT = TypeVar("ConfigT", bound=ModelConfig)
@@ -199,6 +255,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     """
 
     config_class: type[ConfigT]  # set by each family
+    norm_plus_one = False  # Gemma: every norm of the model is `RMSNorm(plus_one=True)`
     # Whether the family's layers shard over tensor-parallel ranks (`make_layer` passes
     # `self.tp` to them); a family that does not is refused at tensor_parallel_size > 1.
     tensor_parallel: ClassVar[bool] = False
@@ -225,6 +282,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
+        self.add_rotary_tables(config, max_positions)
         self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if tp.size == 1
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                          tp))
@@ -232,7 +290,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             self.make_layer(config, index, backend.attention, ops)
             for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.norm_plus_one)
         self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
                         if tp.size == 1 else ParallelLMHead(config.hidden_size,
                                                             config.vocab_size, tp))
@@ -240,6 +298,14 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             # One tensor, unless the backend repacks the LM head's weight for its
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
+
+    def add_rotary_tables(self, config: ConfigT, max_positions: int) -> None:
+        """Called by `__init__` before the layers are made: a family whose layers rotate by
+        other tables than `self.rotary` adds them here (and lists them in `rotary_tables`)."""
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """Every rotary table of the model (the model runner keeps them float32)."""
+        return [self.rotary]
 
     def make_layer(self, config: ConfigT, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
@@ -255,11 +321,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         before_layer: Any = None,
         after_layer: Any = None,
     ) -> torch.Tensor:
-        embed = self.embed_tokens
-        if isinstance(embed, VocabParallelEmbedding):
-            hidden = embed.lookup(input_ids, self.ops)
-        else:
-            hidden = self.ops.embedding(input_ids, embed.weight)
+        hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
@@ -270,12 +332,20 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         if residual is None:
             raise ValueError("the model has no decoder layers: config.json's num_hidden_layers "
                              "must be at least 1")
-        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+        return self.norm.add_norm(self.ops, hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `input_ids` (a family that scales them overrides this)."""
+        embed = self.embed_tokens
+        if isinstance(embed, VocabParallelEmbedding):
+            return embed.lookup(input_ids, self.ops)
+        return self.ops.embedding(input_ids, embed.weight)
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
         """Float32 logits for the given final hidden states (the model's dtype unless
-        `upcast`: a caller that casts them itself). Under tensor parallelism the whole
-        vocabulary's logits on rank 0, and None on the other ranks."""
+        `upcast`: a caller that casts them itself), soft-capped in the model's dtype where
+        `final_logit_softcap` is set. Under tensor parallelism the whole vocabulary's
+        logits on rank 0, and None on the other ranks."""
         head = self.lm_head
         if isinstance(head, ParallelLMHead):
             logits = head.logits(hidden, self.ops)
@@ -283,7 +353,14 @@ class CausalLM(nn.Module, Generic[ConfigT]):
                 return None
         else:
             logits = self.ops.linear(hidden, head)
+        if self.final_logit_softcap is not None:
+            logits = soft_cap(logits, self.final_logit_softcap)
         return logits.float() if upcast else logits
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """The cap of the final logits (None: uncapped; Gemma 2's `final_logit_softcapping`)."""
+        return None
 
     # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
     # weights: `models.moe.expert_renames`); tried first.

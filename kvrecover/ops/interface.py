@@ -99,7 +99,9 @@ class LinearKernels(Protocol):
 
 
 class NormKernels(Protocol):
-    """RMSNorm over the last dim, float32 inside, rounded to `x`'s dtype before the weight."""
+    """RMSNorm over the last dim in two flavours: Llama's (float32 inside, rounded to
+    `x`'s dtype before the weight) and Gemma's `_plus_one` (times `1 + weight`, all in
+    float32, rounded once at the end)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -107,6 +109,15 @@ class NormKernels(Protocol):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); `residual` may be updated in place."""
+        ...
+
+    def rms_norm_plus_one(self, x: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_plus_one(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x) with the `_plus_one` norm."""
         ...
 
 
@@ -161,6 +172,10 @@ class ModelOps(LinearKernels, NormKernels, MoEKernels, Protocol):
         """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
         ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU: `gelu(gate, approximate="tanh") * up` for `gate_up = [gate | up]`."""
+        ...
+
 
 # ----- attention -----------------------------------------------------------------------
 class PagedAttention(Protocol[MetadataT]):
@@ -177,6 +192,7 @@ class PagedAttention(Protocol[MetadataT]):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
         meta: MetadataT, scale: float, *, window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by `positions` with `rotary`
         (None: no rotary), write key and `value` into the cache slots of `meta`, and
@@ -186,7 +202,10 @@ class PagedAttention(Protocol[MetadataT]):
         position q sees the keys at positions q - window < k <= q only (Hugging
         Face's `sliding_window_causal`). A backend that takes it declares
         `BackendFeatures.sliding_window`; it never reads the values of keys outside
-        every query's window (those blocks may be freed, reused or hold NaNs)."""
+        every query's window (those blocks may be freed, reused or hold NaNs).
+        `softcap` (None: none): scores `s = scale * q.k` become `softcap * tanh(s /
+        softcap)` before the mask and softmax (Gemma 2's `attn_logit_softcapping`;
+        `BackendFeatures.logit_softcap`)."""
         ...
 
 

@@ -1,13 +1,12 @@
 """A step's allowed-token bitmask: filled on the host, applied to the logits on the device.
 
-The sampler calls `TokenBitmask.masked` (its token mask, after the logits processors
-and before temperature, top-k, top-p or greedy) once the model runner launched the
-step's forward pass: on a GPU the forward runs while the host fills the masks (the
+The model runner calls `TokenBitmask.apply` after it launched the step's forward pass
+and before sampling: on a GPU the forward runs while the host fills the masks (the
 kernels are queued, nothing waits), so filling costs no device time; the mask then goes
-up from pinned memory in one copy, and new logits are made with the constrained rows'
-banned tokens at -inf, in stream order before the sampler reads them (the raw logits
-stay as they are for the logprobs; one mask for the whole batch: a row without a
-grammar allows every token, so it is not changed). The mask is as wide as the logits: the grammar compiler sizes the
+up from pinned memory in one copy, and the logits of the constrained rows are set to
+-inf where the mask bans a token, in stream order before the sampler reads them (one
+mask for the whole batch: a row without a grammar allows every token, so it is not
+changed). The mask is as wide as the logits: the grammar compiler sizes the
 tokenizer's info to the model's vocabulary, so its padding rows are banned.
 """
 
@@ -43,21 +42,6 @@ class TokenBitmask:
             self._host = host
         return host[:rows]
 
-    def masked(
-        self, logits: torch.Tensor, grammars: Sequence[GrammarState | None]
-    ) -> torch.Tensor:
-        """`logits` itself when no row has a grammar, else new logits with `apply`'s bans
-        (the input stays as it is: its raw values give the logprobs)."""
-        if all(grammar is None for grammar in grammars):
-            return logits
-        host = self._fill(logits.shape[-1], grammars)
-        if not self._use_torch:
-            masked = logits.clone()
-            self._apply_host(masked, host)
-            return masked
-        allowed = _allowed(logits.shape[-1], host.to(self.device, non_blocking=True), self._bits)
-        return logits.masked_fill(~allowed, float("-inf"))
-
     def apply(self, logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> None:
         """Ban, in place, every token that row i's grammar does not allow next
         (`grammars[i]`, None for an unconstrained row, whose mask allows everything).
@@ -65,35 +49,24 @@ class TokenBitmask:
         reads this step's tokens (which waits for the upload) before it comes."""
         if all(grammar is None for grammar in grammars):
             return
-        host = self._fill(logits.shape[-1], grammars)
-        if not self._use_torch:
-            self._apply_host(logits, host)
-            return
-        apply_bitmask(logits, host.to(self.device, non_blocking=True), self._bits)
-
-    def _fill(self, vocab: int, grammars: Sequence[GrammarState | None]) -> torch.Tensor:
-        """The host mask of one step: row i from `grammars[i]`, all ones for None."""
+        vocab = logits.shape[-1]
         words = (vocab + BITS_PER_WORD - 1) // BITS_PER_WORD
         host = self._buffer(len(grammars), words)
         host.fill_(-1)  # all bits set: every token allowed
         for row, grammar in enumerate(grammars):
             if grammar is not None:
                 grammar.fill(host, row)
-        return host
+        if not self._use_torch:
+            from kvrecover.structured.compiler import load_xgrammar
 
-    @staticmethod
-    def _apply_host(logits: torch.Tensor, host: torch.Tensor) -> None:
-        from kvrecover.structured.compiler import load_xgrammar
-
-        load_xgrammar().apply_token_bitmask_inplace(logits, host, vocab_size=logits.shape[-1])
+            load_xgrammar().apply_token_bitmask_inplace(logits, host, vocab_size=vocab)
+            return
+        apply_bitmask(logits, host.to(self.device, non_blocking=True), self._bits)
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, bits: torch.Tensor) -> None:
     """`logits[r, t] = -inf` where bit t of row r of `mask` ([rows, words] int32, on the
     logits' device) is clear; `bits` holds 1 << i for i in 0..31 as int32."""
-    logits.masked_fill_(~_allowed(logits.shape[-1], mask, bits), float("-inf"))
-
-
-def _allowed(vocab: int, mask: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] bool: whether each row's mask allows each token."""
-    return (mask.unsqueeze(-1) & bits).flatten(1)[:, :vocab] != 0
+    vocab = logits.shape[-1]
+    allowed = (mask.unsqueeze(-1) & bits).flatten(1)[:, :vocab] != 0
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -28,6 +28,7 @@ from kvrecover.ops.interface import StepInputs, StepInputSpec
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.structured.bitmask import TokenBitmask
 from kvrecover.worker.cpu_threads import set_cpu_threads
+from kvrecover.worker.grammar_mask import GrammarMask
 from kvrecover.worker.kv_cache import allocate_kv_caches
 from kvrecover.worker.kv_connector import WorkerConnector
 from kvrecover.worker.prompt_logprobs import (
@@ -95,12 +96,13 @@ class ModelRunner:
             model = build_model(model_config, self.backend, max_model_len, tp)
         load_weights(model, model_dir)
         self.model = model.to(dtype=dtype).eval()
-        self.model.rotary.to(torch.float32)  # cos/sin tables stay float32, cast per use
+        for tables in self.model.rotary_tables():
+            tables.to(torch.float32)  # cos/sin tables stay float32, cast per use
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         self.sampler = Sampler(device)
-        self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks
-        self.sampler.token_masks.append(self._grammar_mask)
+        self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
+        self.sampler.token_masks.append(GrammarMask(self.grammar_bitmask))
         self.kv_connector: WorkerConnector | None = None
         self.graphs: DecodeGraphs | None = None
         self._token_buffers: TokenBuffers | None = None  # host buffers for overlapped decode tokens
@@ -306,15 +308,11 @@ class ModelRunner:
         greedy: torch.Tensor | None = None,
     ) -> SampledRows:
         """The one sampling path: the sampled rows' tokens (and logprobs), left on the
-        device. `greedy` (a graph's argmax) serves an all-greedy step without logits
-        processors or token masks; otherwise `Sampler` samples."""
+        device (`Sampler.sample_step`: logits processors, the grammar mask, then the
+        draw). `greedy` (a graph's argmax) serves an all-greedy step whose logits
+        nothing changed. Grammar masks are filled on the host after the forward pass was
+        launched, so on a GPU they overlap it."""
         return self.sampler.sample_step(logits, sampling, greedy)
-
-    def _grammar_mask(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
-        """The sampler's token mask for structured outputs (`TokenMask`): the rows with a
-        grammar lose the tokens it forbids next. The forward pass was launched already,
-        so on a GPU the host fills the masks while it runs."""
-        return self.grammar_bitmask.masked(logits, [s.grammar for s in rows])
 
     def _decode_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: forward, LM head and greedy tokens for every

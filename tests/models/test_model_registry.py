@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kvrecover.models.config import ModelConfig
+from kvrecover.models.gemma2 import Gemma2Config, Gemma2ForCausalLM
+from kvrecover.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
 from kvrecover.models.mistral import MistralConfig, MistralForCausalLM
@@ -39,6 +41,13 @@ FAMILIES = {
     "MistralForCausalLM": ({"sliding_window": 32}, MistralForCausalLM, MistralConfig),
 }
 FULL_ATTENTION = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+# Families whose layers are not the Llama ones (their own test below).
+GEMMA_FAMILIES = {
+    "Gemma2ForCausalLM": ({"sliding_window": 32, "head_dim": 16}, Gemma2ForCausalLM,
+                          Gemma2Config),
+    "Gemma3ForCausalLM": ({"sliding_window": 32, "head_dim": 16, "sliding_window_pattern": 2},
+                          Gemma3ForCausalLM, Gemma3Config),
+}
 # ModelConfig.identity of these configs before the registry existed (issue 20): stored
 # KV is keyed by it, so moving fields into family configs must not change it.
 IDENTITIES = {
@@ -65,8 +74,8 @@ MOE_FAMILIES = {
 
 
 def test_every_supported_architecture_is_registered_with_a_family():
-    assert supported_architectures() == (*FAMILIES, *MOE_FAMILIES)
-    for architecture, (_, model, config) in {**FAMILIES, **MOE_FAMILIES}.items():
+    assert supported_architectures() == (*FAMILIES, *MOE_FAMILIES, *GEMMA_FAMILIES)
+    for architecture, (_, model, config) in {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES}.items():
         assert model_class(architecture) is model
         assert issubclass(model, CausalLM) and model.config_class is config
         assert issubclass(config, ModelConfig)
@@ -114,6 +123,39 @@ def test_each_family_builds_from_the_shared_layers(tmp_path, architecture):
     assert model.layer_windows() == [layer.self_attn.window for layer in model.layers] == windows
     assert model.required_features(config).sliding_window == (windows[0] is not None)
     assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
+
+
+def test_gemma2_builds_from_the_shared_layers_with_its_options(tmp_path):
+    fields, _, _ = GEMMA_FAMILIES["Gemma2ForCausalLM"]
+    config = load_model_config(checkpoint_config(tmp_path, "Gemma2ForCausalLM", **fields))
+    model = build_model(config, select_backend("torch", torch.device("cpu")), max_positions=64)
+    assert model.layer_windows() == [32, None]  # HF: even layers slide
+    assert [layer.self_attn.window for layer in model.layers] == [32, None]
+    features = model.required_features(config)
+    assert features.sliding_window and features.logit_softcap
+    for layer in model.layers:
+        assert type(layer) is DecoderLayer and layer.mlp.activation == "gelu_pytorch_tanh"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        assert all(norm is not None and norm.plus_one for norm in norms)
+        assert layer.self_attn.scale == 256**-0.5 and layer.self_attn.softcap == 50.0
+    assert model.norm.plus_one and model.final_logit_softcap == 30.0
+    assert model.lm_head.weight is model.embed_tokens.weight  # Gemma ties by default
+
+
+def test_gemma3_adds_qk_norms_and_a_local_rotary_table(tmp_path):
+    fields, _, _ = GEMMA_FAMILIES["Gemma3ForCausalLM"]
+    config = load_model_config(checkpoint_config(tmp_path, "Gemma3ForCausalLM", **fields))
+    model = build_model(config, select_backend("torch", torch.device("cpu")), max_positions=64)
+    assert model.layer_windows() == [32, None]
+    assert model.rotary_tables() == [model.rotary, model.local_rotary]
+    assert [layer.self_attn.rotary for layer in model.layers] == [model.local_rotary,
+                                                                   model.rotary]
+    for layer in model.layers:
+        assert layer.self_attn.q_norm.plus_one and layer.self_attn.k_norm.plus_one
+        assert layer.self_attn.softcap is None  # Gemma 3: no attention soft-cap by default
+    assert not model.required_features(config).logit_softcap
+    assert model.final_logit_softcap is None
 
 
 def test_unknown_architecture_lists_the_known_ones(tmp_path):

@@ -1,6 +1,8 @@
-"""Sliding-window attention on the GPU (Triton): against a dense masked reference with
-NaN planted before every window, batch and chunk invariance, and a windowed model
-(Mistral) whose float32 tokens equal the CPU path's, eager and in CUDA graphs.
+"""Sliding windows, soft-capping and the Gemma ops on the GPU (Triton): attention
+against a dense masked reference with NaN planted before every window, batch and
+chunk invariance, the (1 + w) norm and GeGLU against the torch ops, and windowed
+models (Mistral, Gemma 2, Gemma 3) whose float32 tokens equal the CPU path's, eager and in
+CUDA graphs, with bf16 batch-invariant logits exact.
 
 Marked `gpu` and skipped without CUDA (the kernel tests also run under
 `TRITON_INTERPRET=1`).
@@ -17,6 +19,7 @@ from test_gpu import (
     DTYPES,
     GREEDY,
     INTERPRET,
+    _decode_logits,
     _make_llm,
     _schedule,
     _triton_attention,
@@ -90,3 +93,89 @@ def test_windowed_model_float32_tokens_match_cpu(windowed_model, enforce_eager, 
     gpu = _make_llm(windowed_model, dtype="float32", max_num_batched_tokens=64,
                     enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("requests", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "invariant"])
+def test_soft_capped_attention_matches_dense_reference(dtype, requests, window, batch_invariant):
+    q, k, v, cache, tables, keys, values = window_step(requests, 16, window or 10_000, dtype)
+    out = _triton_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE),
+                            _schedule(requests, tables), 16, batch_invariant, window=window,
+                            softcap=0.5)
+    expected = dense_reference(q, keys, values, requests, window or 10_000, 32**-0.5, 0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norm_and_geglu_match_the_torch_ops(dtype):
+    from kvrecover.ops.reference.torch_ops import TorchOps
+    from kvrecover.ops.triton.fused_ops import TritonOps
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 320, generator=gen).to(device=DEVICE, dtype=dtype)
+    residual = torch.randn(37, 320, generator=gen).to(device=DEVICE, dtype=dtype)
+    weight = torch.randn(320, generator=gen).to(device=DEVICE, dtype=dtype)
+    gate_up = torch.randn(37, 640, generator=gen).to(device=DEVICE, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(TritonOps().rms_norm_plus_one(x, weight, 1e-6),
+                               TorchOps().rms_norm_plus_one(x, weight, 1e-6), rtol=tol, atol=tol)
+    out, res = TritonOps().add_rms_norm_plus_one(x.clone(), residual.clone(), weight, 1e-6)
+    ref_out, ref_res = TorchOps().add_rms_norm_plus_one(x, residual, weight, 1e-6)
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(TritonOps().gelu_tanh_mul(gate_up), TorchOps().gelu_tanh_mul(gate_up),
+                               rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def gemma2_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("gpu_gemma2"), model_type="gemma2",
+                            num_hidden_layers=4, head_dim=32, num_attention_heads=8,
+                            num_key_value_heads=2, hidden_size=128, sliding_window=24,
+                            query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=3.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory):
+    """Gemma 3-shaped: five sliding layers to one full one, two rope bases, q/k norms."""
+    return build_tiny_model(tmp_path_factory.mktemp("gpu_gemma3"), model_type="gemma3_text",
+                            num_hidden_layers=6, head_dim=32, num_attention_heads=8,
+                            num_key_value_heads=2, hidden_size=128, sliding_window=24,
+                            query_pre_attn_scalar=32, rope_theta=1e6, rope_local_base_freq=1e4,
+                            rope_scaling={"rope_type": "linear", "factor": 8.0},
+                            tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("model", ["gemma2_model", "gemma3_model"])
+@pytest.mark.parametrize("enforce_eager", [True, pytest.param(False, marks=needs_cuda)])
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "invariant"])
+def test_gemma_float32_tokens_match_cpu(request, model, enforce_eager, batch_invariant):
+    model_dir = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [1, 9, 24, 130, 17, 300], 384)]
+    cpu = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
+    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, GREEDY)]
+    gpu = _make_llm(model_dir, dtype="float32", max_num_batched_tokens=64,
+                    enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, GREEDY)] == expected
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", ["windowed_model", "gemma2_model", "gemma3_model"])
+def test_bf16_batch_invariant_windowed_logits_are_exact(request, model):
+    """Same logits bits for one request alone (eager, big chunks) and batched (graphs,
+    small chunks) on a windowed model."""
+    model_dir = request.getfixturevalue(model)
+    prompts = random_prompts(5, [600, 3, 77, 250, 31], 384, seed=4)
+    alone = _make_llm(model_dir, dtype="bfloat16", batch_invariant=True, enforce_eager=True,
+                      max_num_batched_tokens=2048)
+    expected = _decode_logits(alone, [prompts[0]], 0)
+    batched = _make_llm(model_dir, dtype="bfloat16", batch_invariant=True,
+                        max_num_batched_tokens=96)
+    got = _decode_logits(batched, prompts, 0)
+    assert len(got) == len(expected) == GREEDY.max_tokens
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), step

@@ -62,7 +62,8 @@ def test_model_and_runner_share_the_backend_and_weights_are_packed_at_load(tiny_
 def test_every_backend_declares_its_features_and_names_what_is_missing():
     for backend in (select_backend("torch", CPU), select_backend("auto", CPU, dtype=torch.bfloat16),
                     select_backend("auto", CPU, batch_invariant=True)):
-        assert backend.features == BackendFeatures(sliding_window=True, moe=True)
+        assert backend.features == BackendFeatures(sliding_window=True, logit_softcap=True,
+                                                   moe=True)
         backend.check_supports(BackendFeatures(), "LlamaForCausalLM")  # a dense model runs
         backend.check_supports(BackendFeatures(sliding_window=True), "MistralForCausalLM")
         backend.check_supports(BackendFeatures(moe=True), "MixtralForCausalLM")

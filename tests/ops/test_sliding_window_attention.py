@@ -1,10 +1,12 @@
-"""Sliding-window attention in every CPU kernel against a dense masked reference.
+"""Sliding-window and soft-capped attention in every CPU kernel against a dense masked
+reference.
 
 A query at position q sees keys q - window < k <= q (Hugging Face's
 `sliding_window_causal`). Keys before every query's window are planted with NaN,
 and whole blocks before it point at a NaN block (as a freed, reused or failed
 block would): the output must not change. The invariant kernels also give the
-same bits for a query in a prefill, a chunk or a decode step.
+same bits for a query in a prefill, a chunk or a decode step. Soft-capping maps
+each score s to cap * tanh(s / cap) before the mask (Gemma 2).
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ def _kernels():
 KERNELS = _kernels()
 
 
-def dense_reference(query, keys, values, requests, window, scale):
-    """Float64 softmax attention of each request over its whole sequence, banded."""
+def dense_reference(query, keys, values, requests, window, scale, softcap=None):
+    """Float64 softmax attention of each request over its whole sequence, banded (and
+    soft-capped)."""
     outputs, row = [], 0
     group = query.shape[1] // keys[0].shape[1]
     for (computed, length), k, v in zip(requests, keys, values):
         k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
         q = query[row : row + length].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = computed + torch.arange(length)[:, None]
         key_pos = torch.arange(computed + length)[None, :]
         visible = (key_pos <= query_pos) & (key_pos > query_pos - window)
@@ -149,3 +154,40 @@ def test_invariant_window_bits_equal_in_prefill_chunks_and_decode(kernel, dtype)
     whole = run([length])
     assert torch.equal(run([13, 40, 41, length]), whole)
     assert torch.equal(run(list(range(1, length + 1))), whole)  # one token at a time
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("case", ["decode", "fresh", "mixed"])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("softcap", [0.5, 4.0])
+def test_soft_capped_attention_matches_dense_reference(kernel, case, window, softcap):
+    requests = CASES[case]
+    query, key, value, cache, meta, keys, values = _setup(requests, 5, window or 10_000)
+    scale = 1.5  # large scores: the cap binds
+    out = KERNELS[kernel].forward(query, key, value, cache, meta, scale, window, softcap)
+    expected = dense_reference(query, keys, values, requests, window or 10_000, scale, softcap)
+    uncapped = dense_reference(query, keys, values, requests, window or 10_000, scale)
+    assert (expected - uncapped).abs().max() > 0.1  # the cap changes the result
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["torch_tiles", "native"])
+def test_soft_capped_window_bits_equal_in_prefill_and_decode(kernel):
+    if kernel not in KERNELS:
+        pytest.skip("the C kernel did not build here")
+    attention, window, block_size, length = KERNELS[kernel], 9, 3, 40
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(length, h, 32, generator=generator).to(torch.bfloat16)
+               for h in (6, 2, 2))
+    table = list(range(1, 1 + -(-length // block_size)))
+    outs = []
+    for splits in ([length], list(range(1, length + 1))):
+        cache = torch.zeros(2, len(table) + 1, block_size, 2, 32, dtype=torch.bfloat16)
+        pieces, start = [], 0
+        for end in splits:
+            meta = AttentionMetadata.build([start], [end - start], [table], block_size, CPU)
+            pieces.append(attention.forward(q[start:end], k[start:end], v[start:end], cache,
+                                            meta, 0.5, window, 2.0))
+            start = end
+        outs.append(torch.cat(pieces))
+    assert torch.equal(outs[0], outs[1])

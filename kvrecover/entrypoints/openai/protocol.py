@@ -299,13 +299,13 @@ class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: Any = None  # checked by `openai/tools.py`
     tool_choice: Any = None
     # kvrecover's own (the proxy's): leave tool calls as the model's text in `content`
     # and name the parser in the TOOL_CALL_PARSER_HEADER header.
     raw_tool_calls: bool = False
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
 
     def output_logprobs(self) -> int | None:
         """`top_logprobs` (0..20) when `logprobs` is true, as in OpenAI."""
@@ -318,6 +318,7 @@ class ChatCompletionRequest(_GenerationFields):
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             return None
         return top or 0
+
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (an assistant's earlier tool

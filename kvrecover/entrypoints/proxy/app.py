@@ -150,10 +150,9 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         except BaseException:
             await close()
             raise
+        # Tool calls go with one choice only (`choice_bodies` does not split them).
         tools = ToolRequest.of(body.get("tools"), body.get("tool_choice")) \
             if path == CHAT else None
-        # Every choice's text is parsed on its own (with the parser that choice 0's
-        # instance named: the instances serve one checkpoint).
         writer = OpenAIResponse(path == CHAT, body.get("model") or firsts[0].model or "",
                                 ProxiedChoices(choices), bool(body.get("return_token_ids")),
                                 *usage, request_id=f"proxy-{uuid.uuid4().hex}",

@@ -19,7 +19,7 @@
    or the one its `tool_choice` forces) goes with it: the instance replays the
    resumed tokens through a fresh matcher before it samples. A request of `n`
    choices is `n` requests of one (choice i seeded `choice_seed(seed, i)`, as an
-   instance seeds it), each migrated alone, with its own grammar.
+   instance seeds it), each migrated alone.
 Every step is bounded by `max_retries`. An instance whose answer is of the wrong
 shape or impossible for the request (`checks.py`) counts as failed: at
 step 1 it is skipped, at step 2 failed over, at step 3 migrated away from.
@@ -60,9 +60,9 @@ CHAT = "/v1/chat/completions"
 # What a continuation keeps of the original request (besides the prompt). Penalties
 # count the resumed tokens as output (`resumed_output_tokens`), as does `min_tokens`.
 CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "ignore_eos", "response_format", "structured_outputs",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "min_tokens", "logit_bias", "allowed_token_ids", "bad_words")
+                     "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
+                     "bad_words", "response_format", "structured_outputs")
 UNBOUNDED_MAX_TOKENS = 1 << 30  # the engine caps a request at max_model_len anyway
 
 
@@ -263,9 +263,10 @@ class ProxiedRequest:
 def choice_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The requests of one choice each that a request of `n` choices becomes: choice i
     seeded `choice_seed(seed, i)`, as an instance seeds it. An `n` the instance would
-    refuse is passed on as it is (the instance answers the 400)."""
+    refuse (out of range, or with `tools`) is passed on as it is (the instance answers
+    the 400)."""
     n = body.get("n")
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N or body.get("tools"):
         return [body]
     seed = body.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):

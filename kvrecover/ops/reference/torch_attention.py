@@ -41,35 +41,38 @@ class TorchPagedAttention(RotateThenAttend):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
-        positions only, unless None); returns [T, Hq, D]."""
+        positions only, unless None; scores soft-capped at `softcap`, unless None);
+        returns [T, Hq, D]."""
         meta = meta.with_window(window)
         write_step_kv(kv_cache, meta.slot_mapping, key, value)
         num_rows = query.shape[0]
         rows, context = meta.decode_rows, meta.decode_context  # both None without decodes
         if (context is not None and not meta.prefills and isinstance(rows, slice)
                 and rows.stop - rows.start == num_rows):
-            return _decode(query, kv_cache, context, scale, self._workspace)
+            return _decode(query, kv_cache, context, scale, self._workspace, softcap)
         if len(meta.prefills) == 1 and rows is None:
             group = meta.prefills[0]
             if group.row_end - group.row_start == num_rows:
-                return _prefill(query, key, value, kv_cache, group, scale, self._workspace)
+                return _prefill(query, key, value, kv_cache, group, scale, self._workspace, softcap)
         out = query.new_empty(query.shape)
         if rows is not None and context is not None:
             if isinstance(rows, slice):
-                out[rows] = _decode(query[rows], kv_cache, context, scale, self._workspace)
+                out[rows] = _decode(query[rows], kv_cache, context, scale, self._workspace,
+                                    softcap)
             else:
                 decoded = _decode(
                     query.index_select(0, rows), kv_cache, context, scale,
-                    self._workspace,
+                    self._workspace, softcap,
                 )
                 out.index_copy_(0, rows, decoded)
         for group in meta.prefills:
             span = slice(group.row_start, group.row_end)
             out[span] = _prefill(
-                query[span], key[span], value[span], kv_cache, group, scale, self._workspace
+                query[span], key[span], value[span], kv_cache, group, scale, self._workspace,
+                softcap,
             )
         return out
 
@@ -127,7 +130,7 @@ def _gather(
 
 def _decode(
     query: torch.Tensor, kv_cache: torch.Tensor, context: ContextGather, scale: float,
-    workspace: _GatherWorkspace,
+    workspace: _GatherWorkspace, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for one new token per request.
 
@@ -141,31 +144,31 @@ def _decode(
     per_request = 2 * context.num_blocks * kv_cache[0, 0].numel() * kv_cache.element_size()
     step = batch if kv_cache.device.type != "cpu" else max(1, _GATHER_BYTES // per_request)
     if step >= batch:
-        return _decode_slice(query, kv_cache, context, scale, workspace, 0, batch)
+        return _decode_slice(query, kv_cache, context, scale, workspace, 0, batch, softcap)
     out = query.new_empty(query.shape)
     for first in range(0, batch, step):
         stop = min(batch, first + step)
         out[first:stop] = _decode_slice(
-            query[first:stop], kv_cache, context, scale, workspace, first, stop
+            query[first:stop], kv_cache, context, scale, workspace, first, stop, softcap
         )
     return out
 
 
 def _decode_slice(
     query: torch.Tensor, kv_cache: torch.Tensor, context: ContextGather, scale: float,
-    workspace: _GatherWorkspace, first: int, stop: int,
+    workspace: _GatherWorkspace, first: int, stop: int, softcap: float | None = None,
 ) -> torch.Tensor:
     """`_decode` for the group's requests `[first, stop)` (the rows of `query`)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     keys, values = _gather(kv_cache, context, num_kv_heads, head_dim, workspace, first, stop)
     mask = None if context.mask is None else context.mask[first:stop]
-    out = F.scaled_dot_product_attention(
+    out = _attention(
         query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=mask,  # [B, 1, 1, L] or None: broadcast over the grouped query rows
-        scale=scale,
+        mask,  # [B, 1, 1, L] or None: broadcast over the grouped query rows
+        scale, softcap,
     )
     return out.reshape(batch, num_heads, head_dim)
 
@@ -173,6 +176,7 @@ def _decode_slice(
 def _prefill(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     group: PrefillGroup, scale: float, workspace: _GatherWorkspace,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for a `PrefillGroup`'s rows of q, k and v; returns [rows, Hq, D]."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -187,13 +191,36 @@ def _prefill(
     else:
         keys, values = _gather(kv_cache, group.context, num_kv_heads, head_dim, workspace)
         mask = group.context.mask
-    out = F.scaled_dot_product_attention(
+    out = _attention(
         query.reshape(*shape, num_heads, head_dim).transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
+        mask, scale, softcap,
         is_causal=mask is None,
         enable_gqa=num_heads != num_kv_heads,
     )
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+
+
+def _attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+    scale: float, softcap: float | None, is_causal: bool = False, enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA over [..., heads, rows, D]; with `softcap`, the same in explicit ops (SDPA
+    cannot cap scores), rounded as Hugging Face's eager attention rounds."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              is_causal=is_causal, enable_gqa=enable_gqa)
+    if enable_gqa:
+        group = query.shape[-3] // keys.shape[-3]
+        keys = keys.repeat_interleave(group, dim=-3)
+        values = values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        rows, cols = scores.shape[-2:]
+        mask = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values)

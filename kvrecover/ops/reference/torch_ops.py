@@ -50,6 +50,21 @@ class TorchOps:
         residual = residual + x
         return self.rms_norm(residual, weight, eps), residual
 
+    def rms_norm_plus_one(self, x: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: `x / rms(x) * (1 + weight)` in float32, rounded once to
+        `x`'s dtype (as Hugging Face's `Gemma2RMSNorm`)."""
+        normed = x.float()
+        normed = normed * normed.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return normed.mul_(1.0 + weight.float()).to(x.dtype)
+
+    def add_rms_norm_plus_one(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rms_norm_plus_one(residual + x), residual + x)."""
+        residual = residual + x
+        return self.rms_norm_plus_one(residual, weight, eps), residual
+
     def rotary(
         self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor,
@@ -61,6 +76,11 @@ class TorchOps:
         """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU: `gelu(gate, approximate="tanh") * up` for `gate_up = [gate | up]`."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
 
     def moe(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -15,7 +15,9 @@ Sliding windows (`WINDOW`, a compile-time constant per layer; 0 = full): a query
 at position q sees keys q - WINDOW < k <= q. A program starts at the segment and
 the `BLOCK_N` step holding its earliest query's window start and never loads a
 key, value or block-table entry before it (those blocks may be freed, reused or
-hold NaNs); inside the boundary step the band is masked.
+hold NaNs); inside the boundary step the band is masked. Soft-capping
+(`SOFTCAP`, a compile-time constant; 0 = none) maps each score s = scale * q.k
+to SOFTCAP * tanh(s / SOFTCAP) before the mask.
 
 Batch invariance: a query row's arithmetic depends only on its own query, its
 context and the fixed constants (BLOCK_N, SEGMENT). Key steps or segments past
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvrecover.ops.interface import RotaryTables, StepInputSpec
 from kvrecover.ops.triton.arrival import arrival_counters
@@ -104,7 +107,7 @@ def _segment(
     q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
     seg_start, seg_end, key_lo, scale_log2, PAGE: tl.constexpr,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online-softmax state (max, sum, unnormalised output) of keys [seg_start, seg_end);
     with a `WINDOW`, of those from `key_lo` (the earliest row's window start) on."""
@@ -133,7 +136,12 @@ def _segment(
         visible = keys[None, :] <= query_pos[:, None]
         if WINDOW > 0:
             visible = visible & (keys[None, :] > query_pos[:, None] - WINDOW)
-        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        if SOFTCAP > 0:  # scale_log2 / log2(e) = scale: cap scale * q.k, then to base 2
+            scores = libdevice.tanh(scores * (scale_log2 / (SOFTCAP * 1.4426950408889634)))
+            scores = scores * (SOFTCAP * 1.4426950408889634)
+        else:
+            scores = scores * scale_log2
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         p = tl.math.exp2(scores - m_safe[:, None])
@@ -169,7 +177,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -211,7 +219,7 @@ def _paged_attention_kernel(
             m_s, l_s, acc_s = _segment(
                 q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
                 seg_start, tl.minimum(seg_start + SEGMENT, kv_end), key_lo, scale_log2, PAGE,
-                ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW,
+                ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW, SOFTCAP,
             )
             base = (state_rows + segment) * GROUP_PAD
             tl.store(part_m_ptr + base + rows, m_s, mask=first)
@@ -251,7 +259,7 @@ def _paged_attention_kernel(
             m_s, l_s, acc_s = _segment(
                 q, query_pos, k_cache_ptr, v_cache_ptr, table, kv_base, slot_stride,
                 seg_start, tl.minimum(seg_start + SEGMENT, kv_end), key_lo, scale_log2, PAGE,
-                ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW,
+                ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW, SOFTCAP,
             )
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
         out = acc / l_i[:, None]
@@ -317,10 +325,11 @@ def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
     num_stages: int = NUM_STAGES, prefill_block_m: int = PREFILL_BLOCK_M,
     prefill_warps: int = PREFILL_WARPS, decode: DecodeKernelConfig = INVARIANT_DECODE,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` [T, Hq, D] over the paged cache (over the last `window`
-    positions only, unless None); returns [T, Hq, D].
+    positions only, unless None; scores soft-capped at `softcap`, unless None); returns
+    [T, Hq, D].
 
     `prefill_block_m` must match the tiles of `meta` (see `tile_tokens`).
     """
@@ -363,6 +372,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
         FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32, WINDOW=window or 0,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=decode.num_warps if split else prefill_warps,
         num_stages=decode.num_stages if split else num_stages,
         enable_fp_fusion=False,
@@ -394,31 +404,34 @@ class TritonPagedAttention:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
         meta: PagedAttentionMetadata, scale: float, *, window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """The `ops.interface.PagedAttention` entry point: with `rotary`, one kernel
         rotates `query` (in place) and the key into the cache (`key` itself stays as it
-        was); without, `forward`. `window`: the layer's sliding window (None: full)."""
+        was); without, `forward`. `window`: the layer's sliding window, `softcap` its
+        score soft-cap (None: none)."""
         if rotary is None:
-            return self.forward(query, key, value, kv_cache, meta, scale, window)
+            return self.forward(query, key, value, kv_cache, meta, scale, window, softcap)
         rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale, window)
+        return self._attend(query, kv_cache, meta, scale, window, softcap)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's (rotated) K/V into the cache, then attend (over the last
-        `window` positions only, unless None); returns [T, Hq, D]."""
+        `window` positions only, unless None; scores soft-capped at `softcap`, unless
+        None); returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale, window)
+        return self._attend(query, kv_cache, meta, scale, window, softcap)
 
     def _attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata,
-        scale: float, window: int | None,
+        scale: float, window: int | None, softcap: float | None,
     ) -> torch.Tensor:
         return paged_attention(query, kv_cache, meta, scale, decode=self.decode_config,
-                               window=window)
+                               window=window, softcap=softcap)
 
 
 def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
+from triton.language.extra import libdevice
 
 from kvrecover.ops.interface import ExpertWeights, RotaryTables
 from kvrecover.ops.reference.torch_ops import TorchOps
@@ -24,7 +25,7 @@ from kvrecover.ops.triton.rounding import round_to as _round
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, out_stride, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PLUS_ONE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -36,9 +37,12 @@ def _rms_norm_kernel(
         tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / n_cols
-    normed = _round(xf * tl.math.rsqrt(variance + eps), out_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = normed * weight.to(tl.float32)
+    if PLUS_ONE:  # Gemma: times (1 + weight) in float32, rounded once
+        out = xf * tl.math.rsqrt(variance + eps) * (1.0 + weight.to(tl.float32))
+    else:
+        normed = _round(xf * tl.math.rsqrt(variance + eps), out_ptr.dtype.element_ty)
+        out = normed * weight.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -111,15 +115,20 @@ def _rotary_store_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr,
+                     GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * out_stride + cols, (silu * up).to(dtype), mask=mask)
+    if GELU_TANH:  # GeGLU: gelu(gate, approximate="tanh")
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = _round(0.5 * gate * (1.0 + libdevice.tanh(inner)), dtype)
+    else:
+        act = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * out_stride + cols, (act * up).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -151,9 +160,11 @@ def _row_warps(block: int) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    plus_one: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm over the last dim; with `residual`, first does `residual += x` in place.
+    """RMSNorm over the last dim (Gemma's `(1 + weight)` flavour with `plus_one`); with
+    `residual`, first does `residual += x` in place.
 
     Writes the result into `x` when a residual is given (x is then a dead
     temporary), else into a new tensor.
@@ -169,7 +180,7 @@ def rms_norm(
         _rms_norm_kernel[(n_rows,)](
             x2d, residual if residual is not None else x2d, weight, out,
             x2d.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, PLUS_ONE=plus_one,
             num_warps=_row_warps(block),
         )
     return out.view(shape)
@@ -211,8 +222,9 @@ def rotary_store_(
         )
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+def silu_mul(gate_up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim (GeGLU,
+    `gelu(gate, approximate="tanh") * up`, with `gelu_tanh`)."""
     n_rows, width = gate_up.shape
     n_cols = width // 2
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
@@ -220,7 +232,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n_rows:
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
             gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block,
-            num_warps=_row_warps(block),
+            GELU_TANH=gelu_tanh, num_warps=_row_warps(block),
         )
     return out
 
@@ -242,6 +254,19 @@ class TritonOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel adds `x` into `residual` in place and norms the sum."""
         return rms_norm(x, weight, eps, residual=residual), residual
+
+    def rms_norm_plus_one(self, x: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps, plus_one=True)
+
+    def add_rms_norm_plus_one(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms_norm` with Gemma's norm, in one kernel."""
+        return rms_norm(x, weight, eps, residual=residual, plus_one=True), residual
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up, gelu_tanh=True)
 
     def moe(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

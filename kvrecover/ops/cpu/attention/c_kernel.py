@@ -51,6 +51,7 @@ class KvrAttentionArgs(ctypes.Structure):
         ("dtype", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("window", ctypes.c_int32),  # 0: no sliding window
+        ("softcap", ctypes.c_float),  # 0: no soft-capping
     ]
 
 
@@ -90,11 +91,11 @@ class NativeInvariantAttention(RotateThenAttend):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
-        positions only, unless None: the kernel never reads the keys before it);
-        returns [T, Hq, D]."""
+        positions only, unless None: the kernel never reads the keys before it; scores
+        soft-capped at `softcap`, unless None); returns [T, Hq, D]."""
         check_kernel_inputs(query, key, kv_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
@@ -110,7 +111,7 @@ class NativeInvariantAttention(RotateThenAttend):
             plan.block_tables.data_ptr(), plan.block_tables.stride(0),
             plan.token_request.data_ptr(), plan.token_position.data_ptr(),
             num_heads, num_kv_heads, head_dim, kv_cache.shape[2], DTYPE_CODES[query.dtype], scale,
-            window or 0,
+            window or 0, softcap or 0.0,
         )
         code = self._kernel(ctypes.byref(args), plan.num_items, plan.grain, plan.threads)
         if code:

@@ -12,7 +12,10 @@ query heads of a KV head stacked, `[tile * group, head_dim]`; keys go in chunks
 of `key_chunk` absolute positions (chunk c holds positions [c * key_chunk,
 (c + 1) * key_chunk) of the request, whatever the block size).
 
-Softmax is exact and two-pass in float32: the row maximum over all chunks (a
+A sliding window masks the keys before each query's window and starts at the
+first chunk any tile's window reaches (keys no query of a tile sees read the
+null block); soft-capping maps each score elementwise. Softmax is exact and
+two-pass in float32: the row maximum over all chunks (a
 max does not depend on order), then `exp(s - max)` per chunk, the chunk sums
 and `p @ v` added chunk by chunk in increasing order. A chunk beyond a query's
 position is fully masked: it adds exact zeros, so a tile that reads more chunks
@@ -71,10 +74,11 @@ class CpuInvariantAttention(RotateThenAttend):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
-        positions only, unless None); returns [T, Hq, D]."""
+        positions only, unless None; scores soft-capped at `softcap`, unless None);
+        returns [T, Hq, D]."""
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
@@ -103,6 +107,8 @@ class CpuInvariantAttention(RotateThenAttend):
         for active, slots, mask in zip(plan.active_tiles, plan.chunk_slots, plan.chunk_masks):
             keys = _as_float_heads(key_cache.index_select(0, slots), active, chunk)
             chunk_scores = torch.matmul(queries[:active], keys.transpose(-1, -2))
+            if softcap is not None:  # elementwise: the row's bits stay its own
+                chunk_scores = chunk_scores.div_(softcap).tanh_().mul_(softcap)
             chunk_scores.masked_fill_(mask, float("-inf"))
             chunk_max = chunk_scores.amax(-1)
             if row_max is None:

@@ -11,7 +11,8 @@
  * (pass 1: scores and their maximum; pass 2: exp, the sum and P.V in key order;
  * with a bf16 cache and AVX512-BF16, q.k and P.V run as vdpbf16ps, whose products
  * are exact and sums float32, with P rounded to bf16 for P.V as flash attention does).
- * How many items share a call, or how a step is split across threads, cannot
+ * Soft-capping (Gemma 2) maps each score s = scale * q.k to softcap * tanh(s / softcap)
+ * before the softmax, elementwise. How many items share a call, or how a step is split across threads, cannot
  * change a single bit. One code path per build: the AVX-512 one where the
  * compiler targets it, else a portable scalar one (invariance holds within one
  * machine and build, like a library kernel's).
@@ -41,6 +42,7 @@ typedef struct {
     int32_t dtype;
     float scale;
     int32_t window;            /* sliding window in keys; 0: every key 0..position */
+    float softcap;             /* scores s become softcap * tanh(s / softcap); 0: none */
 } KvrAttentionArgs;
 
 /* The first key a query at `position` sees: position - window + 1 (at least 0). */
@@ -111,6 +113,27 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* softcap * tanh(s / softcap), 16 lanes: an odd polynomial for |y| < 1/8, else
+ * (1 - e^-2|y|) / (1 + e^-2|y|) (no cancellation there); relative error ~1e-7. */
+static inline __m512 softcap16(__m512 s, float softcap) {
+    const __m512 y = _mm512_div_ps(s, _mm512_set1_ps(softcap));
+    const __m512 a = _mm512_abs_ps(y);
+    const __m512 t = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 far = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), t),
+                                     _mm512_add_ps(_mm512_set1_ps(1.0f), t));
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    __m512 p = _mm512_set1_ps(-17.0f / 315.0f);
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(2.0f / 15.0f));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-1.0f / 3.0f));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(1.0f));
+    const __m512 near = _mm512_mul_ps(p, a);
+    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.125f), _CMP_LT_OQ);
+    const __m512 magnitude = _mm512_mask_blend_ps(small, far, near);
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    const __m512 th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
+    return _mm512_mul_ps(th, _mm512_set1_ps(softcap));
 }
 
 #define KVR_MAX_GROUP 16
@@ -191,6 +214,7 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
                                  ? dot_lanes(a, a->query, query_index[h], offsets[k])
                                  : _mm512_setzero_ps();
             __m512 s = _mm512_mul_ps(transpose_sum16(partial), scale);
+            if (a->softcap > 0.0f) s = softcap16(s, a->softcap);
             _mm512_mask_storeu_ps(scores + h * num_keys + j0, mask, s);
             maxima[h] = _mm512_mask_max_ps(maxima[h], mask, maxima[h], s);
         }
@@ -316,6 +340,7 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
             for (int d = 0; d < dim; d++)
                 dot += load_scalar(a->query, qbase + d, dtype) * load_scalar(a->key_cache, offset + d, dtype);
             float s = dot * a->scale;
+            if (a->softcap > 0.0f) s = a->softcap * tanhf(s / a->softcap);
             scores[j] = s;
             row_max = s > row_max ? s : row_max;
         }
