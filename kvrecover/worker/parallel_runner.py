@@ -259,4 +259,3 @@ def _for_other_ranks(scheduler_output: SchedulerOutput) -> SchedulerOutput:
         return scheduler_output
     return replace(scheduler_output,
                    scheduled=[replace(s, grammar=None) for s in scheduler_output.scheduled])
-
