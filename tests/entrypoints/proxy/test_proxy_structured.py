@@ -177,3 +177,35 @@ def test_a_json_schema_with_logprobs_penalties_and_n_migrates_exactly(
                              flat_logprobs(want["logprobs"], False))
         assert len(flat_logprobs(got["logprobs"], False)) == len(want["token_ids"])
     assert_migrated(cluster, proxy, killed[0])
+
+
+def test_required_tool_calls_of_n_choices_through_the_proxy_are_parsed_per_choice(tmp_path):
+    """n=2 with tool_choice required: the proxy splits the choices and parses each one's
+    raw text on its own, giving the instance's own answer."""
+    from conftest import build_tiny_model
+    from serving_utils import Process, free_port, in_process_server
+    from structured_helpers import HERMES_TEMPLATE, MESSAGES, with_template
+    from structured_helpers import TOOLS as WEATHER_TOOLS
+
+    qwen_dir = with_template(build_tiny_model(tmp_path / "qwen", model_type="qwen2", seed=2),
+                              HERMES_TEMPLATE)
+    body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "tool_choice": "required",
+            "max_tokens": 150, "temperature": 1.0, "seed": 5, "n": 2}
+    with in_process_server(qwen_dir) as url:
+        port = free_port()
+        proxy = Process(["proxy", "--decode", url, "--port", str(port)], port,
+                        tmp_path / "proxy.log").wait_healthy()
+        try:
+            direct = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=WAIT_S).json()
+            proxied = httpx.post(f"{proxy.url}/v1/chat/completions", json=body,
+                                 timeout=WAIT_S).json()
+        finally:
+            proxy.kill()
+
+    def calls(answer):
+        return [[(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                 for c in choice["message"]["tool_calls"]] for choice in answer["choices"]]
+
+    assert [c["finish_reason"] for c in proxied["choices"]] == ["tool_calls", "tool_calls"]
+    assert calls(proxied) == calls(direct)
+    assert calls(proxied)[0] != calls(proxied)[1]
