@@ -159,7 +159,7 @@ class TensorParallelRunner:
             raise self.failure
         if self.closed:
             raise RuntimeError("the tensor-parallel runner is closed")
-        payload = pack("step", scheduler_output)
+        payload = pack("step", _for_other_ranks(scheduler_output))
         try:
             for process in self.ranks:
                 process.send(payload)
@@ -249,3 +249,13 @@ class TensorParallelRunner:
             process.stop(0.0 if abort else STOP_GRACE_S)
         if self.group is not None and not abort:
             self.group.shutdown()
+
+
+def _for_other_ranks(scheduler_output: SchedulerOutput) -> SchedulerOutput:
+    """The step as the other ranks get it: without the grammar matchers (only rank 0
+    samples; a matcher, xgrammar's, cannot be pickled). The same object when no
+    request has one."""
+    if all(s.grammar is None for s in scheduler_output.scheduled):
+        return scheduler_output
+    return replace(scheduler_output,
+                   scheduled=[replace(s, grammar=None) for s in scheduler_output.scheduled])

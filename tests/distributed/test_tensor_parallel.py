@@ -147,3 +147,34 @@ def test_every_engine_command_takes_the_tensor_parallel_size_flag(command):
 
     namespace = build_parser().parse_args([*command, "--tensor-parallel-size", "2"])
     assert engine_args_from_namespace(namespace).tensor_parallel_size == 2
+
+
+def test_sampling_controls_grammars_and_logprobs_at_size_2_equal_size_1(tiny_llama):
+    """Prompt and output logprobs (the LM head is a collective: every rank scores the
+    prompt rows, rank 0 reads them), a penalty, a JSON schema and n=2 choices, seeded:
+    the same tokens and logprobs as one rank."""
+    from structured_helpers import PERSON_SCHEMA
+
+    from kvrecover.structured.params import StructuredOutputsParams
+
+    prompts = random_prompts(2, [21, 37], 384, seed=9)
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_NEW, n=2, logprobs=2,
+                             prompt_logprobs=1, presence_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=80, logprobs=1, frequency_penalty=0.5,
+                             structured_outputs=StructuredOutputsParams(json=PERSON_SCHEMA))]
+
+    def run(size: int):
+        with LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=64,
+                 tensor_parallel_size=size) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [([c.token_ids for c in o.outputs],
+                 [[(r.token_id, r.rank) for r in c.logprobs] for c in o.outputs],
+                 [[round(r.logprob, 3) for r in c.logprobs] for c in o.outputs],
+                 None if o.prompt_logprobs is None else
+                 [None if r is None else (r.token_id, round(r.logprob, 3))
+                  for r in o.prompt_logprobs]) for o in outputs]
+
+    one, two = run(1), run(2)
+    assert one[0][3] is not None and len(one[0][3]) == len(prompts[0])
+    assert one[1][0][0][-1] == 1  # the grammar completed: EOS
+    assert two == one

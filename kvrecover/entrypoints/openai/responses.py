@@ -106,11 +106,23 @@ class OpenAIResponse:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     request_id: str = ""  # default: "chatcmpl-<hex>" or "cmpl-<hex>"
     created: int = field(default_factory=lambda: int(time.time()))
-    tools: ToolAnswer | None = None  # a chat request with tools: its calls' writer
+    # A chat request with tools: choice 0's calls' writer (each other choice of `n`
+    # gets a fresh one of the same request and parser: its text is parsed on its own).
+    tools: ToolAnswer | None = None
+    _choice_tools: dict[int, ToolAnswer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.request_id:
             self.request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _tool_answer(self, index: int) -> ToolAnswer | None:
+        """The tool-call writer of choice `index` (None: the request has no tools)."""
+        if self.tools is None or index == 0:
+            return self.tools
+        answer = self._choice_tools.get(index)
+        if answer is None:
+            answer = self._choice_tools[index] = ToolAnswer(self.tools.request, self.tools.parser)
+        return answer
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
@@ -130,9 +142,10 @@ class OpenAIResponse:
         if self.chat:
             finish = fragment.finish_reason
             delta = {"content": fragment.text}
-            if self.tools is not None:
-                delta = self.tools.delta(fragment.text, final=finish is not None)
-                finish = self.tools.finish_reason(finish)
+            tools = self._tool_answer(fragment.index)
+            if tools is not None:
+                delta = tools.delta(fragment.text, final=finish is not None)
+                finish = tools.finish_reason(finish)
             if opens:
                 delta = {"role": "assistant", **delta}
             choice = {"index": fragment.index, "delta": delta, "logprobs": fragment.logprobs,
@@ -166,7 +179,7 @@ class OpenAIResponse:
 
     def whole_choices(self, choices: list[_Choice]) -> dict[str, Any]:
         """The body of a non-streamed answer of several choices (in index order); with
-        `tools` (one choice) the message carries the parsed tool calls."""
+        `tools` each choice's message carries its own parsed tool calls."""
         body: dict[str, Any] = {**self._head(CHAT_OBJECT if self.chat else COMPLETION_OBJECT),
                                 "choices": []}
         for gathered in sorted(choices, key=lambda c: c.index):
@@ -174,9 +187,10 @@ class OpenAIResponse:
             finish = gathered.finish
             if self.chat:
                 message = {"role": "assistant", "content": gathered.text}
-                if self.tools is not None:
-                    message = self.tools.message(gathered.text)
-                    finish = self.tools.finish_reason(finish)
+                tools = self._tool_answer(gathered.index)
+                if tools is not None:
+                    message = tools.message(gathered.text)
+                    finish = tools.finish_reason(finish)
                 choice = {"index": gathered.index, "message": message,
                           "logprobs": gathered.logprobs, "finish_reason": finish}
             else:

@@ -150,7 +150,8 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         except BaseException:
             await close()
             raise
-        # Tool calls go with one choice only (`choice_bodies` does not split them).
+        # Every choice's text is parsed on its own (with the parser that choice 0's
+        # instance named: the instances serve one checkpoint).
         tools = ToolRequest.of(body.get("tools"), body.get("tool_choice")) \
             if path == CHAT else None
         writer = OpenAIResponse(path == CHAT, body.get("model") or firsts[0].model or "",

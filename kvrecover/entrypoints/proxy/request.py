@@ -263,10 +263,9 @@ class ProxiedRequest:
 def choice_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The requests of one choice each that a request of `n` choices becomes: choice i
     seeded `choice_seed(seed, i)`, as an instance seeds it. An `n` the instance would
-    refuse (out of range, or with `tools`) is passed on as it is (the instance answers
-    the 400)."""
+    refuse (out of range) is passed on as it is (the instance answers the 400)."""
     n = body.get("n")
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N or body.get("tools"):
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= MAX_N:
         return [body]
     seed = body.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):

@@ -115,8 +115,6 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     headers = {}
     forced = tools is not None and tools.grammar() is not None
     if tools is not None:
-        if request.n != 1:
-            raise ApiError(400, f"n must be 1 with tools, got {request.n}", param="n")
         parser = await asyncio.to_thread(state.chat_template.tool_parser)
         if request.raw_tool_calls:  # the proxy writes the calls: tell it how to parse them
             headers[TOOL_CALL_PARSER_HEADER] = parser or ""

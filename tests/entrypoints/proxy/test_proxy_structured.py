@@ -134,3 +134,78 @@ def test_auto_tool_calls_through_the_proxy_use_the_instances_parser(tmp_path):
     assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in strip]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_json_schema_with_logprobs_penalties_and_n_migrates_exactly(
+        fresh_cluster, reference):  # noqa: F811
+    """Both choices of a seeded n=2 request under a JSON schema, with logprobs and the
+    three penalties, give the undisturbed stream when their decode instance is killed:
+    each choice's continuation replays its tokens through its own matcher and counts
+    them for its penalties."""
+    from test_proxy_sampling import PENALTIES, assert_same_logprobs, flat_logprobs, read_stream
+
+    spec = StructuredOutputsParams(json=SCORES_SCHEMA)
+    knobs = {"temperature": 0.9, "top_k": 30, "seed": 17}
+    offline = reference.generate([PROMPT], SamplingParams(
+        max_tokens=300, n=2, logprobs=1, structured_outputs=spec, **PENALTIES, **knobs))[0]
+    body = {"prompt": PROMPT, "max_tokens": 300, "stream": True, "return_token_ids": True,
+            "n": 2, "logprobs": 1, **PENALTIES, **knobs,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "scores", "schema": SCORES_SCHEMA}}}
+    cluster = fresh_cluster
+    proxy = cluster.proxy(health_interval=600)
+    undisturbed, done = read_stream(proxy.url, "/v1/completions", body)
+    assert done
+    assert [undisturbed[i]["token_ids"] for i in (0, 1)] == \
+        [c.token_ids for c in offline.outputs]
+    killed = []
+
+    def kill_serving(response):
+        serving = next(d for d in cluster.decode
+                       if d.url == response.headers["x-kvrecover-decode-instance"])
+        serving.kill(signal.SIGKILL)
+        killed.append(serving)
+
+    migrated, done = read_stream(proxy.url, "/v1/completions", body, kill_serving)
+    assert done
+    for index in (0, 1):
+        got, want = migrated[index], undisturbed[index]
+        assert (got["text"], got["token_ids"], got["finish"]) == \
+            (want["text"], want["token_ids"], "stop")
+        assert schema_errors(json.loads(got["text"]), SCORES_SCHEMA) == []
+        assert_same_logprobs(flat_logprobs(got["logprobs"], False),
+                             flat_logprobs(want["logprobs"], False))
+        assert len(flat_logprobs(got["logprobs"], False)) == len(want["token_ids"])
+    assert_migrated(cluster, proxy, killed[0])
+
+
+def test_required_tool_calls_of_n_choices_through_the_proxy_are_parsed_per_choice(tmp_path):
+    """n=2 with tool_choice required: the proxy splits the choices and parses each one's
+    raw text on its own, giving the instance's own answer."""
+    from conftest import build_tiny_model
+    from serving_utils import Process, free_port, in_process_server
+    from structured_helpers import HERMES_TEMPLATE, MESSAGES, with_template
+    from structured_helpers import TOOLS as WEATHER_TOOLS
+
+    qwen_dir = with_template(build_tiny_model(tmp_path / "qwen", model_type="qwen2", seed=2),
+                              HERMES_TEMPLATE)
+    body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "tool_choice": "required",
+            "max_tokens": 150, "temperature": 1.0, "seed": 5, "n": 2}
+    with in_process_server(qwen_dir) as url:
+        port = free_port()
+        proxy = Process(["proxy", "--decode", url, "--port", str(port)], port,
+                        tmp_path / "proxy.log").wait_healthy()
+        try:
+            direct = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=WAIT_S).json()
+            proxied = httpx.post(f"{proxy.url}/v1/chat/completions", json=body,
+                                 timeout=WAIT_S).json()
+        finally:
+            proxy.kill()
+
+    def calls(answer):
+        return [[(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                 for c in choice["message"]["tool_calls"]] for choice in answer["choices"]]
+
+    assert [c["finish_reason"] for c in proxied["choices"]] == ["tool_calls", "tool_calls"]
+    assert calls(proxied) == calls(direct)
+    assert calls(proxied)[0] != calls(proxied)[1]
