@@ -58,7 +58,6 @@ def _time_cuda(fn, reps: int, inner: int = 1) -> float:
 
 def build_checkpoint(folder: Path) -> Path:
     """A random bf16 Llama-3.2-1B-shaped checkpoint with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if (folder / "model.safetensors").is_file():
@@ -73,14 +72,21 @@ def build_checkpoint(folder: Path) -> Path:
     saved = json.loads(config_file.read_text())
     saved["architectures"] = LLAMA_1B["architectures"]
     config_file.write_text(json.dumps(saved))
-    vocab = {f"t{i}": i for i in range(LLAMA_1B["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t128001"}))
+    write_word_tokenizer(folder, LLAMA_1B["vocab_size"], LLAMA_1B["eos_token_id"])
     del model
     torch.cuda.empty_cache()
     return folder
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int, eos_token_id: int) -> None:
+    """A word-level tokenizer "t0 t1 ..." of `vocab_size` ids (random checkpoints need one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{eos_token_id}"}))
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
