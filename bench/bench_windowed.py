@@ -35,16 +35,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from bench_gpu import _rates, _time_graph_replays, device_ceilings, write_word_tokenizer
+from bench_gpu import _rates, _time_graph_replays, device_ceilings
 from bench_recovery import random_prompts, release_memory, timed_batch
+from gemma3_checkpoint import write_checkpoints
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.engine.recovery import KVLoadRecovery
 from kvrecover.kv_groups import KVCacheGroup
 
-SHAPE_FILE = Path(__file__).parent / "gemma3_shape" / "config.json"
-TINY = dict(vocab_size=32768, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-            num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32)
 BLOCK_SIZE = 16
 # Failure scenarios of part 2: the share of the prompt's loaded block positions that fail
 # (seeded), in every group that loaded them; "last block" is the last loaded one only.
@@ -82,55 +80,6 @@ class RecoveryRow:
     first_failed_token: int | None  # start of the first failed block (None: no failure)
     ttft_s: float
     recomputed_tokens: int
-
-
-def shape_config(shape: str, window: int | None, full_attention: bool) -> dict:
-    """The Gemma 3 shape's config.json (shrunk for `tiny`), every layer full if asked."""
-    config = json.loads(SHAPE_FILE.read_text())
-    if shape == "tiny":
-        config.update(TINY, sliding_window=128)
-    config["sliding_window"] = window or config["sliding_window"]
-    config["max_position_embeddings"] = 65536
-    pattern = config["sliding_window_pattern"]
-    config["layer_types"] = [
-        "full_attention" if full_attention or (i + 1) % pattern == 0 else "sliding_attention"
-        for i in range(config["num_hidden_layers"])]
-    return config
-
-
-def write_checkpoints(folder: Path, shape: str, window: int | None, device: str
-                      ) -> dict[str, Path]:
-    """The windowed checkpoint (random weights) and its all-full twin (same weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dirs = {"windowed": folder / "windowed", "full": folder / "full"}
-    if not (dirs["windowed"] / "model.safetensors").is_file():
-        config = shape_config(shape, window, full_attention=False)
-        settings = {k: v for k, v in config.items()
-                    if k not in ("architectures", "model_type", "torch_dtype")}
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(config["model_type"], **settings), dtype=dtype)
-        if shape == "tiny":  # larger weights give peaked, varied greedy outputs
-            with torch.no_grad():
-                for param in model.parameters():
-                    if param.dim() == 2:
-                        param.normal_(0, 0.08)
-        model.save_pretrained(dirs["windowed"], safe_serialization=True)
-        (dirs["windowed"] / "config.json").write_text(json.dumps(config))
-        write_word_tokenizer(dirs["windowed"], config["vocab_size"], config["eos_token_id"])
-        del model
-        release_memory()
-    dirs["full"].mkdir(parents=True, exist_ok=True)
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        link = dirs["full"] / name
-        if not link.exists():
-            link.symlink_to(dirs["windowed"] / name)
-    (dirs["full"] / "config.json").write_text(
-        json.dumps(shape_config(shape, window, full_attention=True)))
-    return dirs
 
 
 def storage(role: str, store: Path, **extra) -> KVTransferConfig:
