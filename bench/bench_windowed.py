@@ -243,7 +243,7 @@ def decode_roofline(name: str, model_dir: Path, args: argparse.Namespace, ceilin
     full_steps = sorted(s.elapsed_time(e) for size, s, e in replays if size == batch)
     if full_steps:
         result["decode_gpu_ms_per_step"] = full_steps[len(full_steps) // 2]
-    del llm
+    del run, llm  # `run` holds the engine too
     release_memory()
     context = prompt_len + new / 2
     kv_per_layer_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 2  # K+V bf16
