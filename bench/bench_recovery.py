@@ -90,11 +90,14 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(MIN_TOKEN, MAX_TOKEN, (count, length), generator=generator).tolist()
 
 
-def timed_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float]:
-    """(batch TTFT, mean TTFT, end-to-end) seconds of one batch driven step by step."""
+def timed_batch(llm: LLM, prompts: list[list[int]], max_tokens: int,
+                outputs: list[list[int]] | None = None) -> tuple[float, float, float]:
+    """(batch TTFT, mean TTFT, end-to-end) seconds of one batch driven step by step; the
+    generated ids, in prompt order, go to `outputs` when given."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tag = time.perf_counter_ns()
     first: dict[str, float] = {}
+    finished: dict[str, list[int]] = {}
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"r{tag}-{i}", {"prompt_token_ids": prompt}, params)
@@ -106,7 +109,11 @@ def timed_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[fl
         for output in llm.engine.step():
             if output.outputs[0].token_ids and output.request_id not in first:
                 first[output.request_id] = time.perf_counter() - started
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
     total = time.perf_counter() - started
+    if outputs is not None:
+        outputs.extend(finished.get(f"r{tag}-{i}", []) for i in range(len(prompts)))
     if len(first) != len(prompts):
         raise RuntimeError(f"{len(prompts) - len(first)} request(s) produced no token")
     return max(first.values()), sum(first.values()) / len(first), total

@@ -118,17 +118,22 @@ def build_checkpoint(folder: Path, shape: str = "1b") -> Path:
     the GPU; an existing checkpoint in `folder` is kept as it is."""
     import torch
     from random_checkpoint import write_random_checkpoint  # bench/ is on sys.path
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     if has_checkpoint(folder):
         return folder
     config = SHAPES[shape]
     write_random_checkpoint(config, folder, dtype="bfloat16", seed=0, device="cuda")
-    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    write_word_tokenizer(folder, config["vocab_size"], config["eos_token_id"])
+    torch.cuda.empty_cache()
+    return folder
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int, eos_token_id: int) -> None:
+    """A word-level tokenizer "t0 t1 ..." of `vocab_size` ids (random checkpoints need one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": f"t{config['eos_token_id']}"}))
-    torch.cuda.empty_cache()
-    return folder
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{eos_token_id}"}))
