@@ -151,6 +151,7 @@ class ModelRunner:
         with their memory pool, the step-input and token buffers. `Engine.close` calls
         this once, after the connector shut down; the runner runs no step afterwards."""
         self.kv_caches.clear()
+        self.layer_caches.clear()  # the same tensors, by layer (the connector holds this list too)
         self.graphs = None
         self._token_buffers = None
         # Gone rather than None: nothing may run on a released runner (the engine
