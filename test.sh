@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/bootstrap.sh
+scripts/setup_lm_eval.sh  # for tests/entrypoints/server/test_lm_eval.py
+export KVRECOVER_CLIENTS_BIN="$PWD/.clients-venv/bin"
 .venv/bin/ruff check kvrecover tests bench examples
 .venv/bin/mypy  # the package; settings in pyproject.toml
 exec .venv/bin/python -m pytest "$@"

@@ -2,7 +2,7 @@
 through the official `openai` client (runs everywhere), and `lm-eval` itself
 (`local-completions`, a local task file, no download) giving the offline API's scores.
 
-lm-eval lives beside the project (`../shared/peer/setup_clients.sh`), not in it: the
+lm-eval lives beside the project (`scripts/setup_lm_eval.sh`, which ./test.sh runs), not in it: the
 test finds `lm_eval` in $KVRECOVER_CLIENTS_BIN, that script's virtualenv, or PATH.
 Without it the test is skipped, except under CI (CI=true), where it fails.
 """
