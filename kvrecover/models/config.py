@@ -60,6 +60,7 @@ class ModelConfig:
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         """The constructor arguments read from `raw`; a family returns these plus its own
         (`{**super().hf_fields(raw, model_dir), "field": ...}`) and may refuse a setting."""
+        refuse_quantization(raw, model_dir)  # every family: quantized weights would be misread
         num_heads = raw["num_attention_heads"]
         rope_parameters = raw.get("rope_parameters") or {}
         rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))

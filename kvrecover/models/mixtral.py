@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import ModelConfig, refuse_quantization, sliding_window_field
+from kvrecover.models.config import ModelConfig, sliding_window_field
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer
 from kvrecover.models.llama import LlamaConfig
 from kvrecover.models.moe import SparseMoeBlock, check_routing, expert_renames
@@ -44,7 +44,6 @@ class MixtralConfig(LlamaConfig):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        refuse_quantization(raw, model_dir)
         num_experts, top_k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
         check_routing(model_dir, "num_local_experts", num_experts, top_k)
         return {**super().hf_fields(raw, model_dir), "num_experts": num_experts,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import ModelConfig, refuse_quantization
+from kvrecover.models.config import ModelConfig
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.moe import SparseMoeBlock, check_routing, expert_renames
 from kvrecover.models.qwen3 import Qwen3Config
@@ -39,7 +39,6 @@ class Qwen3MoeConfig(Qwen3Config):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        refuse_quantization(raw, model_dir)
         count_field = "num_experts" if "num_experts" in raw else "num_local_experts"
         num_experts, top_k = raw.get(count_field), raw.get("num_experts_per_tok")
         check_routing(model_dir, count_field, num_experts, top_k)

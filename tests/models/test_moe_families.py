@@ -86,6 +86,8 @@ def test_route_topk_is_softmax_then_topk_then_renormalise():
      r"quantization_config \('mxfp4'\).*unquantized"),
     ("tiny_qwen3_moe", {"quantization_config": {"quant_method": "fp8"}},
      r"quantization_config \('fp8'\)"),
+    ("tiny_llama", {"quantization_config": {"quant_method": "gptq"}},
+     r"quantization_config \('gptq'\)"),  # a dense family refuses it as well
 ])
 def test_a_config_that_cannot_run_is_refused_by_field(request, tmp_path, family, changes,
                                                       message):
