@@ -95,6 +95,17 @@ def serve(tmp: Path, model_dir: Path, *extra: str, env: dict | None = None,
     return Process(argv, port, tmp / f"{name}-{port}.log", env)
 
 
+@contextlib.contextmanager
+def served(tmp: Path, model_dir: Path, *extra: str) -> Iterator[Process]:
+    """`serve(tmp, model_dir, *extra)`, healthy, killed on the way out (a module-scoped
+    server fixture is `with served(...) as process: yield process`)."""
+    process = serve(tmp, model_dir, *extra)
+    try:
+        yield process.wait_healthy()
+    finally:
+        process.kill()
+
+
 def metric(url: str, name: str, labels: str = "") -> float:
     """One sample of a Prometheus metric from `url`/metrics (0 when absent)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text

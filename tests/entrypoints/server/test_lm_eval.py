@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import build_tiny_model
-from serving_utils import add_chat_template, serve
+from serving_utils import add_chat_template, served
 
 from kvrecover import LLM, SamplingParams
 
@@ -28,6 +28,7 @@ TASK_DIR = Path(__file__).parent / "lm_eval_task"
 TASK = "kvrecover_tiny_loglikelihood"
 PEER_BIN = Path.home() / ".cache" / "kvrecover-peer" / "clients-venv" / "bin"
 TOL = 1e-4
+MISSING = "lm_eval is not installed (scripts/setup_lm_eval.sh, which ./test.sh runs, installs it)"
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,9 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process = serve(tmp_path_factory.mktemp("logs"), model_dir, "--served-model-name", "tiny")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.kill()
+    logs = tmp_path_factory.mktemp("logs")
+    with served(logs, model_dir, "--served-model-name", "tiny") as process:
+        yield process
 
 
 def documents() -> list[dict]:
@@ -114,8 +113,8 @@ def test_lm_eval_scores_equal_the_offline_api(server, reference, model_dir, tmp_
     binary = lm_eval_binary()
     if binary is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("lm_eval is not installed (../shared/peer/setup_clients.sh installs it)")
-        pytest.skip("lm_eval is not installed (../shared/peer/setup_clients.sh installs it)")
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     data = str((TASK_DIR / "tiny_loglikelihood.jsonl").resolve())

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import build_tiny_model
-from serving_utils import add_chat_template, metric, serve
+from serving_utils import add_chat_template, metric, serve, served
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 
@@ -38,11 +38,9 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process = serve(tmp_path_factory.mktemp("logs"), model_dir, "--served-model-name", "tiny")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.kill()
+    logs = tmp_path_factory.mktemp("logs")
+    with served(logs, model_dir, "--served-model-name", "tiny") as process:
+        yield process
 
 
 def client(url: str, **kwargs) -> openai.OpenAI:

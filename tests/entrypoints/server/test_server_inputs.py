@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 from conftest import build_tiny_model
-from serving_utils import add_chat_template, serve
+from serving_utils import add_chat_template, served
 
 pytestmark = pytest.mark.slow  # a separate server process
 
@@ -26,12 +26,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process = serve(tmp_path_factory.mktemp("logs"), model_dir,
-                    "--max-model-len", str(MAX_MODEL_LEN))
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.kill()
+    logs = tmp_path_factory.mktemp("logs")
+    with served(logs, model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

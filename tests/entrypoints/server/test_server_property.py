@@ -13,7 +13,7 @@ import pytest
 from conftest import build_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_utils import add_chat_template, serve
+from serving_utils import add_chat_template, served
 
 pytestmark = pytest.mark.slow  # a separate server process
 
@@ -58,12 +58,9 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 def server(tmp_path_factory):
     model_dir = add_chat_template(build_tiny_model(tmp_path_factory.mktemp("fuzz_model"),
                                                    seed=3))
-    process = serve(tmp_path_factory.mktemp("logs"), model_dir,
-                    "--max-model-len", str(MAX_MODEL_LEN))
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.kill()
+    logs = tmp_path_factory.mktemp("logs")
+    with served(logs, model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as process:
+        yield process
 
 
 def normal_request(url: str) -> list[int]:

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 from conftest import build_tiny_model
-from serving_utils import add_chat_template, serve
+from serving_utils import add_chat_template, served
 
 from kvrecover import LLM, SamplingParams
 
@@ -45,11 +45,9 @@ def hf_logprobs(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process = serve(tmp_path_factory.mktemp("logs"), model_dir, "--served-model-name", "tiny")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.kill()
+    logs = tmp_path_factory.mktemp("logs")
+    with served(logs, model_dir, "--served-model-name", "tiny") as process:
+        yield process
 
 
 def sdk(url: str) -> openai.OpenAI:
