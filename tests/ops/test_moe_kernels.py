@@ -41,6 +41,9 @@ def moe_block(ops, dtype: torch.dtype, seed: int = 0) -> SparseMoeBlock:
         for param in block.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
     block = block.to(dtype)
+    # The dense expert weights, kept for `per_token_loop`: preparing may pack and free them.
+    block.dense_experts = (block.experts.gate_up_proj.detach().clone(),
+                           block.experts.down_proj.detach().clone())
     ops.prepare_weights(block)
     return block
 
@@ -48,12 +51,13 @@ def moe_block(ops, dtype: torch.dtype, seed: int = 0) -> SparseMoeBlock:
 def per_token_loop(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's arithmetic, one token at a time (float32 only)."""
     weights, ids = route_topk(block.ops.linear(x, block.gate), TOP_K, renormalize=True)
+    gate_up_proj, down_proj = block.dense_experts
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for slot in range(TOP_K):
             e = int(ids[t, slot])
-            gate, up = F.linear(x[t], block.experts.gate_up_proj[e]).chunk(2)
-            out[t] += weights[t, slot] * F.linear(F.silu(gate) * up, block.experts.down_proj[e])
+            gate, up = F.linear(x[t], gate_up_proj[e]).chunk(2)
+            out[t] += weights[t, slot] * F.linear(F.silu(gate) * up, down_proj[e])
     return out
 
 
@@ -74,6 +78,16 @@ def batches_around(target: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, 
 def test_reference_moe_equals_a_per_token_loop():
     block = moe_block(TorchOps(), torch.float32)
     x = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(block(x), per_token_loop(block, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN packing")
+def test_float32_cpu_experts_run_packed_weights_and_match_the_dense_ones():
+    ops = TorchOps()
+    block = moe_block(ops, torch.float32)
+    # The stacked weights were packed per expert and freed: the dense path cannot run.
+    assert block.experts.gate_up_proj.numel() == 0 and block.experts.down_proj.numel() == 0
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(2))
     assert torch.allclose(block(x), per_token_loop(block, x), rtol=1e-5, atol=1e-5)
 
 

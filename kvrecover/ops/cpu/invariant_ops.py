@@ -34,6 +34,7 @@ class InvariantCpuOps(TorchOps):
         self, tile_rows: int = TILE_ROWS, large_tile_rows: int = LARGE_TILE_ROWS, *,
         native_kernels: bool = True,
     ) -> None:
+        super().__init__()
         self.linears = TiledLinears(tile_rows, large_tile_rows)
         self.native_kernels = native_kernels  # whether the C row kernels may be built
         self._rows: NativeRowOps | None = None  # the C row kernels, loaded at first half call
