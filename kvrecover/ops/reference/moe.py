@@ -69,7 +69,9 @@ def grouped_moe(
     num_tokens, k = topk_ids.shape
     expert_out = x.new_empty(num_tokens * k, x.shape[1])
     for expert, assignments, tokens in ExpertGroups.of(topk_ids, num_experts):
-        expert_out[assignments] = run_expert(expert, x[tokens])
+        # index_select / index_copy_: ~1.5x faster than x[tokens] and an indexed
+        # assignment for prefill-sized steps on the CPU (bench/NOTES.md, issue 22).
+        expert_out.index_copy_(0, assignments, run_expert(expert, x.index_select(0, tokens)))
     return combine_topk(expert_out.view(num_tokens, k, -1), topk_weights)
 
 
