@@ -387,7 +387,8 @@ def paged_attention(
         query, kv_cache[0], kv_cache[1], out, part_m, part_l, part_acc,
         meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
         meta.block_tables, meta.block_table_stride, counters,
-        out if sinks is None else sinks, scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        out if sinks is None else sinks,  # `out`: a pointer SINKS=False never reads
+        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
