@@ -91,6 +91,24 @@ def test_yarn_tables_are_bitwise_hugging_faces(scaling):
     assert hf_rotary.attention_scaling != 1.0
 
 
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "yarn", "rope_theta": 150000.0}, "yarn rope scaling needs factor"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
+])
+def test_a_rope_scaling_that_cannot_be_computed_is_refused(tiny_gpt_oss, tmp_path, rope,
+                                                           message):
+    folder = edited_copy(tiny_gpt_oss, tmp_path / "rope", rope_parameters=rope)
+    with pytest.raises(ValueError, match=message):
+        load_model_config(folder)
+
+
+def test_yarn_without_its_pre_training_length_takes_max_position_embeddings(tiny_gpt_oss,
+                                                                           tmp_path):
+    folder = edited_copy(tiny_gpt_oss, tmp_path / "rope", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0})
+    assert load_model_config(folder).rope_scaling["original_max_position_embeddings"] == 1024
+
+
 def test_the_router_takes_the_top_k_logits_then_softmaxes_over_them():
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.0], [1.0, 1.5, 4.0, -2.0]])
     weights, ids = route_topk_logits(logits, 2)
