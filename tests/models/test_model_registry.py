@@ -13,6 +13,7 @@ import torch
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.gemma2 import Gemma2Config, Gemma2ForCausalLM
 from kvrecover.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from kvrecover.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
 from kvrecover.models.mistral import MistralConfig, MistralForCausalLM
@@ -71,11 +72,14 @@ MOE_FAMILIES = {
     "MixtralForCausalLM": ({}, MixtralForCausalLM, MixtralConfig),
     "Qwen3MoeForCausalLM": ({}, Qwen3MoeForCausalLM, Qwen3MoeConfig),
 }
+# gpt-oss (its config and layers: tests/models/test_gpt_oss.py).
+GPT_OSS = {"GptOssForCausalLM": ({}, GptOssForCausalLM, GptOssConfig)}
 
 
 def test_every_supported_architecture_is_registered_with_a_family():
-    assert supported_architectures() == (*FAMILIES, *MOE_FAMILIES, *GEMMA_FAMILIES)
-    for architecture, (_, model, config) in {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES}.items():
+    assert supported_architectures() == (*FAMILIES, *MOE_FAMILIES, *GEMMA_FAMILIES, *GPT_OSS)
+    every = {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES, **GPT_OSS}
+    for architecture, (_, model, config) in every.items():
         assert model_class(architecture) is model
         assert issubclass(model, CausalLM) and model.config_class is config
         assert issubclass(config, ModelConfig)
