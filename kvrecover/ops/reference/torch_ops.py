@@ -13,7 +13,7 @@ from torch import nn
 
 from kvrecover.ops.cpu.onednn import pack_expert_weights, pack_linear_weights, packed_linear
 from kvrecover.ops.interface import ExpertWeights, RotaryTables
-from kvrecover.ops.reference.moe import grouped_moe, reference_moe
+from kvrecover.ops.reference.moe import expert_runner, grouped_moe, reference_moe
 from kvrecover.ops.reference.rotary import reference_rotary
 
 
@@ -103,9 +103,5 @@ class TorchOps:
         if packed is None:
             return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)
         _, gate_up, down = packed
-        silu_mul = self.silu_mul
-
-        def run_expert(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            return packed_linear(silu_mul(packed_linear(rows, gate_up[expert])), down[expert])
-
+        run_expert = expert_runner(experts, gate_up, down, packed_linear, self.silu_mul)
         return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
