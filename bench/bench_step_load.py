@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python bench/bench_step_load.py [--device cpu|cuda] [--shape 8b|1b]
         [--batch 16] [--prompt-tokens 1024] [--repeats 3] [--model-dir DIR] [--dir /dev/shm]
-        [--read-threads 1 2 4 8 16] [--io-threads N] [--skip-engine]
+        [--read-threads 1 2 4 8 16] [--io-threads N [N ...]] [--engine-io-threads N]
+        [--skip-engine]
 
 Part 1, the connector alone, on the KV layout of `--shape` (block 16, bf16): the
 blocks of `--batch` requests of `--prompt-tokens` tokens, one file each, loaded
@@ -199,11 +200,12 @@ def bench_engine(args: argparse.Namespace, llm_args: dict, store: Path) -> dict[
     del producer
     release_memory()
     engines: dict[str, LLM] = {}
+    threads = {} if args.engine_io_threads is None else {"io_threads": args.engine_io_threads}
     for mode in ("sync", "async"):
         engines[f"load, {mode}"] = LLM(
             **llm_args, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
                 "SharedStorageConnector", "kv_consumer",
-                {"shared_storage_path": str(store), "async_load": mode == "async"}))
+                {"shared_storage_path": str(store), "async_load": mode == "async", **threads}))
     loaded_blocks = (args.prompt_tokens - 1) // BLOCK_SIZE
     every_block = make_plan(1.0, args.batch, loaded_blocks, seed=0)
     engines["recompute: every block fails"] = consumer(llm_args, store, "sync", [every_block],
@@ -260,7 +262,8 @@ def report(args: argparse.Namespace, label: str, layout_label: str, figures: dic
                       f"{figures['read_1'] / t_async:.2f}"
                       for threads, (t_sync, t_async) in figures["connectors"].items()))
     if ttft is not None:
-        print(f"\n{label}, {args.max_tokens} new tokens\n")
+        engine_threads = args.engine_io_threads or "the connector's default"
+        print(f"\n{label}, {args.max_tokens} new tokens; loads with io_threads {engine_threads}\n")
         print(f"{'time to first token of the batch':<40}{'s':>8}")
         for name, seconds in ttft.items():
             print(f"{name:<40}{seconds:>8.3f}")
@@ -286,7 +289,9 @@ def main() -> None:
     parser.add_argument("--read-threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--io-threads", type=int, nargs="+", default=[None],
                         help="part 1: the connectors' io_threads to try (default: the "
-                             "connector's own); part 2 runs the connector's default")
+                             "connector's own)")
+    parser.add_argument("--engine-io-threads", type=int, default=None,
+                        help="part 2: the loading engines' io_threads (default: the connector's)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the files go (default: %(default)s)")

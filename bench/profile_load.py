@@ -73,6 +73,8 @@ def instrument(spans: Spans) -> None:
     os.readv = spans.wrap("os.readv", os.readv)  # type: ignore[assignment]
     block_store.BlockStore._open_entry = spans.wrap(  # type: ignore[method-assign]
         "open + fstat", block_store.BlockStore._open_entry)
+    block_store.BlockStore.read_raw = spans.wrap(  # type: ignore[method-assign]
+        "read_raw (filtered reads)", block_store.BlockStore.read_raw)
     checksum = spans.wrap("xxh3 check", block_store.parts_checksum)
     block_store.parts_checksum = checksum  # type: ignore[assignment]
     paged_blocks.parts_checksum = checksum  # type: ignore[attr-defined]
@@ -110,6 +112,8 @@ def main() -> None:
     parser.add_argument("--staged", action="store_true", help="the GPU's staged path")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--io-threads", type=int, default=None)
+    parser.add_argument("--filtered", action="store_true",
+                        help="an identity read filter on every block, as a fault injector sets")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     args = parser.parse_args()
     layout = layout_of(args.shape)
@@ -124,6 +128,8 @@ def main() -> None:
         caches = caches_of(layout, num_blocks, args.staged)
         connector = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
         connector.register_kv_caches(caches)
+        if args.filtered:  # every read through raw bytes (the injector's path)
+            connector.set_read_filter(lambda request_id, block_id, key, raw, cancelled: raw)
         keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(num_blocks)]
         block = torch.randn(connector.store.block_shape).to(layout.dtype)
         for key in keys:
@@ -136,7 +142,8 @@ def main() -> None:
         nbytes = num_blocks * layout.block_nbytes
         print(f"{ModelShape.from_config(SHAPES[args.shape]).label}: {args.requests} x {args.tokens}"
               f" tokens = {num_blocks} blocks x {layout.block_nbytes / 1e6:.2f} MB = "
-              f"{nbytes / 1e9:.2f} GB; {'staged' if args.staged else 'direct'} path, "
+              f"{nbytes / 1e9:.2f} GB; {'staged' if args.staged else 'direct'} path"
+              f"{', every read filtered' if args.filtered else ''}, "
               f"io_threads {connector.io_threads}, {os.cpu_count()} CPUs\n")
 
         def sync_step() -> None:
