@@ -261,6 +261,9 @@ class SharedStorageConnector(StoreConnectorBase):
             usable = blocks if self._grouped else prefix_before_none(blocks)
             chosen += [(index, position, block) for position, block in enumerate(usable)
                        if block is not None]
+        stagings = {id(block.staging) for _, _, block in chosen if block.staging is not None}
+        if len(stagings) > 1:
+            raise RuntimeError("one install covers the rows of one staging buffer only")
         staging = next((block.staging for _, _, block in chosen if block.staging is not None),
                        None)
         passed = [True] * len(chosen)  # loaded into a direct cache: checked there
