@@ -57,6 +57,9 @@ DEFAULT_LOAD_TIMEOUT_S = 30.0
 # May raise (the block then failed to load) or wait on `cancelled` (a hang that
 # the load deadline ends).
 ReadFilter = Callable[[str, int, bytes, bytes, threading.Event], bytes]
+# (request id, block id) -> whether the filter may act on that block's read; the others
+# may be read without it (a folder reads them straight into place, never as raw bytes).
+FilteredBlock = Callable[[str, int], bool]
 
 
 class KVConnectorRole(enum.Enum):
@@ -249,12 +252,15 @@ class KVConnectorBase:
         return 0
 
     # ----- seams for wrapping connectors (both roles) -----------------------------
-    def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
+    def set_read_filter(self, read_filter: ReadFilter | None,
+                        filtered_block: FilteredBlock | None = None) -> bool:
         """A wrapping connector calls this once, right after creating this one, to
         see (and alter, fail or delay) every raw stored entry this connector reads
-        before it is parsed and verified; None removes the filter. Returns whether
-        this connector applies filters: False (the default: it has no raw reads)
-        tells the wrapper to emulate its faults around `start_load_kv` instead."""
+        before it is parsed and verified; None removes the filter. With
+        `filtered_block`, only the reads it says yes to need the filter (the rest may
+        take the connector's fast path). Returns whether this connector applies
+        filters: False (the default: it has no raw reads) tells the wrapper to emulate
+        its faults around `start_load_kv` instead."""
         return False
 
     def discard_saves_for(self, request_ids: set[str]) -> None:

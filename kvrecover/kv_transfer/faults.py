@@ -242,7 +242,7 @@ class FaultInjectionConnector(KVConnectorBase):
         self._missing_reported: set[int] = set()
         # Faults go into the inner connector's raw reads where it takes a filter,
         # else they are emulated around its loads (`_poison`).
-        self._filters_reads = self.inner.set_read_filter(self._filter_read)
+        self._filters_reads = self.inner.set_read_filter(self._filter_read, self._faulted)
 
     # ----- scheduler role -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: KVRequestView, num_computed_tokens: int) -> tuple[int, bool]:
@@ -299,6 +299,10 @@ class FaultInjectionConnector(KVConnectorBase):
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self.inner.clear_connector_metadata()
+
+    def _faulted(self, request_id: str, block_id: int) -> bool:
+        """Whether this step's read of the block is one `_filter_read` acts on."""
+        return block_id in self._active.get(request_id, {})
 
     def _filter_read(self, request_id: str, block_id: int, key: bytes, raw: bytes,
                      cancelled: threading.Event) -> bytes:

@@ -31,7 +31,7 @@ host-to-device DMA itself to deliver the bytes it was given.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +43,15 @@ from kvrecover.kv_transfer.block_store import (
     parts_checksum,
     payload_checksum,
 )
+from kvrecover.kv_transfer.helper_pool import HelperPool
 from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
 
-MAX_FREE_STAGING = 4  # staging buffers kept for reuse (async loads in flight at once)
+# Staging buffers kept for reuse: enough for every async load in flight at once and a
+# batched step's sync loads (16 x 1024 tokens of Llama-3.1-8B KV: 2.1 GB each way), since
+# pinning fresh memory costs more than reading into it; the smallest go first.
+MAX_FREE_STAGING = 32
+MAX_FREE_STAGING_BYTES = 8 << 30
 MAX_FREE_BOUNCE_ROWS = 16  # one-block rows kept for direct loads (one per reading thread)
 # Rows a thread of a direct load claims at a time: a helper thread costs about one
 # block's read to start, so a load of a few blocks stays on one thread.
@@ -92,6 +97,11 @@ class PagedBlocks:
         self._free_bounce_rows: list[memoryview] = []
         self._staging_lock = threading.Lock()
         self._upload_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        self._helpers = HelperPool()  # every load's reader helpers (`helper_pool`)
+
+    def close(self) -> None:
+        """Let the reader helper threads end (the connector shuts down)."""
+        self._helpers.close()
 
     def parts(self, block_id: int) -> list[memoryview]:
         """The block's bytes in file order: layer 0 K, layer 0 V, layer 1 K, ... (direct only)."""
@@ -121,8 +131,9 @@ class PagedBlocks:
         copies still reading it must be done when the event `ready` fires."""
         with self._staging_lock:
             self._free_staging.append((staging, ready))
-            if len(self._free_staging) > MAX_FREE_STAGING:
-                self._free_staging.sort(key=lambda entry: entry[0].shape[0])
+            self._free_staging.sort(key=lambda entry: entry[0].shape[0])
+            while len(self._free_staging) > MAX_FREE_STAGING or sum(
+                    buffer.numel() for buffer, _ in self._free_staging) > MAX_FREE_STAGING_BYTES:
                 del self._free_staging[0]
 
     def _bounce_row(self) -> memoryview:
@@ -142,15 +153,16 @@ class PagedBlocks:
     # ----- loads -------------------------------------------------------------------
     def load_direct(self, block_ids: list[int], read_row: Callable[[int, memoryview], int],
                     cancelled: ReadCancel, threads: int, every_row: bool = False,
-                    ) -> list[RowResult]:
+                    segments: Sequence[int] | None = None,
+                    results: list[RowResult] | None = None) -> list[RowResult]:
         """Load entries 0..len(block_ids)-1 into the given cache blocks (direct caches
         only) on up to `threads` threads: `read_row(position, row)` reads an entry into a
         bounce row and returns its stored payload checksum (header checked); the row is
         then copied into the block and the block hashed there, both under `cancelled`'s
         fence, so nothing is written once `cancelled.set()` has returned. A block whose
         hash differs fails (BlockLoadError); failed blocks hold garbage. The hash is of
-        the cache's own bytes: the check `verify_after_load` asks for. Results as
-        `staged_io.read_rows`."""
+        the cache's own bytes: the check `verify_after_load` asks for. Results (and
+        `segments`, `results`) as `staged_io.read_rows`."""
 
         def load_one(position: int) -> int:
             row = self._bounce_row()
@@ -169,7 +181,8 @@ class PagedBlocks:
                 self._give_back(row)
 
         return read_rows(len(block_ids), load_one, cancelled, threads,
-                         max(1, DIRECT_CHUNK_BYTES // self.block_nbytes), every_row=every_row)
+                         max(1, DIRECT_CHUNK_BYTES // self.block_nbytes), every_row=every_row,
+                         segments=segments, results=results, pool=self._helpers)
 
     @staticmethod
     def _copy_row(row: memoryview, parts: list[memoryview]) -> None:
@@ -182,11 +195,12 @@ class PagedBlocks:
 
     def stage(self, count: int, read_row: Callable[[int, memoryview], int],
               cancelled: threading.Event, threads: int, every_row: bool = False,
+              segments: Sequence[int] | None = None,
               ) -> tuple[StagedRows, list[RowResult]]:
         """Read `count` entries into staging rows, `read_row(position, row)` each (it
         returns the entry's checksum or raises), on up to `threads` threads; on a GPU
         each chunk goes up as soon as it is read. Results as `staged_io.read_rows`
-        (`every_row` too)."""
+        (`every_row` and `segments` too)."""
         host = self.staging(count)
         rows = byte_view(host)
         nbytes = self.block_nbytes
@@ -206,11 +220,46 @@ class PagedBlocks:
 
         results = read_rows(
             count, lambda position: read_row(position, rows[position * nbytes : (position + 1) * nbytes]),
-            cancelled, threads, chunk_rows(nbytes), after_chunk, every_row)
+            cancelled, threads, chunk_rows(nbytes), after_chunk, every_row, segments,
+            pool=self._helpers)
         if self.on_gpu:  # every chunk's copy was queued before read_rows returned
             staged.uploaded = torch.cuda.Event()
             staged.uploaded.record(self._upload_stream)
         return staged, results
+
+    def install_rows(self, block_ids: list[int], positions: Sequence[int], staged: StagedRows,
+                     checksums: Sequence[int | None] | None) -> list[bool]:
+        """Copy staged row `positions[i]` into cache block `block_ids[i]`, for every i (on a
+        GPU one indexed copy per layer for them all: a batched step's every request at
+        once) and give the staging buffer back. With `checksums` (the stored ones; None
+        for a row that failed to read), check every block in the cache afterwards (see
+        the module docstring); returns, per block, whether it holds its stored bytes
+        (all True without a check)."""
+        count = len(block_ids)
+        if self.direct:
+            host_rows, nbytes = byte_view(staged.host), self.block_nbytes
+            passed = []
+            for position, block_id, checksum in zip(positions, block_ids, checksums or [None] * count):
+                parts = self.parts(block_id)
+                self._copy_row(host_rows[position * nbytes : (position + 1) * nbytes], parts)
+                passed.append(checksums is None or (
+                    checksum is not None and parts_checksum(parts) == checksum))
+            self.release(staged.host)
+            return passed
+        rows = self._scatter(block_ids, positions, staged)
+        self.release(staged.host, staged.uploaded)
+        if checksums is None:
+            return [True] * count
+        if not self.on_gpu:
+            return [c is not None and a == c for a, c in zip(self.checksums(block_ids), checksums)]
+        index = torch.tensor(block_ids, device=self.device)
+        mismatched = torch.zeros(count, dtype=torch.bool, device=self.device)
+        bits = _BITS[rows.element_size()]  # bit patterns: a NaN must equal itself
+        for layer, cache in enumerate(self.caches):
+            back = cache.index_select(1, index).transpose(0, 1).view(bits)
+            mismatched |= (back != rows[:, layer].view(bits)).reshape(count, -1).any(dim=1)
+        bad = mismatched.tolist()  # the one host sync of a checked load
+        return [c is not None and not b for b, c in zip(bad, checksums)]
 
     def install_each(self, block_ids: list[int], staged: StagedRows,
                      checksums: list[int | None]) -> list[bool]:
@@ -219,20 +268,7 @@ class PagedBlocks:
         garbage, and that block is reported invalid); returns, per block, whether it
         holds its stored bytes (`checksums[i]`, None: a row that failed to read). For
         loads whose blocks do not depend on each other (KV cache groups, rule 8)."""
-        if self.direct:
-            rows, nbytes = byte_view(staged.host), self.block_nbytes
-            passed = []
-            for position, block_id in enumerate(block_ids):
-                parts = self.parts(block_id)
-                self._copy_row(rows[position * nbytes : (position + 1) * nbytes], parts)
-                passed.append(checksums[position] is not None
-                              and parts_checksum(parts) == checksums[position])
-            self.release(staged.host)
-            return passed
-        self._scatter(block_ids, staged)
-        self.release(staged.host, staged.uploaded)
-        actual = self.checksums(block_ids)
-        return [c is not None and a == c for a, c in zip(actual, checksums)]
+        return self.install_rows(block_ids, range(len(block_ids)), staged, checksums)
 
     def install(self, block_ids: list[int], staged: StagedRows,
                 checksums: list[int] | None) -> int:
@@ -240,57 +276,33 @@ class PagedBlocks:
         staging buffer back. With `checksums` (the stored ones), check the blocks in the
         cache afterwards (see the module docstring); returns how many leading blocks
         passed (all of them without a check)."""
-        count = len(block_ids)
-        if self.direct:
-            passed = self._install_direct(block_ids, staged.host, checksums)
-            self.release(staged.host)
-            return passed
-        self._scatter(block_ids, staged)
-        self.release(staged.host, staged.uploaded)
-        if checksums is None:
-            return count
-        if not self.on_gpu:
-            matches = [a == b for a, b in zip(self.checksums(block_ids), checksums)]
-            return next((i for i, match in enumerate(matches) if not match), count)
-        rows = self._device_blocks(staged, count)
-        index = torch.tensor(block_ids, device=self.device)
-        mismatched = torch.zeros(count, dtype=torch.bool, device=self.device)
-        bits = _BITS[rows.element_size()]  # bit patterns: a NaN must equal itself
-        for layer, cache in enumerate(self.caches):
-            back = cache.index_select(1, index).transpose(0, 1).view(bits)
-            mismatched |= (back != rows[:, layer].view(bits)).reshape(count, -1).any(dim=1)
-        bad = mismatched.nonzero().flatten().tolist()  # the one host sync of a checked load
-        return bad[0] if bad else count
-
-    def _install_direct(self, block_ids: list[int], staging: torch.Tensor,
-                        checksums: list[int] | None) -> int:
-        """`install` into a direct cache: each row copied into its block's slices and, with
-        `checksums`, hashed there while it is still in the CPU's cache; stops at the first
-        block that differs."""
-        rows, nbytes = byte_view(staging), self.block_nbytes
-        for position, block_id in enumerate(block_ids):
-            parts = self.parts(block_id)
-            self._copy_row(rows[position * nbytes : (position + 1) * nbytes], parts)
-            if checksums is not None and parts_checksum(parts) != checksums[position]:
-                return position
-        return len(block_ids)
+        passed = self.install_rows(block_ids, range(len(block_ids)), staged, checksums)
+        return next((i for i, ok in enumerate(passed) if not ok), len(block_ids))
 
     def _device_blocks(self, staged: StagedRows, count: int) -> torch.Tensor:
         """The uploaded rows as blocks [count, *block_shape] in the cache's dtype."""
         return staged.device_rows()[:count].view(self.dtype).view(count, *self.block_shape)
 
-    def _scatter(self, block_ids: list[int], staged: StagedRows) -> None:
-        """Copy staged rows 0..len(block_ids)-1 into the given cache blocks."""
+    def _scatter(self, block_ids: list[int], positions: Sequence[int],
+                 staged: StagedRows) -> torch.Tensor:
+        """Copy staged row `positions[i]` into cache block `block_ids[i]`; returns the rows
+        copied, as blocks (on the cache's device)."""
+        count = len(block_ids)
+        in_order = list(positions) == list(range(count))
         if not self.on_gpu:
-            self._scatter_host(block_ids, staged.host)
-            return
+            host = staged.host if in_order else staged.host[torch.tensor(list(positions))]
+            self._scatter_host(block_ids, host)
+            return host[:count].view(self.dtype).view(count, *self.block_shape)
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(staged.uploaded)  # the compute stream waits, not the host
         staged.device_rows().record_stream(stream)
-        rows = self._device_blocks(staged, len(block_ids))
+        rows = self._device_blocks(staged, max(positions, default=-1) + 1)
+        if not in_order:
+            rows = rows.index_select(0, torch.tensor(list(positions), device=self.device))
         index = torch.tensor(block_ids, device=self.device)
         for layer, cache in enumerate(self.caches):
             cache.index_copy_(1, index, rows[:, layer].transpose(0, 1))
+        return rows
 
     def _scatter_host(self, block_ids: list[int], staging: torch.Tensor) -> None:
         """Copy host rows into the cache blocks of a CPU cache."""

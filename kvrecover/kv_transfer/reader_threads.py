@@ -50,6 +50,9 @@ class ReadCancel(threading.Event):
     def __init__(self) -> None:
         super().__init__()
         self._writes = threading.Lock()
+        # What the read has finished so far, for a load that stops waiting for it to
+        # keep (set by the read; `StoreConnectorBase._salvage`).
+        self.progress: Any = None
 
     def set(self) -> None:
         with self._writes:  # waits for a copy in progress to end

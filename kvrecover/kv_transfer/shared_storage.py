@@ -19,8 +19,12 @@ the cache itself: a sync load waits for its reader until `load_timeout_s` at mos
 an async one until the worker reports it finished. A file read stuck in the kernel
 (a hung NFS mount) therefore costs a load at most its deadline and can never write
 into cache blocks later, when they may belong to someone else; its thread is
-abandoned (bounded in number). `io_threads` threads read a load's entries
-(`staged_io`). A sync load on the CPU reads each entry into a small bounce row and
+abandoned (bounded in number). A step's sync loads are one read (`batched_sync_reads`):
+every request's entries as one batch of rows, each request a run of its own (a
+failure cuts its own run only), one install for the step; at the deadline a
+CPU load keeps the blocks it had finished (`_salvage`). `io_threads` threads read a
+load's entries (`staged_io`): its reader and helpers from a pool that every load of
+the connector shares (`helper_pool`). A sync load on the CPU reads each entry into a small bounce row and
 copies it into its block under the load's write fence, hashing it there, so its
 check is on the cache's own bytes (`PagedBlocks.load_direct`); async loads and GPU
 loads verify into staging rows that the worker copies into the cache. On a GPU the
@@ -34,6 +38,7 @@ are written by `io_threads` threads.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -71,7 +76,7 @@ MAX_IO_THREADS = 8  # default `io_threads`: beyond this the per-entry Python wor
 
 @dataclass(frozen=True)
 class LoadedBlock:
-    """A block that `_read_blocks` read and verified: its payload checksum and where
+    """A block that `_read_batch` read and verified: its payload checksum and where
     its bytes are (row `position` of the staged rows, or None: in its cache block,
     checked there)."""
 
@@ -97,6 +102,7 @@ class SharedStorageConnector(StoreConnectorBase):
     """Saves and loads KV blocks through a shared folder (see module docstring)."""
 
     settings_class = SharedStorageSettings
+    batched_sync_reads = True  # a step's sync loads read as one staged batch
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -120,10 +126,14 @@ class SharedStorageConnector(StoreConnectorBase):
     # ----- worker role ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        if self._paged is not None:
+            self._paged.close()
         self._paged = PagedBlocks(kv_caches)
 
     def shutdown(self) -> None:
         super().shutdown()
+        if self._paged is not None:
+            self._paged.close()
         self._paged = None  # its views of the cache and its pinned rows go with it
 
     def _paged_blocks(self) -> PagedBlocks:
@@ -134,37 +144,74 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def _read_sync(self, transfers: list[BlockTransfer],
                    cancelled: ReadCancel) -> list[list[LoadedBlock | None]]:
-        # Each sync load has a reader of its own (`batched_sync_reads` is False).
-        return [self._read_blocks(transfers[0], cancelled, into_cache=self._paged_blocks().direct)]
+        # The step's sync loads as one batch (`batched_sync_reads`): every request's rows
+        # in one staging buffer (or straight into a direct cache), read by one set of
+        # `io_threads` threads, one install for them all.
+        return self._read_batch(transfers, cancelled, into_cache=self._paged_blocks().direct)
 
-    def _read_blocks(self, transfer: BlockTransfer, cancelled: ReadCancel,
-                     into_cache: bool) -> list[LoadedBlock | None]:
-        """Read and verify a request's blocks (on a reader thread) into staging rows, or
-        `into_cache` (a direct cache, `PagedBlocks.load_direct`); None from the first
-        failure on."""
+    def _read_async(self, transfer: BlockTransfer, cancelled: ReadCancel) -> list[LoadedBlock | None]:
+        # Staged: an async load must not write the cache before the worker confirms it.
+        return self._read_batch([transfer], cancelled, into_cache=False)[0]
+
+    def _read_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
+                    into_cache: bool) -> list[list[LoadedBlock | None]]:
+        """Read and verify the transfers' blocks (on a reader thread) as one batch of rows,
+        each transfer a run of its own (a failure cuts its own run only), into staging
+        rows or `into_cache` (a direct cache, `PagedBlocks.load_direct`); per transfer,
+        its blocks (None from its first failure on, or each failed one with KV groups)."""
         paged = self._paged_blocks()
+        rows = [(transfer, position) for transfer in transfers
+                for position in range(len(transfer.block_ids))]
+        ends = list(itertools.accumulate(len(transfer.block_ids) for transfer in transfers))
+
+        def read_row(index: int, row: memoryview) -> int:
+            transfer, position = rows[index]
+            return self._read_entry(transfer, position, [row], cancelled,
+                                    check_payload=not into_cache)
+
         staged: StagedRows | None = None
-        results: list[RowResult]
         if into_cache:
-            results = paged.load_direct(transfer.block_ids, lambda position, row: self._read_entry(
-                transfer, position, [row], cancelled, check_payload=False), cancelled,
-                self.io_threads, every_row=self._grouped)
+            results: list[RowResult] = [None] * len(rows)
+            cancelled.progress = results  # kept by `_salvage` if the deadline gives up
+            paged.load_direct([block_id for transfer in transfers for block_id in transfer.block_ids],
+                              read_row, cancelled, self.io_threads, every_row=self._grouped,
+                              segments=ends, results=results)
         else:
-            staged, results = paged.stage(len(transfer.block_ids), lambda position, row: (
-                self._read_entry(transfer, position, [row], cancelled)), cancelled,
-                self.io_threads, every_row=self._grouped)
-        blocks: list[LoadedBlock | None] = []
-        for position, result in enumerate(results):
-            if not isinstance(result, int):
-                self._log_failure(transfer.keys[position], result)
-                if not self._grouped:
-                    break
-                blocks.append(None)  # KV cache groups: each block stands on its own
-                continue
-            blocks.append(LoadedBlock(result, staged, position))
-        if staged is not None and not any(blocks):
+            staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
+                                          every_row=self._grouped, segments=ends)
+        loads = self._loaded_blocks(transfers, results, staged)
+        if staged is not None and not any(any(blocks) for blocks in loads):
             paged.release(staged.host, staged.uploaded)
-        return blocks + [None] * (len(transfer.block_ids) - len(blocks))
+        return loads
+
+    def _loaded_blocks(self, transfers: list[BlockTransfer], results: Sequence[RowResult],
+                       staged: StagedRows | None) -> list[list[LoadedBlock | None]]:
+        """Per transfer, its blocks from a batch's row results (failures logged)."""
+        loads: list[list[LoadedBlock | None]] = []
+        offset = 0
+        for transfer in transfers:
+            blocks: list[LoadedBlock | None] = []
+            for position in range(len(transfer.block_ids)):
+                result = results[offset + position]
+                if not isinstance(result, int):
+                    self._log_failure(transfer.keys[position], result)
+                    if not self._grouped:
+                        break
+                    blocks.append(None)  # KV cache groups: each block stands on its own
+                    continue
+                blocks.append(LoadedBlock(result, staged, offset + position))
+            loads.append(blocks + [None] * (len(transfer.block_ids) - len(blocks)))
+            offset += len(transfer.block_ids)
+        return loads
+
+    def _salvage(self, transfers: list[BlockTransfer],
+                 cancelled: ReadCancel) -> list[list[LoadedBlock | None] | None]:
+        # A direct load's finished blocks are in the cache, checked there, and its fence
+        # is closed; staged rows are not kept (a reader that comes unstuck may still be
+        # queueing their uploads), so a staged batch at its deadline is all invalid.
+        if cancelled.progress is None:
+            return [None] * len(transfers)
+        return list(self._loaded_blocks(transfers, list(cancelled.progress), None))
 
     def _read_entry(self, transfer: BlockTransfer, position: int, parts: list[memoryview],
                     cancelled: ReadCancel, check_payload: bool = True) -> int:
@@ -172,12 +219,16 @@ class SharedStorageConnector(StoreConnectorBase):
         too unless not `check_payload`: the caller checks it where it ends up); its
         stored payload checksum."""
         key = transfer.keys[position]
-        if self._read_filter is None:
+        block_id = transfer.block_ids[position]
+        # Reads the filter leaves alone take the zero-copy path (a fault injector that
+        # fails a few blocks must not slow every other read of the load).
+        if self._read_filter is None or (self._filtered_block is not None and not
+                                         self._filtered_block(transfer.request_id, block_id)):
             if check_payload:
                 return self.store.read_into(key, parts)
             return self.store.read_unchecked_into(key, parts)
-        raw = self._read_filter(transfer.request_id, transfer.block_ids[position], key,
-                                self.store.read_raw(key), cancelled)
+        raw = self._read_filter(transfer.request_id, block_id, key, self.store.read_raw(key),
+                                cancelled)
         return self.store.parse_into(key, raw, parts)
 
     def _log_failure(self, key: bytes, error: BaseException | None) -> None:
@@ -189,45 +240,54 @@ class SharedStorageConnector(StoreConnectorBase):
         else:
             logger.warning("KV block %s failed to load: %r", key.hex(), error)
 
-    def _read_async(self, transfer: BlockTransfer, cancelled: ReadCancel) -> list[LoadedBlock | None]:
-        # Staged: an async load must not write the cache before the worker confirms it.
-        return self._read_blocks(transfer, cancelled, into_cache=False)
-
     def _install(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
-        """Copy the leading verified blocks into the cache unless they were loaded there;
-        report every block from the first bad one on as invalid (with KV cache groups,
-        every verified block is installed and only the bad ones are invalid)."""
-        if self._grouped:
-            self._install_each(transfer, blocks)
-            return
-        loaded = prefix_before_none(blocks)
-        count = len(loaded)
-        if count and loaded[0].staging is not None:
-            checksums = [block.checksum for block in loaded]
-            count = self._paged_blocks().install(transfer.block_ids[:count], loaded[0].staging,
-                                                 checksums if self.verify_after_load else None)
-            if count < len(checksums):
-                logger.warning("KV block %d does not match its stored checksum after the load",
-                               transfer.block_ids[count])
-        if count < len(blocks):
-            self._invalid_block_ids.update(transfer.block_ids[count:])
-            self._failed_requests.add(transfer.request_id)
+        self._install_batch([transfer], [blocks])
 
-    def _install_each(self, transfer: BlockTransfer, blocks: list[LoadedBlock | None]) -> None:
-        """`_install` block by block: a bad block costs itself only (rule 8 decides what
-        the request redoes)."""
-        staging = next((b.staging for b in blocks if b is not None and b.staging is not None),
+    def _install_step(self, transfers: list[BlockTransfer],
+                      results: list[list[LoadedBlock | None] | None]) -> None:
+        self._install_batch(transfers, results)
+
+    def _install_batch(self, transfers: list[BlockTransfer],
+                       results: Sequence[list[LoadedBlock | None] | None]) -> None:
+        """Copy the loads' verified blocks into the cache unless they were loaded there
+        (one `PagedBlocks.install_rows` for them all: on a GPU one indexed copy per
+        layer and one check for the whole step); report, per transfer, every block from
+        its first bad one on as invalid (with KV cache groups, every verified block is
+        installed and only the bad ones are invalid). None: already reported."""
+        chosen: list[tuple[int, int, LoadedBlock]] = []  # (transfer, position, block)
+        for index, blocks in enumerate(results):
+            if blocks is None:
+                continue
+            usable = blocks if self._grouped else prefix_before_none(blocks)
+            chosen += [(index, position, block) for position, block in enumerate(usable)
+                       if block is not None]
+        stagings = {id(block.staging) for _, _, block in chosen if block.staging is not None}
+        if len(stagings) > 1:
+            raise RuntimeError("one install covers the rows of one staging buffer only")
+        staging = next((block.staging for _, _, block in chosen if block.staging is not None),
                        None)
-        passed = [block is not None for block in blocks]
+        passed = [True] * len(chosen)  # loaded into a direct cache: checked there
         if staging is not None:
-            checksums = [None if block is None else block.checksum for block in blocks]
-            installed = self._paged_blocks().install_each(transfer.block_ids, staging, checksums)
-            if self.verify_after_load:
-                passed = installed
-        invalid = [b for b, ok in zip(transfer.block_ids, passed) if not ok]
-        if invalid:
-            self._invalid_block_ids.update(invalid)
-            self._failed_requests.add(transfer.request_id)
+            passed = self._paged_blocks().install_rows(
+                [transfers[index].block_ids[position] for index, position, _ in chosen],
+                [block.position for _, _, block in chosen], staging,
+                [block.checksum for _, _, block in chosen] if self.verify_after_load else None)
+        good = {(index, position) for (index, position, _), ok in zip(chosen, passed) if ok}
+        for (index, position, _), ok in zip(chosen, passed):
+            if not ok:
+                logger.warning("KV block %d does not match its stored checksum after the load",
+                               transfers[index].block_ids[position])
+        for index, (transfer, blocks) in enumerate(zip(transfers, results)):
+            if blocks is None:
+                continue
+            held = [(index, position) in good for position in range(len(transfer.block_ids))]
+            if not self._grouped:  # a request's blocks count up to its first bad one
+                count = next((i for i, ok in enumerate(held) if not ok), len(held))
+                held = [position < count for position in range(len(held))]
+            invalid = [block_id for block_id, ok in zip(transfer.block_ids, held) if not ok]
+            if invalid:
+                self._invalid_block_ids.update(invalid)
+                self._failed_requests.add(transfer.request_id)
 
     def wait_for_save(self) -> None:
         metadata = self._get_metadata_of(StorageConnectorMetadata)

@@ -9,16 +9,19 @@ checksum and the per-entry Python work take turns. After each chunk
 `after_chunk(start, end)` runs on the thread that read it (the GPU path uploads
 the chunk there, so host-to-device copies overlap the remaining reads).
 
-Only the leading run of good rows is ever used, so once a row fails no thread
-claims a chunk after it; rows that were not read are reported as None. Saves
-(`write_rows`) spread the same way; there every row counts on its own.
+Only the leading run of good rows of a request is ever used, so once a row fails
+no thread claims a chunk after it in its run (a batched step reads every request's
+rows as one load, each request a run of its own: a failure cuts its own run only);
+rows that were not read are reported as None. Saves (`write_rows`) spread the same
+way; there every row counts on its own.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from kvrecover.kv_transfer.helper_pool import HelperPool
 
 CHUNK_BYTES = 16 << 20  # rows per chunk: enough to amortise an upload, small enough to spread
 RowResult = int | Exception | None  # a row's checksum, why it failed, or None (not read)
@@ -32,30 +35,43 @@ def chunk_rows(row_nbytes: int) -> int:
 def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.Event,
               threads: int, rows_per_chunk: int,
               after_chunk: Callable[[int, int], None] | None = None,
-              every_row: bool = False) -> list[RowResult]:
+              every_row: bool = False, segments: Sequence[int] | None = None,
+              results: list[RowResult] | None = None,
+              pool: HelperPool | None = None) -> list[RowResult]:
     """Run `read_row(position)` for positions 0..count-1 (it returns the row's checksum
     or raises) on up to `threads` threads, the calling one included; stops early
     when `cancelled` is set, and after a row fails unless `every_row` (rows that do not
-    depend on each other: KV cache groups). One result per row (see `RowResult`)."""
-    results: list[RowResult] = [None] * count
-    num_chunks = -(-count // rows_per_chunk)
-    claims = itertools.count()  # next() on it is atomic under the GIL
-    first_failure = [count]  # lowest failed position so far (a list: written by workers)
+    depend on each other: KV cache groups). `segments` (the end positions of
+    consecutive runs of rows, e.g. one per request of a batched step; default one run)
+    bounds what a failure stops: the rest of its own run only. One result per row (see
+    `RowResult`), written into `results` as rows end when it is given (a list of
+    `count` Nones: what a caller that gave up waiting may still use). The helpers run
+    on `pool`'s threads when it is given, else on threads started for this call."""
+    results = [None] * count if results is None else results
+    ends = [count] if segments is None else list(segments)
+    if (ends and ends[-1] != count) or any(b < a for a, b in zip([0, *ends], ends)):
+        raise ValueError(f"segments must be ascending run ends up to {count}, got {ends}")
+    # Chunks never span two runs, so a failure's cut is a chunk boundary of its run.
+    chunks = [(start, min(end, start + rows_per_chunk), run)
+              for run, (first, end) in enumerate(zip([0, *ends], ends))
+              for start in range(first, end, rows_per_chunk)]
+    claims = iter(chunks)  # next() on it is atomic under the GIL
+    first_failure = list(ends)  # per run, its lowest failed position so far
     lock = threading.Lock()
 
     def work() -> None:
         while not cancelled.is_set():
-            chunk = next(claims)
-            start = chunk * rows_per_chunk
-            if chunk >= num_chunks or start > first_failure[0]:
+            start, end, run = next(claims, (count, count, -1))
+            if run < 0:
                 return
-            end = min(count, start + rows_per_chunk)
+            if start > first_failure[run]:
+                continue
             done = start
-            while done < end and not cancelled.is_set() and done < first_failure[0]:
+            while done < end and not cancelled.is_set() and done < first_failure[run]:
                 try:
                     results[done] = read_row(done)
                 except Exception as error:  # a bad entry is an invalid block, never a crash
-                    fail(done, error)
+                    fail(done, run, error)
                     if not every_row:
                         break
                 done += 1
@@ -63,19 +79,27 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
                 try:  # the rows read so far, even of a chunk cut short: they may be used
                     after_chunk(start, done)
                 except Exception as error:
-                    fail(start, error)
-            if done < end:
+                    fail(start, run, error)
+            if cancelled.is_set():
                 return
 
-    def fail(position: int, error: Exception) -> None:
+    def fail(position: int, run: int, error: Exception) -> None:
         results[position] = error
         if every_row:
             return
         with lock:
-            first_failure[0] = min(first_failure[0], position)
+            first_failure[run] = min(first_failure[run], position)
 
+    num_helpers = min(threads, len(chunks)) - 1
+    if pool is not None:
+        finish = pool.run(num_helpers, work) if num_helpers > 0 else (lambda: None)
+        try:
+            work()
+        finally:
+            finish()  # no helper of this call runs past here
+        return results
     helpers = [threading.Thread(target=work, name=f"kv-read-{index}", daemon=True)
-               for index in range(min(threads, num_chunks) - 1)]
+               for index in range(num_helpers)]
     for helper in helpers:
         helper.start()
     try:

@@ -40,6 +40,7 @@ from kvrecover.kv_groups import single_group
 from kvrecover.kv_layout import NULL_BLOCK_ID, KVCacheLayout, group_block_key
 from kvrecover.kv_transfer.base import (
     SETTING_LABEL,
+    FilteredBlock,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -167,6 +168,7 @@ class StoreConnectorBase(KVConnectorBase):
         # Several groups or a window: blocks and keys per group (`_group_blocks`).
         self._grouped = layout.kv_groups != single_group(layout.num_layers)
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
+        self._filtered_block: FilteredBlock | None = None
         # Scheduler role state.
         self._requests: dict[str, KVRequestView] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -297,7 +299,13 @@ class StoreConnectorBase(KVConnectorBase):
         if not synchronous:
             return
         results = self._read_now(synchronous, self._read_sync, batched=self.batched_sync_reads)
-        for transfer, blocks in zip(synchronous, results):
+        self._install_step(synchronous, results)
+
+    def _install_step(self, transfers: list[BlockTransfer], results: list[Any]) -> None:
+        """Install a step's sync loads (`_read_now`'s results: None where every block was
+        already reported invalid); one `_install` each unless the subclass installs a
+        batch at once."""
+        for transfer, blocks in zip(transfers, results):
             if blocks is not None:
                 self._install(transfer, blocks)
 
@@ -350,6 +358,7 @@ class StoreConnectorBase(KVConnectorBase):
                 tasks.append(error)
         results: list[Any] = []
         for group, task in zip(groups, tasks):
+            salvaged: list[Any] = [None] * len(group)
             try:
                 if isinstance(task, Exception):
                     raise task
@@ -357,18 +366,28 @@ class StoreConnectorBase(KVConnectorBase):
                 continue
             except ReadTimedOut:
                 logger.warning("KV load of request %s exceeded load_timeout_s=%.1fs; its "
-                               "blocks are invalid", group[0].request_id, self.load_timeout_s)
+                               "unfinished blocks are invalid", group[0].request_id,
+                               self.load_timeout_s)
+                if not isinstance(task, Exception):
+                    salvaged = self._salvage(group, task.cancelled)
             except StoreStuck as error:
                 logger.warning("KV load of request %s refused (%s); its blocks are invalid",
                                group[0].request_id, error)
             except Exception as error:  # reads catch their own errors; be safe
                 logger.warning("KV load of request %s crashed (%r); its blocks are invalid",
                                group[0].request_id, error)
-            results += [None] * len(group)
-            for transfer in group:
-                self._invalid_block_ids.update(transfer.block_ids)
-                self._failed_requests.add(transfer.request_id)
+            results += salvaged
+            for transfer, result in zip(group, salvaged):
+                if result is None:
+                    self._invalid_block_ids.update(transfer.block_ids)
+                    self._failed_requests.add(transfer.request_id)
         return results
+
+    def _salvage(self, transfers: list[BlockTransfer], cancelled: ReadCancel) -> list[Any]:
+        """What a sync read given up at its deadline still delivered, once `cancelled`
+        is set (nothing it does reaches the cache any more): one `_install` result per
+        transfer, or None (every block invalid). By default nothing is kept."""
+        return [None] * len(transfers)
 
     def _abandon(self, load: AsyncLoad) -> None:
         """Nobody waits for this async load any more; its thread may run on (counted)."""
@@ -376,9 +395,12 @@ class StoreConnectorBase(KVConnectorBase):
             return
         self._readers.abandon(StoreRead(load.future, load.cancelled, load.thread))
 
-    def set_read_filter(self, read_filter: ReadFilter | None) -> bool:
-        """Every raw entry read goes through `read_filter` before it is parsed."""
+    def set_read_filter(self, read_filter: ReadFilter | None,
+                        filtered_block: FilteredBlock | None = None) -> bool:
+        """Every raw entry read goes through `read_filter` before it is parsed (a
+        subclass with a fast path may skip the reads `filtered_block` says no to)."""
         self._read_filter = read_filter
+        self._filtered_block = filtered_block
         return True
 
     def discard_saves_for(self, request_ids: set[str]) -> None:

@@ -178,9 +178,10 @@ class CountingConnector(SharedStorageConnector):
         self.installed_blocks = 0
         self.saved_blocks = 0
 
-    def _install(self, transfer, blocks):
-        self.installed_blocks += sum(block is not None for block in blocks)
-        super()._install(transfer, blocks)
+    def _install_batch(self, transfers, results):  # every load's install, sync or async
+        self.installed_blocks += sum(block is not None for blocks in results if blocks
+                                     for block in blocks)
+        super()._install_batch(transfers, results)
 
     def wait_for_save(self):
         self.saved_blocks += self._get_connector_metadata().num_save_blocks()

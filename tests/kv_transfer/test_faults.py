@@ -143,3 +143,29 @@ def test_every_failed_block_is_nan_even_where_the_cache_held_the_right_kv(tmp_pa
         assert torch.equal(cache[:, 2], before[:, 2])  # loaded before the fault
         assert cache[:, 3].isnan().all() and cache[:, 5].isnan().all()
         assert torch.equal(cache[:, [0, 1, 4, 6, 7]], before[:, [0, 1, 4, 6, 7]])
+
+
+def test_reads_the_injector_leaves_alone_take_the_fast_path(tiny_llama, pristine_store, tmp_path,
+                                                           monkeypatch):
+    # A fault on one block must not send every other read of the load through raw bytes
+    # (a fresh buffer per entry, a copy more): the 0%-failure rows of bench_recovery.py
+    # would then measure a slower load than the plain connector's.
+    from kvrecover.kv_transfer.block_store import BlockStore
+
+    raw_reads: list[bytes] = []
+    read_raw = BlockStore.read_raw
+
+    def counted_read_raw(store, key):
+        raw_reads.append(key)
+        return read_raw(store, key)
+
+    monkeypatch.setattr(BlockStore, "read_raw", counted_read_raw)
+    copy_store(pristine_store, tmp_path / "store")
+    faults = [{"requests": "first", "blocks": [1], "kind": "corrupt"}]
+    llm = make_kv_llm(tiny_llama, fault_transfer(tmp_path / "store", faults))
+    outputs = kv_generate(llm, KV_PROMPTS)
+    assert outputs == no_connector_ids(tiny_llama)
+    stats = llm.stats
+    assert stats["kv_load_failed_blocks"] > 0  # the corrupt block was read raw and caught
+    assert len(raw_reads) == 1  # and it alone
+    assert stats["prompt_tokens_external"] >= KV_BLOCK * sum(KV_LOADABLE[1:])

@@ -345,8 +345,8 @@ def test_verify_after_load_catches_a_garbled_scatter(layout, tmp_path, device, m
     worker = connector(tmp_path, layout, target)
     scatter = worker._paged._scatter
 
-    def swapped(block_ids, staged):  # rows 2 and 3 land in each other's blocks
-        scatter([*block_ids[:2], block_ids[3], block_ids[2]], staged)
+    def swapped(block_ids, positions, staged):  # rows 2 and 3 land in each other's blocks
+        return scatter([*block_ids[:2], block_ids[3], block_ids[2]], positions, staged)
 
     monkeypatch.setattr(worker._paged, "_scatter", swapped)
     assert load(worker, target, [5, 6, 7, 8], block_keys, is_async=False) == {7, 8}

@@ -1,0 +1,331 @@
+"""One step's KV loads against their ceiling and against recomputing (issue 28, goal 4).
+
+    PYTHONPATH=. python bench/bench_step_load.py [--device cpu|cuda] [--shape 8b|1b]
+        [--batch 16] [--prompt-tokens 1024] [--repeats 3] [--model-dir DIR] [--dir /dev/shm]
+        [--read-threads 1 2 4 8 16] [--io-threads N [N ...]] [--engine-io-threads N]
+        [--skip-engine]
+
+Part 1, the connector alone, on the KV layout of `--shape` (block 16, bf16): the
+blocks of `--batch` requests of `--prompt-tokens` tokens, one file each, loaded
+  - by the ceiling: the same files read with N threads (`readinto` into one staging
+    buffer, pinned on CUDA), best N of `--read-threads`, plus one pinned
+    host-to-device copy of that buffer (on CUDA); its bandwidth is bytes / (read +
+    upload) of the best rounds;
+  - by `SharedStorageConnector`: one step whose sync loads are all the requests (one
+    staged batch), and the same requests as concurrent async loads polled the way
+    the engine polls (`get_finished`), each into a paged cache on --device, with
+    `verify_after_load` on (its default).
+Part 2, the engine (skipped with --skip-engine): time to first token of the batch
+with its KV loaded (sync and async, a plain `SharedStorageConnector` consumer), with
+every block failing (`FaultInjectionConnector`, all "missing": the loads fail and
+everything is recomputed) and with no connector at all (plain prefill). CUDA: the
+checkpoint in --model-dir, else random bf16 weights of --shape written there
+(`model_shapes.py`); CPU: the built-in default model or --model-dir.
+
+Rounds interleave every variant (a busy spell hits them all); times are the best
+round. Prints the ratios the goals name, with the shape that really ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import xxhash
+from bench_recovery import consumer, make_plan, random_prompts, release_memory, timed_batch
+from bench_storage import best_times
+from model_shapes import SHAPES, ModelShape, resolve_model_dir
+
+from kvrecover import LLM, KVTransferConfig, SamplingParams
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import KVConnectorRole
+from kvrecover.kv_transfer.block_store import PREFIX_SIZE
+from kvrecover.kv_transfer.shared_storage import (
+    BlockTransfer,
+    SharedStorageConnector,
+    StorageConnectorMetadata,
+)
+
+BLOCK_SIZE = 16
+GOALS = {"connector x ceiling": 0.8, "load TTFT x recompute": 0.5, "async TTFT x sync": 1.1}
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class StepLoads:
+    """`batch` requests' blocks stored in a folder, a paged cache on `device`, and the
+    ways to load them (see module docstring)."""
+
+    def __init__(self, layout: KVCacheLayout, folder: Path, batch: int, per_request: int,
+                 device: str) -> None:
+        self.device, self.batch, self.per_request = device, batch, per_request
+        num_blocks = batch * per_request
+        self.caches = [torch.zeros(2, num_blocks + 1, layout.block_size, layout.num_kv_heads,
+                                   layout.head_dim, dtype=layout.dtype, device=device)
+                       for _ in range(layout.num_layers)]
+        config = KVTransferConfig("SharedStorageConnector", "kv_both",
+                                  {"shared_storage_path": str(folder)})
+        self.connector = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
+        self.connector.register_kv_caches(self.caches)
+        self.keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(num_blocks)]
+        block = torch.randn(self.connector.store.block_shape, generator=torch.Generator()
+                            .manual_seed(0)).to(layout.dtype)
+        for key in self.keys:
+            self.connector.store.write(key, block)
+        self.paths = [str(self.connector.store.path(key)) for key in self.keys]
+        self.entry_nbytes = PREFIX_SIZE + layout.block_nbytes
+        self.nbytes = num_blocks * layout.block_nbytes
+        on_gpu = device.startswith("cuda")
+        self.host = torch.empty((num_blocks, self.entry_nbytes), dtype=torch.uint8,
+                                pin_memory=on_gpu)
+        self.host.zero_()  # first touch (page faults) outside the timed rounds
+        self.on_device = (torch.empty_like(self.host, device=device) if on_gpu else None)
+
+    def connector_with(self, io_threads: int | None) -> SharedStorageConnector:
+        """A connector over the same folder and caches with this `io_threads` (None: the
+        connector's default)."""
+        config = KVTransferConfig("SharedStorageConnector", "kv_both", {
+            "shared_storage_path": str(self.connector.store.root),
+            **({} if io_threads is None else {"io_threads": io_threads})})
+        connector = SharedStorageConnector(config, KVConnectorRole.WORKER, self.connector.layout)
+        connector.register_kv_caches(self.caches)
+        return connector
+
+    def transfers(self, is_async: bool) -> list[BlockTransfer]:
+        n = self.per_request
+        return [BlockTransfer(f"r{r}", list(range(1 + r * n, 1 + (r + 1) * n)),
+                              self.keys[r * n : (r + 1) * n], is_async=is_async)
+                for r in range(self.batch)]
+
+    def plain_read(self, threads: int) -> None:
+        """Every file into its row of the staging buffer, `threads` threads."""
+        rows = memoryview(self.host.numpy()).cast("B")
+        size = self.entry_nbytes
+        share = -(-len(self.paths) // threads)
+
+        def read(first: int) -> None:
+            for index in range(first, min(first + share, len(self.paths))):
+                with open(self.paths[index], "rb", buffering=0) as handle:
+                    handle.readinto(rows[index * size : (index + 1) * size])
+
+        readers = [threading.Thread(target=read, args=(i * share,)) for i in range(1, threads)]
+        for reader in readers:
+            reader.start()
+        read(0)
+        for reader in readers:
+            reader.join()
+
+    def upload(self) -> None:
+        if self.on_device is not None:
+            self.on_device.copy_(self.host, non_blocking=True)
+            synchronize(self.device)
+
+    def sync_step(self, connector: SharedStorageConnector) -> None:
+        """One step whose sync loads are every request."""
+        connector.bind_connector_metadata(StorageConnectorMetadata(loads=self.transfers(False)))
+        connector.start_load_kv(self.caches)
+        connector.clear_connector_metadata()
+        synchronize(self.device)
+        self._check(connector)
+
+    def async_loads(self, connector: SharedStorageConnector) -> None:
+        """Every request as an async load, started in one step, polled until all landed."""
+        connector.bind_connector_metadata(StorageConnectorMetadata(loads=self.transfers(True)))
+        connector.start_load_kv(self.caches)
+        connector.clear_connector_metadata()
+        pending = {f"r{r}" for r in range(self.batch)}
+        give_up = time.monotonic() + 600
+        while pending and time.monotonic() < give_up:
+            _, done = connector.get_finished(set())
+            pending -= done or set()
+            if pending:
+                time.sleep(0.0005)  # as the engine's idle poll
+        synchronize(self.device)
+        self._check(connector)
+
+    @staticmethod
+    def _check(connector: SharedStorageConnector) -> None:
+        if connector.get_block_ids_with_load_errors():
+            raise RuntimeError("some blocks failed to load: the figures would be wrong")
+
+
+def bench_connector(args: argparse.Namespace, layout: KVCacheLayout, root: Path) -> dict:
+    per_request = (args.prompt_tokens - 1) // BLOCK_SIZE  # the last token is never loaded
+    loads = StepLoads(layout, root / "connector", args.batch, per_request, args.device)
+    connectors = {threads: loads.connector_with(threads) for threads in args.io_threads}
+    runs = [(functools.partial(loads.plain_read, t), lambda: None) for t in args.read_threads]
+    runs.append((loads.upload, lambda: None))
+    for connector in connectors.values():
+        runs += [(functools.partial(loads.sync_step, connector), lambda: None),
+                 (functools.partial(loads.async_loads, connector), lambda: None)]
+    times = best_times(runs, args.repeats)
+    reads = times[: len(args.read_threads)]
+    t_upload = times[len(args.read_threads)]
+    loaded = times[len(args.read_threads) + 1 :]
+    best = min(range(len(reads)), key=reads.__getitem__)
+    figures = {
+        "nbytes": loads.nbytes, "blocks": args.batch * per_request,
+        "reads": dict(zip(args.read_threads, reads)), "best_threads": args.read_threads[best],
+        "read": reads[best], "upload": t_upload,
+        "connectors": {connector.io_threads: (loaded[2 * i], loaded[2 * i + 1])
+                       for i, connector in enumerate(connectors.values())},
+        "read_1": reads[args.read_threads.index(1)] if 1 in args.read_threads else None,
+    }
+    for connector in [loads.connector, *connectors.values()]:
+        connector.shutdown()
+    del loads, connectors
+    release_memory()
+    return figures
+
+
+def bench_engine(args: argparse.Namespace, llm_args: dict, store: Path) -> dict[str, float]:
+    prompts = [random_prompts(args.batch, args.prompt_tokens, 1 + r) for r in range(args.repeats)]
+    producer = LLM(**llm_args, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+        "SharedStorageConnector", "kv_producer", {"shared_storage_path": str(store)}))
+    for batch_prompts in prompts:
+        producer.generate([{"prompt_token_ids": p} for p in batch_prompts],
+                          SamplingParams(temperature=0, max_tokens=1))
+    producer.close()
+    del producer
+    release_memory()
+    engines: dict[str, LLM] = {}
+    threads = {} if args.engine_io_threads is None else {"io_threads": args.engine_io_threads}
+    for mode in ("sync", "async"):
+        engines[f"load, {mode}"] = LLM(
+            **llm_args, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+                "SharedStorageConnector", "kv_consumer",
+                {"shared_storage_path": str(store), "async_load": mode == "async", **threads}))
+    loaded_blocks = (args.prompt_tokens - 1) // BLOCK_SIZE
+    every_block = make_plan(1.0, args.batch, loaded_blocks, seed=0)
+    engines["recompute: every block fails"] = consumer(llm_args, store, "sync", [every_block],
+                                                       args.repeats, args.batch, None)
+    engines["recompute: no connector"] = LLM(**llm_args, enable_prefix_caching=False)
+    for name, llm in engines.items():
+        if not name.startswith("recompute: every"):  # (`consumer` warmed its engine up)
+            timed_batch(llm, random_prompts(args.batch, 48, seed=999), 2)
+    best = {name: float("inf") for name in engines}
+    for batch_prompts in prompts:
+        for name, llm in engines.items():
+            best[name] = min(best[name], timed_batch(llm, batch_prompts, args.max_tokens)[0])
+    for llm in engines.values():
+        llm.close()
+    engines.clear()
+    release_memory()
+    return best
+
+
+def report(args: argparse.Namespace, label: str, layout_label: str, figures: dict | None,
+           ttft: dict[str, float] | None) -> None:
+    def verdict(name: str, value: float) -> str:
+        goal = GOALS[name]
+        met = value <= goal if "TTFT" in name else value >= goal
+        return f"{'<=' if 'TTFT' in name else '>='} {goal} {'met' if met else 'MISSED'}"
+
+    print(f"\n{layout_label}; {args.batch} x {args.prompt_tokens} tokens; device {args.device}"
+          f"{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}; "
+          f"{os.cpu_count()} CPUs; best of {args.repeats}")
+    if figures is not None:
+        gb = figures["nbytes"] / 1e9
+        ceiling = figures["read"] + (figures["upload"] if args.device == "cuda" else 0.0)
+        print(f"\n{figures['blocks']} blocks, {gb:.2f} GB of KV\n")
+        print(f"{'load':<58}{'ms':>9}{'GB/s':>8}  x ceiling")
+        for threads, seconds in figures["reads"].items():
+            print(f"{f'plain readinto, {threads} thread(s)':<58}{seconds * 1e3:>9.1f}"
+                  f"{gb / seconds:>8.2f}")
+        if args.device == "cuda":
+            print(f"{'pinned host-to-device copy':<58}{figures['upload'] * 1e3:>9.1f}"
+                  f"{gb / figures['upload']:>8.2f}")
+        name = f"ceiling: best read ({figures['best_threads']} threads) + upload"
+        print(f"{name:<58}{ceiling * 1e3:>9.1f}{gb / ceiling:>8.2f}  1.00")
+        for threads, (t_sync, t_async) in figures["connectors"].items():
+            for name, seconds in [(f"connector, io_threads {threads}: one step's sync loads", t_sync),
+                                  (f"connector, io_threads {threads}: {args.batch} async loads",
+                                   t_async)]:
+                ratio = ceiling / seconds
+                print(f"{name:<58}{seconds * 1e3:>9.1f}{gb / seconds:>8.2f}  {ratio:.2f}"
+                      f"  {verdict('connector x ceiling', ratio)}")
+        if figures["read_1"] is not None:
+            print("\nx a plain 1-thread read (issue 28 goal 6 on the CPU: >= 0.6 sync, >= 0.5 "
+                  "async): " + "; ".join(
+                      f"io_threads {threads}: sync {figures['read_1'] / t_sync:.2f}, async "
+                      f"{figures['read_1'] / t_async:.2f}"
+                      for threads, (t_sync, t_async) in figures["connectors"].items()))
+    if ttft is not None:
+        engine_threads = args.engine_io_threads or "the connector's default"
+        print(f"\n{label}, {args.max_tokens} new tokens; loads with io_threads {engine_threads}\n")
+        print(f"{'time to first token of the batch':<40}{'s':>8}")
+        for name, seconds in ttft.items():
+            print(f"{name:<40}{seconds:>8.3f}")
+        recompute = min(ttft["recompute: every block fails"], ttft["recompute: no connector"])
+        load_ratio = ttft["load, sync"] / recompute
+        async_ratio = ttft["load, async"] / ttft["load, sync"]
+        print(f"\nload (sync) x recompute (the faster of the two): {load_ratio:.2f}  "
+              f"{verdict('load TTFT x recompute', load_ratio)}")
+        print(f"load (async) x load (sync): {async_ratio:.2f}  "
+              f"{verdict('async TTFT x sync', async_ratio)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                        help="KV layout of part 1; on CUDA also the model of part 2")
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--read-threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--io-threads", type=int, nargs="+", default=[None],
+                        help="part 1: the connectors' io_threads to try (default: the "
+                             "connector's own)")
+    parser.add_argument("--engine-io-threads", type=int, default=None,
+                        help="part 2: the loading engines' io_threads (default: the connector's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                        help="where the files go (default: %(default)s)")
+    parser.add_argument("--skip-engine", action="store_true", help="part 1 only")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("kvrecover").setLevel(logging.ERROR)  # one warning per failed block
+    shape = ModelShape.from_config(SHAPES[args.shape])
+    layout = KVCacheLayout(f"bench-step-{args.shape}", torch.bfloat16, BLOCK_SIZE,
+                           shape.num_hidden_layers, shape.num_key_value_heads, shape.head_dim)
+    layout_label = f"KV layout of the {shape.label} (bf16, block {BLOCK_SIZE})"
+    root = Path(tempfile.mkdtemp(prefix="kvrecover_step_load_", dir=args.dir))
+    try:
+        figures = bench_connector(args, layout, root)
+        ttft, label = None, ""
+        if not args.skip_engine:
+            if args.device == "cuda":
+                model_dir = resolve_model_dir(args.model_dir, args.shape)
+                label = f"{ModelShape.of(model_dir).label} bf16, {torch.cuda.get_device_name()}"
+                llm_args = dict(model=str(model_dir), device="cuda:0", dtype="bfloat16",
+                                kv_cache_memory_gb=8,
+                                max_model_len=args.prompt_tokens + args.max_tokens + 16,
+                                max_num_seqs=max(16, args.batch))
+            else:
+                model = None if args.model_dir is None else str(args.model_dir)
+                label = ("default model" if model is None
+                         else ModelShape.of(args.model_dir).label) + " f32, CPU"
+                llm_args = dict(model=model, device="cpu", dtype="float32")
+            ttft = bench_engine(args, llm_args, root / "engine")
+        report(args, label, layout_label, figures, ttft)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
