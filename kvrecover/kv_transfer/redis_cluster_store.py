@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 # no seed node answered) is bounded by timeout_s, then each node's pipeline on its own.
 GATHER_GRACE_S = 1.0
 DISCOVERY = "discovery"  # the name under which a failed discovery backs off
+# What redis-py's cluster client raises (RedisClusterException, SlotNotCoveredError among
+# them, is no RedisError).
+CLUSTER_ERRORS = (redis.RedisError, redis.RedisClusterException)
 
 
 class RedisClusterBlockStore(RedisBlockStore):
@@ -115,7 +118,7 @@ class RedisClusterBlockStore(RedisBlockStore):
             for index, key in enumerate(keys):
                 try:
                     node = self.client.get_node_from_key(key)
-                except redis.RedisError as uncovered:  # a slot no node serves
+                except CLUSTER_ERRORS as uncovered:  # a slot no node serves
                     results[index] = uncovered
                     continue
                 by_node.setdefault(node.name, []).append(index)
@@ -181,7 +184,11 @@ class RedisClusterBlockStore(RedisBlockStore):
         async def execute_and_follow() -> BaseException | None:
             failure = await self._pipeline_into(positions, queue, results)
             if isinstance(failure, redis.ConnectionError):
-                await self._follow_failover(node, keys, positions, queue, results)
+                try:
+                    await self._follow_failover(node, keys, positions, queue, results)
+                except CLUSTER_ERRORS as error:  # no node answered: the keys keep `failure`
+                    logger.debug("following %s after its failure failed: %s", node,
+                                 _describe(error))
             return failure
 
         try:
@@ -204,7 +211,7 @@ class RedisClusterBlockStore(RedisBlockStore):
             queue(pipeline, index)
         try:
             replies = await pipeline.execute(raise_on_error=False)
-        except redis.RedisError as failure:
+        except CLUSTER_ERRORS as failure:
             for index in positions:
                 results[index] = failure
             return failure
@@ -227,7 +234,7 @@ class RedisClusterBlockStore(RedisBlockStore):
                 continue  # answered before the node went away
             try:
                 owner = self.client.get_node_from_key(keys[index]).name
-            except redis.RedisError:  # its slot is served by no node now
+            except CLUSTER_ERRORS:  # its slot is served by no node now
                 continue
             if owner != failed_node and self._available(owner):
                 by_node.setdefault(owner, []).append(index)

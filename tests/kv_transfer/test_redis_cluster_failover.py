@@ -6,8 +6,8 @@ blocks reached it, so the blocks the producer stores next exist only on the prim
 Then the primary is SIGKILLed and the replica promoted (`CLUSTER FAILOVER TAKEOVER`).
 The connector must follow the new owner of the slots: the promoted replica serves the
 blocks it has, and only the blocks it never received fail (between lookup and load) or
-miss (at a later lookup). Outputs are compared token for token with an engine without
-any connector.
+miss (at a later lookup). And a slot that no node serves (CLUSTER DELSLOTS) costs only
+its keys. Outputs are compared token for token with an engine without any connector.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 
 import pytest
 from conftest import greedy_token_ids
-from redis_cluster_helpers import ClusterNodeProcess, RedisClusterProcesses
+from redis.crc import key_slot
+from redis_cluster_helpers import ClusterNodeProcess, RedisClusterProcesses, wait_until
 from redis_helpers import require_redis_server
 from test_redis_cluster import (  # the same prompts, hook connector and runs
     BLOCK,
@@ -113,10 +114,7 @@ def test_after_a_failover_a_lookup_finds_what_the_promoted_replica_has(tiny_llam
     primary.kill()
     cluster.promote(replica)
 
-    store = llm.engine.model_runner.connector.store
-    hashes: list[bytes] = []
-    update_block_hashes(hashes, PROMPT_A, BLOCK)
-    keys = [store.redis_key(key) for key in hashes[:LOADABLE_A]]
+    keys = block_keys(tiny_llama, cluster.url, PROMPT_A)
     first_missing = min(keys.index(key) for key in missing)
     assert min(keys.index(key) for key in primary_keys) < first_missing
     assert greedy_token_ids(llm, [PROMPT_A], MAX_TOKENS) == baseline(tiny_llama, [PROMPT_A])
@@ -125,3 +123,49 @@ def test_after_a_failover_a_lookup_finds_what_the_promoted_replica_has(tiny_llam
     assert llm.stats["prompt_tokens_external"] == first_missing * BLOCK
     assert llm.stats["kv_load_failed_blocks"] == 0
     llm.close()
+
+
+# ----- a slot that no node serves (its owner forgot it: CLUSTER DELSLOTS) -----------------
+@pytest.fixture
+def cluster_without_replicas():
+    require_redis_server()
+    processes = RedisClusterProcesses().start()
+    yield processes
+    processes.cleanup()
+
+
+def test_a_slot_no_node_serves_costs_only_its_blocks(tiny_llama, cluster_without_replicas):
+    """A key whose slot no node serves is a miss; the other keys of the same call, on
+    every node, are still answered (redis-py's SlotNotCoveredError is no RedisError)."""
+    cluster = cluster_without_replicas
+    prefill(tiny_llama, cluster.url, [PROMPT_A])
+    keys = block_keys(tiny_llama, cluster.url, PROMPT_A)
+    lost_index = LOADABLE_A // 2
+    slot = key_slot(keys[lost_index])
+    assert all(key_slot(key) != slot for key in keys[:lost_index])
+    for node in cluster.nodes:
+        node.client().execute_command("CLUSTER", "DELSLOTS", slot)
+    wait_until(lambda: all(slot not in covered_slots(n) for n in cluster.nodes),
+               "the slot to be served by no node")
+
+    consumer = make_llm(tiny_llama, cluster_transfer(cluster.url, "kv_consumer"))
+    assert greedy_token_ids(consumer, [PROMPT_A], MAX_TOKENS) == baseline(tiny_llama, [PROMPT_A])
+    # The blocks before the unserved one were found and loaded, from their nodes.
+    assert consumer.stats["prompt_tokens_external"] == lost_index * BLOCK
+    assert consumer.stats["kv_load_failed_blocks"] == 0
+    consumer.close()
+
+
+def block_keys(model, url: str, prompt: list[int]) -> list[bytes]:
+    """The Redis keys of `prompt`'s loadable blocks, in order."""
+    llm = make_llm(model, cluster_transfer(url, "kv_consumer"))
+    store = llm.engine.model_runner.connector.store
+    hashes: list[bytes] = []
+    update_block_hashes(hashes, prompt, BLOCK)
+    llm.close()
+    return [store.redis_key(key) for key in hashes[:(len(prompt) - 1) // BLOCK]]
+
+
+def covered_slots(node: ClusterNodeProcess) -> set[int]:
+    ranges = node.client().execute_command("CLUSTER", "SLOTS")
+    return {slot for start, end, *_ in ranges for slot in range(int(start), int(end) + 1)}
