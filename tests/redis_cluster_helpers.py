@@ -1,6 +1,7 @@
-"""A private three-node Redis Cluster on loopback ports for the tests (no persistence,
-no replicas), and the faults they inject: a node killed, paused, restarted empty, and
-slots moved between nodes while a run uses them."""
+"""A private three-node Redis Cluster on loopback ports for the tests (no persistence;
+optionally replicas, optionally TLS only), and the faults they inject: a node killed,
+paused, restarted empty, slots moved between nodes while a run uses them, a replica cut
+off from its primary and promoted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,55 @@ from redis.crc import key_slot
 NODE_TIMEOUT_MS = 30000  # longer than any test: no node is ever marked failed meanwhile
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it (the nodes' server and
+    client certificate, and the tests' client certificate), made with the openssl CLI."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def make(cls, folder: Path) -> TLSFiles:
+        folder.mkdir(parents=True, exist_ok=True)
+        files = cls(folder / "ca.crt", folder / "node.crt", folder / "node.key")
+        ca_key, request, extensions = folder / "ca.key", folder / "node.csr", folder / "san.ext"
+        extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        for command in (
+            ["req", "-x509", *curve, "-keyout", ca_key, "-out", files.ca, "-days", "2",
+             "-subj", "/CN=kvrecover test CA"],
+            ["req", "-new", *curve, "-keyout", files.key, "-out", request,
+             "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", request, "-CA", files.ca, "-CAkey", ca_key,
+             "-CAcreateserial", "-out", files.cert, "-days", "2", "-extfile", extensions],
+        ):
+            subprocess.run(["openssl", *map(str, command)], check=True, capture_output=True,
+                           timeout=30)
+        return files
+
+    def server_args(self, port: int) -> list[str]:
+        """redis-server flags: TLS only on `port` (no plain port), on the bus and to replicas."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+                "--tls-cluster", "yes", "--tls-replication", "yes"]
+
+    def cli_args(self) -> list[str]:
+        return ["--tls", "--cacert", str(self.ca), "--cert", str(self.cert),
+                "--key", str(self.key)]
+
+    def client_kwargs(self) -> dict:
+        """redis-py's TLS options for these files (a client certificate: the nodes ask one)."""
+        return dict(ssl=True, ssl_ca_certs=str(self.ca), ssl_certfile=str(self.cert),
+                    ssl_keyfile=str(self.key))
+
+    def url_query(self) -> str:
+        """The same options as a URL's query (`rediss://` and `rediss+cluster://`)."""
+        return (f"?ssl_ca_certs={self.ca}&ssl_certfile={self.cert}&ssl_keyfile={self.key}"
+                "&ssl_cert_reqs=required")
+
+
 @dataclass
 class ClusterNodeProcess:
     """One redis-server of the cluster."""
@@ -27,20 +77,25 @@ class ClusterNodeProcess:
     port: int
     folder: Path
     process: subprocess.Popen | None = None
+    tls: TLSFiles | None = None
 
     def start(self, binary: str) -> None:
         """Start (or restart, empty, keeping its node id and slots from nodes.conf)."""
+        ports = ["--port", str(self.port)] if self.tls is None else self.tls.server_args(self.port)
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            [binary, *ports, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", str(self.folder / "nodes.conf"),
              "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
              "--cluster-require-full-coverage", "no", "--appendonly", "no", "--save", "",
+             "--repl-diskless-sync-delay", "0",  # a replica syncs at once, not after 5 s
              "--dir", str(self.folder), "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def client(self) -> redis.Redis:
+    def client(self, timeout_s: float = 5) -> redis.Redis:
         """A plain (non-cluster) client of this node."""
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        tls = {} if self.tls is None else self.tls.client_kwargs()
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout_s,
+                           socket_connect_timeout=timeout_s, **tls)
 
     def node_id(self) -> str:
         return self.client().execute_command("CLUSTER", "MYID").decode()
@@ -65,31 +120,96 @@ class ClusterNodeProcess:
 
 class RedisClusterProcesses:
     """Three (by default) cluster nodes on free 127.0.0.1 ports, joined by
-    `redis-cli --cluster create`, each slot range on one primary."""
+    `redis-cli --cluster create`, each slot range on one primary (`nodes`). With
+    `replicas=k`, k more nodes (`replicas`), the i-th a replica of `nodes[i]`; with
+    `tls`, every node speaks TLS only (clients, cluster bus, replication)."""
 
-    def __init__(self, size: int = 3, binary: str = "redis-server") -> None:
+    def __init__(self, size: int = 3, binary: str = "redis-server", replicas: int = 0,
+                 tls: TLSFiles | None = None) -> None:
+        if replicas > size:
+            raise ValueError(f"at most one replica per primary: replicas={replicas} > {size}")
         self.root = Path(tempfile.mkdtemp(prefix="kvr-cluster-"))
         self.binary = shutil.which(binary) or binary
-        self.nodes = [ClusterNodeProcess(port, self.root / str(port))
-                      for port in free_cluster_ports(size)]
+        self.tls = tls
+        ports = free_cluster_ports(size + replicas)
+        self.nodes = [ClusterNodeProcess(port, self.root / str(port), tls=tls)
+                      for port in ports[:size]]
+        self.replicas = [ClusterNodeProcess(port, self.root / str(port), tls=tls)
+                         for port in ports[size:]]
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        """The seed nodes (the primaries), with the TLS options when it speaks TLS."""
+        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        if self.tls is None:
+            return "redis+cluster://" + seeds
+        return "rediss+cluster://" + seeds + self.tls.url_query()
 
     def start(self) -> RedisClusterProcesses:
-        for node in self.nodes:
+        for node in self.nodes + self.replicas:
             node.folder.mkdir()
             node.start(self.binary)
-        for node in self.nodes:
+        for node in self.nodes + self.replicas:
             wait_until(lambda n=node: _pings(n), "a cluster node to start")
         cli = shutil.which("redis-cli") or shutil.which("valkey-cli") or "redis-cli"
-        subprocess.run([cli, "--cluster", "create",
+        tls = [] if self.tls is None else self.tls.cli_args()
+        subprocess.run([cli, *tls, "--cluster", "create",
                         *[f"127.0.0.1:{n.port}" for n in self.nodes],
                         "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         self.wait_ok()
+        for replica, primary in zip(self.replicas, self.nodes):
+            self._attach(replica, primary)
         return self
+
+    def _attach(self, replica: ClusterNodeProcess, primary: ClusterNodeProcess) -> None:
+        """Join `replica` to the cluster as a replica of `primary`, synced."""
+        primary_id = primary.node_id()
+        replica.client().execute_command("CLUSTER", "MEET", "127.0.0.1", primary.port)
+        wait_until(lambda: primary_id in _known_node_ids(replica),
+                   "a new node to learn the cluster")
+        replica.client().execute_command("CLUSTER", "REPLICATE", primary_id)
+        wait_until(lambda: replica.client().info("replication").get("master_link_status")
+                   == "up", "a replica to sync")
+        self.wait_ok()
+        # Gossip done: every node knows every other (connected) and the same current epoch,
+        # else a later takeover's new epoch may not reach (or not win on) every node.
+        everyone = self.nodes + self.replicas
+
+        def settled() -> bool:
+            ids = {n.node_id() for n in everyone}
+            epochs = {n.client().cluster("info")["cluster_current_epoch"] for n in everyone}
+            return len(epochs) == 1 and all(
+                {known["node_id"] for known in n.client().cluster("nodes").values()
+                 if known["connected"]} >= ids - {n.node_id()} for n in everyone)
+        wait_until(settled, "the cluster to learn its new replica")
+
+    def cut_replication(self, replica: ClusterNodeProcess) -> None:
+        """Cut `replica` off from its primary, which keeps serving: the replica never gets
+        the writes that follow (its reconnects fail: it sends a password its primary
+        does not have)."""
+        client = replica.client()
+        client.config_set("masterauth", "not-the-primary's")
+        client.execute_command("CLIENT", "KILL", "TYPE", "master")
+        wait_until(lambda: client.info("replication").get("master_link_status") == "down",
+                   "a replica to lose its primary")
+
+    def promote(self, replica: ClusterNodeProcess) -> None:
+        """`CLUSTER FAILOVER TAKEOVER` on `replica` (its primary may be dead): until every
+        running node says it serves the slots its primary served."""
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        wait_until(lambda: replica.client().info("replication").get("role") == "master",
+                   "a replica to take over")
+
+        def agreed() -> bool:
+            running = [n for n in self.nodes + self.replicas if n.process is not None]
+            try:
+                maps = [self._owners(n) for n in running]
+            except redis.RedisError:
+                return False
+            return all(m == maps[0] for m in maps) and any(
+                port == replica.port for *_, port in maps[0])
+        wait_until(agreed, "every node to see the promoted replica")
 
     def wait_ok(self) -> None:
         """Until every running node says cluster_state:ok and agrees on the slots."""
@@ -112,14 +232,17 @@ class RedisClusterProcesses:
         asked = next(n for n in self.nodes if n.process is not None)
         for start, end, port in self._owners(asked):
             if start <= slot <= end:
-                return next(n for n in self.nodes if n.port == port)
+                return self.node_of_port(port)
         raise LookupError(f"no node serves slot {slot}")
 
     def node_of_key(self, key: bytes) -> ClusterNodeProcess:
         return self.node_of_slot(key_slot(key))
 
+    def node_of_port(self, port: int) -> ClusterNodeProcess:
+        return next(n for n in self.nodes + self.replicas if n.port == port)
+
     def keys(self) -> dict[int, set[bytes]]:
-        """Every node's keys, by port."""
+        """Every primary's keys, by port."""
         return {n.port: set(n.client().keys("*")) for n in self.nodes}
 
     def flush(self) -> None:
@@ -148,7 +271,7 @@ class RedisClusterProcesses:
             node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
     def cleanup(self) -> None:
-        for node in self.nodes:
+        for node in self.nodes + self.replicas:
             if node.process is not None:
                 try:
                     node.resume()  # a paused node cannot die of SIGTERM
@@ -167,10 +290,13 @@ def _pings(node: ClusterNodeProcess) -> bool:
     if node.process is None or node.process.poll() is not None:
         raise RuntimeError(f"redis-server on port {node.port} exited at start")
     try:
-        return bool(redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=1,
-                                socket_connect_timeout=1).ping())
+        return bool(node.client(timeout_s=1).ping())
     except redis.RedisError:
         return False
+
+
+def _known_node_ids(node: ClusterNodeProcess) -> set[str]:
+    return {known["node_id"] for known in node.client().cluster("nodes").values()}
 
 
 def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:

@@ -16,12 +16,17 @@ failure is contained:
   inside that node's pipeline, command by command, within the same bound. Its
   slot map is patched per redirect (`reinitialize_steps=0`), never rebuilt by
   closing every node's connections under the other nodes' calls.
+- A node that refuses or drops its connection (dead, or failed over) is followed in
+  the same call, within the same bound: the slot map is rebuilt (`CLUSTER SLOTS`, the
+  failed node asked last) and its keys whose slots another node now serves (a
+  promoted replica) run once more there. redis-py alone would not: it rebuilds the
+  map only when it retries a whole pipeline, which this store turns off (above).
 - After a node fails, the store answers for that node's keys at once ("unavailable")
   for `timeout_s`, then tries again (so it recovers when the node comes back), and
-  refreshes the slot map in the background (`CLUSTER SLOTS`, the failed node asked
-  last): a promoted replica takes over the slots, and what it lacks is a miss.
+  refreshes the slot map in the background (a silent node's slots too).
 - A node restarted empty, or a replica promoted without the newest writes, holds
-  fewer keys: a lookup misses them, a load finds them gone (an invalid block).
+  fewer keys: a lookup misses them, a load finds them gone (an invalid block); the
+  keys the promoted replica has still load.
 
 Run the cluster with `cluster-require-full-coverage no`, so the surviving nodes keep
 serving their slots while one is down (see README, "Redis Cluster").
@@ -57,6 +62,9 @@ logger = logging.getLogger(__name__)
 # no seed node answered) is bounded by timeout_s, then each node's pipeline on its own.
 GATHER_GRACE_S = 1.0
 DISCOVERY = "discovery"  # the name under which a failed discovery backs off
+# What redis-py's cluster client raises (RedisClusterException, SlotNotCoveredError among
+# them, is no RedisError).
+CLUSTER_ERRORS = (redis.RedisError, redis.RedisClusterException)
 
 
 class RedisClusterBlockStore(RedisBlockStore):
@@ -69,7 +77,7 @@ class RedisClusterBlockStore(RedisBlockStore):
         self.client = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in parsed.seeds],
             username=parsed.username, password=parsed.password or self._password,
-            ssl=parsed.tls,
+            **parsed.client_options(),  # TLS, and its CA and certificates
             max_connections=settings.max_connections,  # per node
             socket_timeout=settings.timeout_s, socket_connect_timeout=settings.timeout_s,
             # A failed node is this module's to contain: no whole-pipeline retry that
@@ -110,12 +118,12 @@ class RedisClusterBlockStore(RedisBlockStore):
             for index, key in enumerate(keys):
                 try:
                     node = self.client.get_node_from_key(key)
-                except redis.RedisError as uncovered:  # a slot no node serves
+                except CLUSTER_ERRORS as uncovered:  # a slot no node serves
                     results[index] = uncovered
                     continue
                 by_node.setdefault(node.name, []).append(index)
             failures = await asyncio.gather(*(
-                self._node_pipeline(name, positions, queue, results)
+                self._node_pipeline(name, keys, positions, queue, results)
                 for name, positions in by_node.items()))
             for name, failure in zip(by_node, failures):
                 if failure is not None:
@@ -160,10 +168,12 @@ class RedisClusterBlockStore(RedisBlockStore):
                     manager.move_node_to_end_of_cached_nodes(primaries[0].name)
         await self.client.initialize()
 
-    async def _node_pipeline(self, node: str, positions: list[int], queue: QueueCommand,
-                             results: list[Any]) -> BaseException | None:
-        """One node's keys in one cluster pipeline (bounded by timeout_s); fills their
-        `results` and returns the error that failed the node, if one did."""
+    async def _node_pipeline(self, node: str, keys: list[bytes], positions: list[int],
+                             queue: QueueCommand, results: list[Any]) -> BaseException | None:
+        """One node's keys in one cluster pipeline, and where that node is gone (refused,
+        dropped) their retry on their slots' new owner (a promoted replica), all within
+        timeout_s; fills their `results` and returns the error that failed the node, if
+        one did."""
         if not self._available(node):
             error: BaseException = redis.ConnectionError(
                 f"Redis Cluster node {node} unavailable after a recent failure")
@@ -171,26 +181,65 @@ class RedisClusterBlockStore(RedisBlockStore):
                 results[index] = error
             return None  # already noted when it failed
 
-        async def execute() -> list[Any]:
-            pipeline = self.client.pipeline(transaction=False)
-            for index in positions:
-                queue(pipeline, index)
-            return await pipeline.execute(raise_on_error=False)
+        async def execute_and_follow() -> BaseException | None:
+            failure = await self._pipeline_into(positions, queue, results)
+            if isinstance(failure, redis.ConnectionError):
+                try:
+                    await self._follow_failover(node, keys, positions, queue, results)
+                except CLUSTER_ERRORS as error:  # no node answered: the keys keep `failure`
+                    logger.debug("following %s after its failure failed: %s", node,
+                                 _describe(error))
+            return failure
 
         try:
-            replies = await self._bounded(execute)
+            return await self._bounded(execute_and_follow)
         except (Exception, asyncio.TimeoutError) as failure:
             error = redis.TimeoutError(
                 f"no whole reply within timeout_s={self.settings.timeout_s:g}"
             ) if isinstance(failure, (TimeoutError, asyncio.TimeoutError)) else failure
             for index in positions:
-                results[index] = error
+                if results[index] is None or isinstance(results[index], redis.ConnectionError):
+                    results[index] = error
             return error
+
+    async def _pipeline_into(self, positions: list[int], queue: QueueCommand,
+                             results: list[Any]) -> BaseException | None:
+        """The keys at `positions` (one node's) in one cluster pipeline: fills their
+        `results`; returns the connection error that failed the node, if one did."""
+        pipeline = self.client.pipeline(transaction=False)
+        for index in positions:
+            queue(pipeline, index)
+        try:
+            replies = await pipeline.execute(raise_on_error=False)
+        except CLUSTER_ERRORS as failure:
+            for index in positions:
+                results[index] = failure
+            return failure
         for index, reply in zip(positions, replies):
             results[index] = reply
         # A node lost mid-reply fails the rest of its commands, each with that error.
         return next((reply for reply in replies
                      if isinstance(reply, (redis.ConnectionError, redis.TimeoutError))), None)
+
+    async def _follow_failover(self, failed_node: str, keys: list[bytes], positions: list[int],
+                               queue: QueueCommand, results: list[Any]) -> None:
+        """After `failed_node` refused or dropped the keys at `positions`: rebuild the slot
+        map (`CLUSTER SLOTS`, `failed_node` asked last) and run the keys whose slot another
+        node now serves (a promoted replica) once more, there. What that node lacks is a
+        miss, or an invalid block; keys still mapped to `failed_node` keep its error."""
+        await self.client.nodes_manager.initialize(last_failed_node_name=failed_node)
+        by_node: dict[str, list[int]] = {}
+        for index in positions:
+            if not isinstance(results[index], redis.ConnectionError):
+                continue  # answered before the node went away
+            try:
+                owner = self.client.get_node_from_key(keys[index]).name
+            except CLUSTER_ERRORS:  # its slot is served by no node now
+                continue
+            if owner != failed_node and self._available(owner):
+                by_node.setdefault(owner, []).append(index)
+        await asyncio.gather(*(self._pipeline_into(moved, queue, results)
+                               for moved in by_node.values()))
 
     def _refresh_slots_later(self, failed_node: str) -> None:
         """Rebuild the slot map in the background (one refresh at a time, bounded by

@@ -55,7 +55,7 @@ from redis.backoff import NoBackoff
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import SETTING_LABEL
 from kvrecover.kv_transfer.block_store import BlockCodec, BlockLoadError
-from kvrecover.kv_transfer.redis_urls import redact_url, url_problem
+from kvrecover.kv_transfer.redis_urls import TLS_OPTIONS, redact_url, url_problem
 from kvrecover.kv_transfer.redis_writes import chunked_writes
 from kvrecover.options import option, validate
 
@@ -95,10 +95,12 @@ class RedisSettings:
     url: str = option(
         "redis://127.0.0.1:6379/0", "redis://[user:password@]host:port/db, rediss://..., "
         "unix:///path.sock, or a cluster: redis+cluster://[user:password@]host:port[,host:port"
-        "...] (its seed nodes; rediss+cluster:// for TLS; valkey:// is an alias of redis://)",
+        "...] (its seed nodes; rediss+cluster:// for TLS; valkey:// is an alias of redis://); "
+        "TLS options in the query: rediss://...?ssl_ca_certs=/path/ca.crt&ssl_certfile=...",
         str, check=url_problem, shown=_shown_url,
         describe="a redis://, rediss://, unix://, valkey:// or valkeys:// URL, or "
-        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)")
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS, whose query may "
+        f"set only {', '.join(TLS_OPTIONS)})")
     key_prefix: str = option("kvrecover:", "prepended to every key", str)
     ttl_s: float | None = option(
         None, "expiry of stored blocks in seconds (None: never expire)", float, nullable=True,
