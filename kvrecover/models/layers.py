@@ -32,6 +32,7 @@ from kvrecover.models.parallel_layers import (
     VocabParallelEmbedding,
     shard_heads,
 )
+from kvrecover.models.recurrent_state import StateSpec
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.interface import BackendFeatures
 
@@ -299,6 +300,12 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             # One tensor, unless the backend repacks the LM head's weight for its
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
+
+    def recurrent_state_specs(self, chunk_size: int) -> dict[int, list[StateSpec]]:
+        """Each recurrent (linear-attention) layer's per-request state, by layer index
+        (`models/recurrent_state.py`); none in a family without such layers. Such a layer
+        receives a `RecurrentLayerStep` in place of attention metadata."""
+        return {}
 
     def add_rotary_tables(self, config: ConfigT, max_positions: int) -> None:
         """Called by `__init__` before the layers are made: a family whose layers rotate by

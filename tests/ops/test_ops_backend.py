@@ -63,10 +63,12 @@ def test_every_backend_declares_its_features_and_names_what_is_missing():
     for backend in (select_backend("torch", CPU), select_backend("auto", CPU, dtype=torch.bfloat16),
                     select_backend("auto", CPU, batch_invariant=True)):
         assert backend.features == BackendFeatures(sliding_window=True, logit_softcap=True,
-                                                   moe=True)
+                                                   moe=True, linear_attention=True)
         backend.check_supports(BackendFeatures(), "LlamaForCausalLM")  # a dense model runs
         backend.check_supports(BackendFeatures(sliding_window=True), "MistralForCausalLM")
         backend.check_supports(BackendFeatures(moe=True), "MixtralForCausalLM")
+        backend.check_supports(BackendFeatures(linear_attention=True, moe=True),
+                               "Qwen3NextForCausalLM")
     needed = BackendFeatures(moe=True, sliding_window=True, attention_sinks=True)
     assert BackendFeatures().missing(needed) == ["sliding_window", "attention_sinks", "moe"]
     assert BackendFeatures(sliding_window=True).missing(needed) == ["attention_sinks", "moe"]

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrecover.ops.cpu.onednn import pack_linear_weights, packed_linear
-from kvrecover.ops.interface import ExpertWeights, RotaryTables
+from kvrecover.ops.interface import DeltaRuleState, ExpertWeights, RotaryTables
+from kvrecover.ops.reference import gated_delta
 from kvrecover.ops.reference.moe import reference_moe
 from kvrecover.ops.reference.rotary import reference_rotary
 
@@ -88,3 +89,27 @@ class TorchOps:
     ) -> torch.Tensor:
         """The experts' feed-forward (`MoEKernels.moe`): one matmul pair per active expert."""
         return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)
+
+    def causal_conv1d(self, x: torch.Tensor, conv_state: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+        """The short causal convolution of a linear-attention layer (`LinearAttentionKernels`)."""
+        return gated_delta.causal_conv1d(x, conv_state, weight)
+
+    def gated_delta_rule(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        decay: torch.Tensor, beta: torch.Tensor, state: DeltaRuleState,
+        start: int, chunk_size: int,
+    ) -> torch.Tensor:
+        """The gated delta rule in absolute-aligned chunks (`LinearAttentionKernels`)."""
+        return gated_delta.gated_delta_rule(query, key, value, decay, beta, state, start,
+                                            chunk_size)
+
+    def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The delta rule's decay and beta (`LinearAttentionKernels`)."""
+        return gated_delta.delta_gates(a, b, a_log, dt_bias)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """RMSNorm times `silu(gate)` (`LinearAttentionKernels`)."""
+        return gated_delta.gated_rms_norm(x, gate, weight, eps)
