@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from kvrecover.ops.interface import ModelOps, PagedAttention
 
 
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`1 / (1 + exp(-x))`: each element's bits independent of the tensor's size (torch's
+    vectorised sigmoid rounds a vector's remainder elements differently, which would make
+    a token's bits depend on how many tokens share its step)."""
+    return torch.exp(-x).add_(1).reciprocal_()
+
+
 class GatedAttention(nn.Module):
     """Self-attention with an output gate, q/k (1 + w) norms and partial rotary by
     `rotary` (a table of `rotary.head_dim` = rotary_dim dims)."""
@@ -59,5 +66,5 @@ class GatedAttention(nn.Module):
         key = torch.cat((rotated_k, key[..., split:]), dim=-1)
         out = self.attention.attend(query, key, value, None, positions, kv_cache, attn_meta,
                                     self.scale)
-        out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
+        out = out.reshape(rows, -1) * row_sigmoid(gate.reshape(rows, -1))
         return ops.linear(out, self.o_proj)

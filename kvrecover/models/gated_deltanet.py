@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from kvrecover.models.recurrent_state import RecurrentLayerStep, StateSpec
+from kvrecover.models.recurrent_state import RecurrentLayerStep, RequestRows, StateSpec
 from kvrecover.ops.interface import DeltaRuleState
 
 if TYPE_CHECKING:
@@ -75,11 +75,11 @@ class GatedDeltaNet(nn.Module):
         return [
             StateSpec("conv", (self.conv_dim, self.kernel_size - 1)),
             StateSpec("state", (heads, self.head_k_dim, self.head_v_dim), f32),
-            StateSpec("query_tail", (chunk_size, heads, self.head_k_dim), f32),
-            StateSpec("key_tail", (chunk_size, heads, self.head_k_dim), f32),
-            StateSpec("value_tail", (chunk_size, heads, self.head_v_dim), f32),
-            StateSpec("decay_tail", (chunk_size, heads), f32),
-            StateSpec("beta_tail", (chunk_size, heads), f32),
+            StateSpec("query_tail", (chunk_size, heads, self.head_k_dim), f32, False),
+            StateSpec("key_tail", (chunk_size, heads, self.head_k_dim), f32, False),
+            StateSpec("value_tail", (chunk_size, heads, self.head_v_dim), f32, False),
+            StateSpec("decay_tail", (chunk_size, heads), f32, False),
+            StateSpec("beta_tail", (chunk_size, heads), f32, False),
         ]
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -109,9 +109,11 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel_size)
         out = torch.empty(hidden.shape[0], self.num_v_heads, self.head_v_dim, dtype=hidden.dtype,
                           device=hidden.device)
-        tensors = step.tensors
+        tensors, checkpoints = step.tensors, step.checkpoints
         for request in step.requests:
             rows, slot = slice(request.start_row, request.end_row), request.slot
+            if request.checkpoints:
+                _checkpoint_conv(request, tensors["conv"][slot], mixed[rows], checkpoints["conv"])
             conv = ops.causal_conv1d(mixed[rows], tensors["conv"][slot], weight)
             query, key, value = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim],
                                             dim=-1)
@@ -121,10 +123,22 @@ class GatedDeltaNet(nn.Module):
             out[rows] = ops.gated_delta_rule(
                 query.reshape(count, self.num_k_heads, -1), key.reshape(count, self.num_k_heads, -1),
                 value.reshape(count, self.num_v_heads, -1), decay[rows], beta[rows], state,
-                request.position, step.chunk_size)
+                request.position, step.chunk_size,
+                [(position, checkpoints["state"][c]) for position, c in request.checkpoints])
         normed = ops.gated_rms_norm(out.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
                                     self.norm.weight, self.eps)
         return ops.linear(normed.view(hidden.shape[0], self.value_dim), self.out_proj)
+
+
+def _checkpoint_conv(request: RequestRows, conv_state: torch.Tensor, x: torch.Tensor,
+                     checkpoints: torch.Tensor) -> None:
+    """Copy the conv state at each of the request's checkpoint positions (the K - 1
+    inputs before it) into its checkpoint slot; `conv_state` is the state at its first row."""
+    width = conv_state.shape[-1]
+    extended = torch.cat((conv_state.transpose(0, 1).to(x.dtype), x))  # from position - K + 1
+    for position, slot in request.checkpoints:
+        offset = position - request.position
+        checkpoints[slot].copy_(extended[offset : offset + width].transpose(0, 1))
 
 
 class _GateNormWeight(nn.Module):

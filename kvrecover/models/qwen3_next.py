@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kvrecover.models.config import ModelConfig
-from kvrecover.models.gated_attention import GatedAttention
+from kvrecover.models.gated_attention import GatedAttention, row_sigmoid
 from kvrecover.models.gated_deltanet import GatedDeltaNet
 from kvrecover.models.layers import CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.loader import CheckpointRename
@@ -176,7 +176,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        shared = row_sigmoid(self.ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return super().forward(x) + shared
 
 

@@ -10,7 +10,7 @@ the request's rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,23 +19,27 @@ MAX_DELTA_CHUNK = 64  # Hugging Face's chunk of the gated delta rule
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One per-request state tensor of a layer: its name, its shape per request and its
-    dtype (None: the model's)."""
+    """One per-request state tensor of a layer: its name, its shape per request, its
+    dtype (None: the model's), and whether a checkpoint at a block boundary keeps it
+    (False: it is empty at every block boundary, like a partial chunk's inputs)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
+    checkpointed: bool = True
 
 
 @dataclass(frozen=True)
 class RequestRows:
     """One request's part of a step: rows [start_row, end_row) of the flat batch, the
-    position of its first row, and its state slot."""
+    position of its first row, its state slot, and (position, checkpoint slot) of each
+    block boundary inside its rows whose state the layer copies into a checkpoint."""
 
     start_row: int
     end_row: int
     position: int
     slot: int
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -47,6 +51,8 @@ class RecurrentLayerStep:
     tensors: dict[str, torch.Tensor]
     requests: list[RequestRows]
     chunk_size: int
+    # The checkpoints of the checkpointed specs: name -> [checkpoint slots, *shape].
+    checkpoints: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def delta_chunk_size(block_size: int) -> int:

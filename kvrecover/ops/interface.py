@@ -189,10 +189,11 @@ class LinearAttentionKernels(Protocol):
     def gated_delta_rule(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         decay: torch.Tensor, beta: torch.Tensor, state: DeltaRuleState, start: int,
-        chunk_size: int,
+        chunk_size: int, snapshots: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> torch.Tensor:
         """One request's outputs [T, Hv, Dv] (float32) for positions [start, start + T),
-        advancing its `DeltaRuleState` in place, in chunks aligned to absolute positions."""
+        advancing its `DeltaRuleState` in place, in chunks aligned to absolute positions;
+        the recurrent state at each chunk boundary of `snapshots` is copied into its tensor."""
         ...
 
     def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,

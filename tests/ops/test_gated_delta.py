@@ -89,3 +89,15 @@ def test_causal_conv_continues_across_splits_and_matches_torch():
         x.T.unsqueeze(0), weight.unsqueeze(1), padding=3, groups=12)[0, :, :30].T)
     torch.testing.assert_close(whole, reference)
     assert torch.equal(whole_state, x[-3:].T)
+
+
+def test_snapshots_at_boundaries_equal_the_state_of_a_prompt_ending_there():
+    tensors = inputs(torch.float32)
+    state = fresh_state()
+    snapshots = {32: torch.empty(HV, DK, DV), 48: torch.empty(HV, DK, DV)}
+    for start in range(0, LENGTH, 7):
+        wanted = [(p, t) for p, t in snapshots.items() if start < p <= start + 7]
+        gated_delta_rule(*[x[start : start + 7] for x in tensors], state, start, CHUNK, wanted)
+    for position, snapshot in snapshots.items():
+        _, prefix_state = run_split([x[:position] for x in tensors], position, position)
+        assert torch.equal(snapshot, prefix_state.state), position

@@ -18,6 +18,8 @@ All of it runs in float32, as Hugging Face's does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvrecover.ops.interface import DeltaRuleState
@@ -53,6 +55,7 @@ def l2norm(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
 def gated_delta_rule(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
     beta: torch.Tensor, state: DeltaRuleState, start: int, chunk_size: int,
+    snapshots: Sequence[tuple[int, torch.Tensor]] = (),
 ) -> torch.Tensor:
     """The outputs [T, Hv, Dv] (float32) of one request's tokens at positions
     [start, start + T), advancing `state` in place.
@@ -60,7 +63,9 @@ def gated_delta_rule(
     `query`, `key` [T, Hk, Dk] (raw: l2-normalised here, as Hugging Face's
     `use_qk_l2norm_in_kernel`), `value` [T, Hv, Dv], `decay` (log space, <= 0) and
     `beta` [T, Hv]; Hv a multiple of Hk (each key head serves Hv / Hk value heads).
-    `state` must be the request's state at position `start`.
+    `state` must be the request's state at position `start`. For each (position,
+    tensor) of `snapshots` (chunk boundaries inside (start, start + T]), the recurrent
+    state at that position is copied into the tensor.
     """
     num_v_heads, key_dim = value.shape[1], query.shape[-1]
     repeat = num_v_heads // query.shape[1]
@@ -83,6 +88,10 @@ def gated_delta_rule(
         q, k, v, g, b = chunk
         out = _chunk(q, k, v, g, b, state.state, complete=rows == chunk_size)
         outputs.append(out[max(offset - chunk_start, 0) : rows])
+        reached = start - offset + chunk_start + rows
+        for position, target in snapshots:
+            if position == reached and rows == chunk_size:
+                target.copy_(state.state)
         if rows < chunk_size:
             for tail, x in zip((state.query_tail, state.key_tail, state.value_tail,
                                 state.decay_tail, state.beta_tail), chunk):

@@ -7,6 +7,8 @@ round. `TorchOps` is an `ops.interface.ModelOps`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,11 +100,11 @@ class TorchOps:
     def gated_delta_rule(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         decay: torch.Tensor, beta: torch.Tensor, state: DeltaRuleState,
-        start: int, chunk_size: int,
+        start: int, chunk_size: int, snapshots: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> torch.Tensor:
         """The gated delta rule in absolute-aligned chunks (`LinearAttentionKernels`)."""
         return gated_delta.gated_delta_rule(query, key, value, decay, beta, state, start,
-                                            chunk_size)
+                                            chunk_size, snapshots)
 
     def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
