@@ -49,8 +49,9 @@ def build_tokenizer(folder: Path, vocab_size: int) -> None:
     )
 
 
-def build_tiny_model(folder: Path, *, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight tiny checkpoint (Llama by default) with a tokenizer."""
+def build_tiny_model(folder: Path, *, seed: int = 0, adjust=None, **overrides) -> Path:
+    """Save a random-weight tiny checkpoint (Llama by default) with a tokenizer;
+    `adjust(model)` (optional) edits the random weights before they are saved."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,8 @@ def build_tiny_model(folder: Path, *, seed: int = 0, **overrides) -> Path:
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0, 0.08)
+        if adjust is not None:
+            adjust(model)
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(folder, settings["vocab_size"])
     return folder
@@ -119,6 +122,34 @@ MOE_CHECKPOINTS = {
                            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
                            head_dim=32),
 }
+
+
+def gpt_oss_vectors(model) -> None:
+    """Sinks that weigh in the softmax and non-zero biases (Hugging Face's init leaves
+    attention biases at zero and sinks and router biases near it, where a kernel that
+    ignored them would still pass)."""
+    for name, param in model.named_parameters():
+        if name.endswith(".sinks"):
+            param.normal_(0, 1.0)
+        elif param.dim() == 1 and "norm" not in name:
+            param.normal_(0, 0.1)
+
+
+# gpt-oss: 8 experts, top-2, layers sliding (24 tokens) / full / sliding, YaRN over 64
+# positions (factor 4: most frequencies interpolated), a clamp that bites (limit 1).
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0}
+MOE_CHECKPOINTS["tiny_gpt_oss"] = dict(
+    model_type="gpt_oss", seed=12, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+    sliding_window=24, swiglu_limit=1.0, rope_parameters=GPT_OSS_ROPE, adjust=gpt_oss_vectors)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    """gpt-oss: biased attention with sinks, alternating windows, YaRN, clamped experts."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_oss"),
+                            **MOE_CHECKPOINTS["tiny_gpt_oss"])
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from kvrecover.models.rope import check_rope_scaling, rope_type_of
+
 
 @dataclass
 class ModelConfig:
@@ -73,6 +75,8 @@ class ModelConfig:
         rope_scaling = raw.get("rope_scaling") or None
         if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
             rope_scaling = rope_parameters
+        rope_scaling = rope_defaults(rope_scaling, raw)
+        check_rope_scaling(rope_scaling, str(Path(model_dir) / "config.json"))
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return dict(
             architecture=architecture_of(raw),
@@ -91,6 +95,19 @@ class ModelConfig:
             checkpoint_dtype=getattr(torch, dtype_name, torch.float32),
             eos_token_ids=_eos_token_ids(model_dir, raw),
         )
+
+
+def rope_defaults(rope_scaling: dict[str, Any] | None,
+                  raw: dict[str, Any]) -> dict[str, Any] | None:
+    """`rope_scaling` with what Hugging Face fills in for YaRN and Llama 3: the
+    pre-training length `original_max_position_embeddings` defaults to
+    `max_position_embeddings`."""
+    if rope_type_of(rope_scaling) not in ("yarn", "llama3") or rope_scaling is None:
+        return rope_scaling
+    filled = dict(rope_scaling)
+    if filled.get("original_max_position_embeddings") is None:
+        filled["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    return filled
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

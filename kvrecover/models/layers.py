@@ -85,7 +85,9 @@ def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int
 class Attention(nn.Module):
     """Self-attention with fused QKV projection, GQA, an optional per-head q/k norm (of
     the `plus_one` flavour with `norm_plus_one`), an optional sliding `window` (the last
-    so many positions only), score `scale` (default head_dim**-0.5) and `softcap`."""
+    so many positions only), score `scale` (default head_dim**-0.5) and `softcap`;
+    `o_bias` gives the output projection a bias and `sinks` each head a learned sink
+    logit in its softmax (gpt-oss, single rank only)."""
 
     def __init__(
         self,
@@ -100,9 +102,14 @@ class Attention(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         norm_plus_one: bool = False,
+        o_bias: bool = False,
+        sinks: bool = False,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
+        if tp.size > 1 and (o_bias or sinks):
+            raise ValueError("an output-projection bias and attention sinks run on one rank "
+                             "only; use tensor_parallel_size 1 for this model")
         self.ops = ops
         self.window = window
         self.softcap = softcap
@@ -119,6 +126,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attention = attention
         self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
         if tp.size > 1:
             dim = self.head_dim
             self.qkv_proj: nn.Linear = ColumnParallelLinear(config.hidden_size, {
@@ -130,7 +138,7 @@ class Attention(nn.Module):
                                                        heads.head_start * dim)
             return
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                   "v": (self.q_size + self.kv_size, self.kv_size)}
         for param in self.qkv_proj.parameters():
@@ -149,7 +157,8 @@ class Attention(nn.Module):
             q = self.q_norm.norm(ops, q)
             k = self.k_norm.norm(ops, k)
         out = self.attention.attend(q, k, v, self.rotary, positions, kv_cache, attn_meta,
-                                    self.scale, window=self.window, softcap=self.softcap)
+                                    self.scale, window=self.window, softcap=self.softcap,
+                                    sinks=self.sinks)
         out = ops.linear(out.reshape(-1, self.q_size), self.o_proj)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 

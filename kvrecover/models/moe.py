@@ -1,9 +1,11 @@
-"""The sparse mixture-of-experts feed-forward shared by the MoE families (Mixtral, Qwen3-MoE).
+"""The sparse mixture-of-experts feed-forward shared by the MoE families (Mixtral, Qwen3-MoE,
+gpt-oss's experts).
 
 A router linear scores the experts, a softmax (float32) and top-k pick `k` of
 them per token, optionally renormalised to sum to one (Hugging Face's order:
 softmax, then top-k, then renormalise); the backend's `ops.moe` runs the chosen
-experts' SwiGLU and sums their weighted outputs in top-k order. Expert weights
+experts' SwiGLU and sums their weighted outputs in top-k order (gpt-oss routes by
+`route_topk_logits` instead: top-k of the logits, then a softmax over those). Expert weights
 are stacked (`[E, 2I, H]` gate_up, `[E, H, I]` down) and load from the classic
 per-expert checkpoint tensors (`expert_renames`, the families' `checkpoint_renames`)
 or from the fused tensors `transformers` uses in memory.
@@ -22,7 +24,7 @@ from kvrecover.models.layers import load_shard
 from kvrecover.models.loader import CheckpointRename, attach_shard_loader
 
 if TYPE_CHECKING:
-    from kvrecover.ops.interface import ModelOps
+    from kvrecover.ops.interface import ClampedSwiGLU, ModelOps
 
 
 class ExpertWeights(nn.Module):
@@ -30,12 +32,18 @@ class ExpertWeights(nn.Module):
 
     Checkpoint shards are `"gate:<e>"`, `"up:<e>"` (rows of `gate_up_proj[e]`) and
     `"down:<e>"` (`down_proj[e]`); an expert index outside the config's count is an error.
+    No biases and plain SwiGLU (a subclass sets `gate_up_bias`, `down_bias` and
+    `clamped_swiglu`: `models.gpt_oss.GptOssExperts`).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.gate_up_bias: torch.Tensor | None = None
+        self.down_bias: torch.Tensor | None = None
+        self.clamped_swiglu: ClampedSwiGLU | None = None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -88,6 +96,16 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if weights_dtype is not None:
         weights = weights.to(weights_dtype)
+    return weights, ids
+
+
+def route_topk_logits(router_logits: torch.Tensor,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) in gpt-oss's order: the `top_k` largest logits
+    (descending), then a softmax over those alone (in float32, rounded to the logits'
+    dtype, as Hugging Face's `GptOssTopKRouter`). Row-local."""
+    top_logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    weights = torch.softmax(top_logits.float(), dim=-1).to(router_logits.dtype)
     return weights, ids
 
 

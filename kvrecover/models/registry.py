@@ -29,6 +29,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),  # text only (gemma3_text)
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),  # linear-attention hybrid
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),  # text only (qwen3_5_text)
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),  # qwen3_5_moe_text

@@ -122,10 +122,21 @@ class NormKernels(Protocol):
 
 
 # ----- mixture of experts ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation for `gate_up = [gate | up]`: `gate` clamped to at most
+    `limit`, `up` to [-limit, limit], then `(up + 1) * gate * sigmoid(alpha * gate)`,
+    each op rounded to the model dtype (as Hugging Face's `GptOssExperts`)."""
+
+    alpha: float
+    limit: float
+
+
 @runtime_checkable
 class ExpertWeights(Protocol):
     """The stacked SwiGLU weights of one layer's experts (the model's
-    `models.moe.ExpertWeights` is one); a backend finds them in `prepare_weights`."""
+    `models.moe.ExpertWeights` is one); a backend finds them in `prepare_weights`.
+    Biases and the clamped activation are gpt-oss's; None for the other families."""
 
     @property
     def gate_up_proj(self) -> torch.Tensor:  # [num_experts, 2 * intermediate, hidden]
@@ -133,6 +144,18 @@ class ExpertWeights(Protocol):
 
     @property
     def down_proj(self) -> torch.Tensor:  # [num_experts, hidden, intermediate]
+        ...
+
+    @property
+    def gate_up_bias(self) -> torch.Tensor | None:  # [num_experts, 2 * intermediate]
+        ...
+
+    @property
+    def down_bias(self) -> torch.Tensor | None:  # [num_experts, hidden]
+        ...
+
+    @property
+    def clamped_swiglu(self) -> ClampedSwiGLU | None:  # None: plain SwiGLU
         ...
 
     def as_linears(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
@@ -153,7 +176,9 @@ class MoEKernels(Protocol):
         `e = topk_ids[t, j]`, for `x` [T, H], `topk_weights` [T, k] (float32 or the model
         dtype) and `topk_ids` [T, k] (int64). Each product is summed in float32 in j order
         (the order of the top-k, fixed) and rounded once to `x`'s dtype; each expert's
-        output is rounded to `x`'s dtype before it is weighted."""
+        output is rounded to `x`'s dtype before it is weighted. Where `experts` has
+        biases, each is added (rounded) right after its matmul; with `clamped_swiglu`,
+        that activation replaces SwiGLU."""
         ...
 
 
@@ -242,7 +267,7 @@ class PagedAttention(Protocol[MetadataT]):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
         meta: MetadataT, scale: float, *, window: int | None = None,
-        softcap: float | None = None,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotate `query` [T, Hq, D] and `key` [T, Hkv, D] by `positions` with `rotary`
         (None: no rotary), write key and `value` into the cache slots of `meta`, and

@@ -2,7 +2,7 @@
 
 Every recovered run must give exactly the baseline's token ids; under policy
 `fail` only the affected requests end with an error. The matrix also runs on the
-mixture-of-experts families (Mixtral, Qwen3-MoE), in float32 and in bf16.
+mixture-of-experts families (Mixtral, Qwen3-MoE, gpt-oss), in float32 and in bf16.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def stored(tiny_llama, tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
 
 
 # The mixture-of-experts families, in float32 and in bf16 (the CPU-invariant kernels).
-MOE_CASES = [(family, dtype) for family in ("tiny_mixtral", "tiny_qwen3_moe")
+MOE_CASES = [(family, dtype) for family in ("tiny_mixtral", "tiny_qwen3_moe", "tiny_gpt_oss")
              for dtype in ("float32", "bfloat16")]
 
 

@@ -1,8 +1,9 @@
 """Recovery on sliding-window models (rule 8), end to end on tiny checkpoints.
 
-Three layouts: every layer windowed (Mistral: one windowed KV cache group), mixed
+Four layouts: every layer windowed (Mistral: one windowed KV cache group), mixed
 (the same checkpoint with its middle layer on full attention: three groups, one of
-them full) and Gemma 3 (three local layers and one global: four groups). A load brings each windowed group's last window before the resume point
+them full), Gemma 3 (three local layers and one global: four groups) and gpt-oss
+(windowed, full, windowed, with attention sinks and experts: three groups). A load brings each windowed group's last window before the resume point
 and one window more; the fault injector fails a chosen group's loaded blocks. Every
 recovered run returns exactly the failure-free token ids, and the tokens recomputed
 (`kv_load_recomputed_tokens`) are exactly where rule 8 puts the rollback point:
@@ -57,10 +58,10 @@ def tiny_gemma3(tmp_path_factory) -> Path:
         query_pre_attn_scalar=24, rope_local_base_freq=500.0, tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module", params=["windowed", "mixed", "gemma3"])
+@pytest.fixture(scope="module", params=["windowed", "mixed", "gemma3", "gpt_oss"])
 def layout(request):
     """The layer pattern: 'windowed' (Mistral), 'mixed' (Mistral with layer 1 on full
-    attention) or 'gemma3'."""
+    attention), 'gemma3' or 'gpt_oss' (conftest's tiny_gpt_oss: window 24 as here)."""
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "mixed":
             patch.setattr(MistralConfig, "layer_windows", mixed_windows)
@@ -70,10 +71,12 @@ def layout(request):
 @pytest.fixture(scope="module")
 def model(layout, request) -> Path:
     """The checkpoint of the layout."""
-    return request.getfixturevalue("tiny_gemma3" if layout == "gemma3" else "tiny_mistral")
+    names = {"gemma3": "tiny_gemma3", "gpt_oss": "tiny_gpt_oss"}
+    return request.getfixturevalue(names.get(layout, "tiny_mistral"))
 
 
-NUM_GROUPS = {"windowed": 1, "mixed": 3, "gemma3": 4}
+NUM_GROUPS = {"windowed": 1, "mixed": 3, "gemma3": 4, "gpt_oss": 3}
+LOCAL_LAYERS = {"gemma3": 3, "gpt_oss": 2}  # models of one global layer
 
 
 def engine(model: Path, kv: KVTransferConfig | None = None, **extra) -> LLM:
@@ -115,10 +118,11 @@ def test_a_clean_load_matches_and_moves_less_than_full_attention(
     assert llm.stats["kv_load_failed_blocks"] == 0
     assert llm.stats["prompt_tokens_external"] == sum(
         (len(p) - 1) // BLOCK * BLOCK for p in make_prompts())
-    if layout == "gemma3":
+    if layout in LOCAL_LAYERS:
         # One layer per group: the global one loads 45 blocks, each local one 24.
-        layer_block = llm.engine.layout.block_nbytes
-        assert llm.stats["kv_load_bytes"] == (45 + 3 * 24) * layer_block < 4 * 45 * layer_block
+        local, layer_block = LOCAL_LAYERS[layout], llm.engine.layout.block_nbytes
+        assert (llm.stats["kv_load_bytes"] == (45 + local * 24) * layer_block
+                < (1 + local) * 45 * layer_block)
         return
     # The same loads on a full-attention model of the same shape move more bytes.
     full_store = tmp_path / "full"

@@ -13,6 +13,7 @@ import torch
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.gemma2 import Gemma2Config, Gemma2ForCausalLM
 from kvrecover.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from kvrecover.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
 from kvrecover.models.mistral import MistralConfig, MistralForCausalLM
@@ -79,6 +80,8 @@ MOE_FAMILIES = {
     "MixtralForCausalLM": ({}, MixtralForCausalLM, MixtralConfig),
     "Qwen3MoeForCausalLM": ({}, Qwen3MoeForCausalLM, Qwen3MoeConfig),
 }
+# gpt-oss (its config and layers: tests/models/test_gpt_oss.py).
+GPT_OSS = {"GptOssForCausalLM": ({}, GptOssForCausalLM, GptOssConfig)}
 
 
 HYBRID_FAMILIES = {  # linear-attention hybrids (tests/models/test_qwen3_next_vs_hf.py)
@@ -89,7 +92,7 @@ HYBRID_FAMILIES = {  # linear-attention hybrids (tests/models/test_qwen3_next_vs
 
 
 def test_every_supported_architecture_is_registered_with_a_family():
-    every = {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES, **HYBRID_FAMILIES}
+    every = {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES, **GPT_OSS, **HYBRID_FAMILIES}
     assert supported_architectures() == tuple(every)
     for architecture, (_, model, config) in every.items():
         assert model_class(architecture) is model

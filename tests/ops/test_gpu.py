@@ -127,7 +127,7 @@ def _schedule(requests, block_tables):
 
 
 def _triton_attention(q, k, v, cache, scheduled, block_size, batch_invariant=False, window=None,
-                      softcap=None):
+                      softcap=None, sinks=None):
     from kvrecover.ops.triton.attention import TritonPagedAttention, tile_tokens
     from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
@@ -137,7 +137,8 @@ def _triton_attention(q, k, v, cache, scheduled, block_size, batch_invariant=Fal
     inputs = builder.views(layout, builder.upload(layout))
     # batch_invariant: decode on the prefill tiles, else on the fast ones.
     backend = TritonPagedAttention(batch_invariant)
-    return backend.forward(q, k, v, cache, inputs.attn, q.shape[-1] ** -0.5, window, softcap)
+    return backend.forward(q, k, v, cache, inputs.attn, q.shape[-1] ** -0.5, window, softcap,
+                           sinks)
 
 
 def _random_step(requests, block_size, heads, kv_heads, head_dim, dtype, seed):

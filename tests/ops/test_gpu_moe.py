@@ -62,6 +62,33 @@ def test_fused_moe_matches_reference(dtype, num_tokens, batch_invariant):
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_fused_moe_with_biases_and_the_clamp_matches_reference(dtype, num_tokens,
+                                                               batch_invariant):
+    """gpt-oss's experts: a bias after each matmul and the clamped SwiGLU."""
+    from kvrecover.models.gpt_oss import GptOssExperts
+    from kvrecover.ops.interface import ClampedSwiGLU
+    from kvrecover.ops.triton.moe import fused_moe
+
+    plain, router = experts_and_router(dtype)
+    experts = GptOssExperts(EXPERTS, HIDDEN, INTERMEDIATE, ClampedSwiGLU(1.702, 0.5))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(plain.gate_up_proj.float().cpu())
+        experts.down_proj.copy_(plain.down_proj.float().cpu())
+        experts.gate_up_bias.copy_(torch.randn(experts.gate_up_bias.shape, generator=generator))
+        experts.down_bias.copy_(torch.randn(experts.down_bias.shape, generator=generator))
+    experts = experts.to("cuda", dtype)
+    x = inputs(num_tokens, dtype, seed=num_tokens)
+    weights, ids = route(x, router)
+    expected = reference_moe(x, weights, ids, experts, TorchOps().silu_mul)
+    got = fused_moe(x, weights, ids, experts, batch_invariant=batch_invariant)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.skipif(not CUDA or not grouped_mm_available(torch.empty(0, device="cuda",
                                                                       dtype=torch.bfloat16)),
                     reason="torch._grouped_mm needs bf16 on sm90+")
@@ -113,7 +140,7 @@ def test_fused_moe_replays_in_a_cuda_graph():
 
 
 # ----- the engine ---------------------------------------------------------------------
-MOE_FAMILIES = ["tiny_mixtral", "tiny_qwen3_moe"]
+MOE_FAMILIES = ["tiny_mixtral", "tiny_qwen3_moe", "tiny_gpt_oss"]
 
 
 def _token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

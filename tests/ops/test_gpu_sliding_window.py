@@ -1,4 +1,4 @@
-"""Sliding windows, soft-capping and the Gemma ops on the GPU (Triton): attention
+"""Sliding windows, soft-capping, attention sinks and the Gemma ops on the GPU (Triton): attention
 against a dense masked reference with NaN planted before every window, batch and
 chunk invariance, the (1 + w) norm and GeGLU against the torch ops, and windowed
 models (Mistral, Gemma 2, Gemma 3) whose float32 tokens equal the CPU path's, eager and in
@@ -105,6 +105,24 @@ def test_soft_capped_attention_matches_dense_reference(dtype, requests, window, 
                             _schedule(requests, tables), 16, batch_invariant, window=window,
                             softcap=0.5)
     expected = dense_reference(q, keys, values, requests, window or 10_000, 32**-0.5, 0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("requests", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "invariant"])
+def test_attention_sinks_match_dense_reference(dtype, requests, window, batch_invariant):
+    """gpt-oss's sinks: one logit per query head in the softmax denominator (decode goes
+    through the split-context kernel and its combine, fused or not)."""
+    q, k, v, cache, tables, keys, values = window_step(requests, 16, window or 10_000, dtype)
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(2)) * 2
+    out = _triton_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE),
+                            _schedule(requests, tables), 16, batch_invariant, window=window,
+                            sinks=sinks.to(DEVICE))
+    expected = dense_reference(q, keys, values, requests, window or 10_000, 32**-0.5,
+                               sinks=sinks)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
 

@@ -10,13 +10,16 @@ prompt's greedy tokens do not depend on its batch (bf16, invariant by default).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_prompts
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.models.moe import SparseMoeBlock, route_topk
+from kvrecover.models.gpt_oss import GptOssMoeBlock
+from kvrecover.models.moe import SparseMoeBlock, route_topk, route_topk_logits
 from kvrecover.ops.cpu.invariant_ops import InvariantCpuOps
 from kvrecover.ops.reference.grouped_moe import (
     align_by_expert,
@@ -41,6 +44,9 @@ def moe_block(ops, dtype: torch.dtype, seed: int = 0) -> SparseMoeBlock:
         for param in block.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
     block = block.to(dtype)
+    # The dense expert weights, kept for `per_token_loop`: preparing may pack and free them.
+    block.dense_experts = (block.experts.gate_up_proj.detach().clone(),
+                           block.experts.down_proj.detach().clone())
     ops.prepare_weights(block)
     return block
 
@@ -48,12 +54,13 @@ def moe_block(ops, dtype: torch.dtype, seed: int = 0) -> SparseMoeBlock:
 def per_token_loop(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's arithmetic, one token at a time (float32 only)."""
     weights, ids = route_topk(block.ops.linear(x, block.gate), TOP_K, renormalize=True)
+    gate_up_proj, down_proj = block.dense_experts
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for slot in range(TOP_K):
             e = int(ids[t, slot])
-            gate, up = F.linear(x[t], block.experts.gate_up_proj[e]).chunk(2)
-            out[t] += weights[t, slot] * F.linear(F.silu(gate) * up, block.experts.down_proj[e])
+            gate, up = F.linear(x[t], gate_up_proj[e]).chunk(2)
+            out[t] += weights[t, slot] * F.linear(F.silu(gate) * up, down_proj[e])
     return out
 
 
@@ -74,6 +81,16 @@ def batches_around(target: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, 
 def test_reference_moe_equals_a_per_token_loop():
     block = moe_block(TorchOps(), torch.float32)
     x = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(block(x), per_token_loop(block, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN packing")
+def test_float32_cpu_experts_run_packed_weights_and_match_the_dense_ones():
+    ops = TorchOps()
+    block = moe_block(ops, torch.float32)
+    # The stacked weights were packed per expert and freed: the dense path cannot run.
+    assert block.experts.gate_up_proj.numel() == 0 and block.experts.down_proj.numel() == 0
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(2))
     assert torch.allclose(block(x), per_token_loop(block, x), rtol=1e-5, atol=1e-5)
 
 
@@ -147,6 +164,34 @@ def test_invariant_cpu_moe_bits_do_not_depend_on_the_batch(dtype, threads):
     assert len(picked) >= 2  # the targets route to different experts
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_cpu_gpt_oss_moe_bits_do_not_depend_on_the_batch(dtype):
+    """gpt-oss's block (biased router, top-k logits then softmax, biased clamped experts)
+    on the CPU-invariant kernels: a token's experts and bits are its own."""
+    config = SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                             num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                             swiglu_alpha=1.702, swiglu_limit=0.5)
+    ops = InvariantCpuOps()
+    block = GptOssMoeBlock(config, ops)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+    block = block.to(dtype)
+    ops.prepare_weights(block)
+    targets = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    picked: set[tuple[int, ...]] = set()
+    for index, target in enumerate(targets):
+        alone_ids = route_topk_logits(ops.linear(target[None], block.router), TOP_K)[1]
+        picked.add(tuple(sorted(alone_ids[0].tolist())))
+        alone = block(target[None])[0]
+        for batch, row in batches_around(target, seed=index):
+            ids = route_topk_logits(ops.linear(batch, block.router), TOP_K)[1]
+            assert torch.equal(ids[row], alone_ids[0])
+            assert torch.equal(block(batch)[row], alone), (len(batch), row)
+    assert len(picked) >= 2
+
+
 def test_reference_float32_routing_does_not_depend_on_the_batch():
     block = moe_block(TorchOps(), torch.float32)
     targets = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(3))
@@ -159,7 +204,7 @@ def test_reference_float32_routing_does_not_depend_on_the_batch():
             assert torch.allclose(block(batch)[row], alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["tiny_mixtral", "tiny_qwen3_moe"])
+@pytest.mark.parametrize("family", ["tiny_mixtral", "tiny_qwen3_moe", "tiny_gpt_oss"])
 def test_bf16_greedy_tokens_do_not_depend_on_the_batch(request, family):
     model_dir = request.getfixturevalue(family)
     prompts = random_prompts(5, [9, 40, 70, 23, 120], vocab_size=384, seed=4)

@@ -41,9 +41,10 @@ def _kernels():
 KERNELS = _kernels()
 
 
-def dense_reference(query, keys, values, requests, window, scale, softcap=None):
+def dense_reference(query, keys, values, requests, window, scale, softcap=None, sinks=None):
     """Float64 softmax attention of each request over its whole sequence, banded (and
-    soft-capped)."""
+    soft-capped; with `sinks` [Hq], each head's sink as one more logit in the softmax,
+    its probability then dropped)."""
     outputs, row = [], 0
     group = query.shape[1] // keys[0].shape[1]
     for (computed, length), k, v in zip(requests, keys, values):
@@ -55,18 +56,23 @@ def dense_reference(query, keys, values, requests, window, scale, softcap=None):
         query_pos = computed + torch.arange(length)[:, None]
         key_pos = torch.arange(computed + length)[None, :]
         visible = (key_pos <= query_pos) & (key_pos > query_pos - window)
-        outputs.append(torch.einsum("hqk,khd->qhd",
-                                    scores.masked_fill(~visible, float("-inf")).softmax(-1), v))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink_column = sinks.double()[:, None, None].expand(-1, length, 1)
+            probs = torch.cat((scores, sink_column), -1).softmax(-1)[..., :-1]
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, v))
         row += length
     return torch.cat(outputs)
 
 
-def window_step(requests, block_size, window, dtype=torch.float32, seed=0):
+def window_step(requests, block_size, window, dtype=torch.float32, seed=0, head_dim=32):
     """A NaN cache (null block 0 zeroed, a NaN block 1) holding each request's cached keys
     from its earliest window start on; blocks wholly before it point at block 1. Returns
     q, k, v of the new tokens, the cache, the block tables and each request's whole
     keys and values (for `dense_reference`)."""
-    heads, kv_heads, head_dim = 6, 2, 32
+    heads, kv_heads = 6, 2
     generator = torch.Generator().manual_seed(seed)
     num_blocks = 2 + sum(-(-(c + n) // block_size) for c, n in requests)
     cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
@@ -95,9 +101,9 @@ def window_step(requests, block_size, window, dtype=torch.float32, seed=0):
     return query, new_k, new_v, cache, tables, keys, values
 
 
-def _setup(requests, block_size, window, dtype=torch.float32, seed=0):
+def _setup(requests, block_size, window, dtype=torch.float32, seed=0, head_dim=32):
     query, key, value, cache, tables, keys, values = window_step(requests, block_size, window,
-                                                                 dtype, seed)
+                                                                 dtype, seed, head_dim)
     meta = AttentionMetadata.build([c for c, _ in requests], [n for _, n in requests], tables,
                                    block_size, CPU)
     return query, key, value, cache, meta, keys, values

@@ -20,7 +20,7 @@ from kvrecover.ops.cpu.row_ops import DTYPE_CODES as ROW_DTYPES
 from kvrecover.ops.cpu.row_ops import MAX_HIDDEN, NativeRowOps, native_row_ops
 from kvrecover.ops.cpu.tiled_linear import LARGE_TILE_ROWS, TILE_ROWS, TiledLinears
 from kvrecover.ops.interface import ExpertWeights, RotaryTables
-from kvrecover.ops.reference.moe import grouped_moe
+from kvrecover.ops.reference.moe import expert_runner, grouped_moe
 from kvrecover.ops.reference.torch_ops import TorchOps
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -34,6 +34,7 @@ class InvariantCpuOps(TorchOps):
         self, tile_rows: int = TILE_ROWS, large_tile_rows: int = LARGE_TILE_ROWS, *,
         native_kernels: bool = True,
     ) -> None:
+        super().__init__()
         self.linears = TiledLinears(tile_rows, large_tile_rows)
         self.native_kernels = native_kernels  # whether the C row kernels may be built
         self._rows: NativeRowOps | None = None  # the C row kernels, loaded at first half call
@@ -69,11 +70,7 @@ class InvariantCpuOps(TorchOps):
             raise ValueError("the experts' weights were not prepared: the model runner calls "
                              "KernelBackend.prepare_weights once after loading")
         _, gate_up, down = entry
-        linear, silu_mul = self.linears.linear, self.silu_mul
-
-        def run_expert(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            return linear(silu_mul(linear(rows, gate_up[expert])), down[expert])
-
+        run_expert = expert_runner(experts, gate_up, down, self.linears.linear, self.silu_mul)
         return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

@@ -13,6 +13,8 @@ import ctypes
 import torch
 from torch import nn
 
+from kvrecover.ops.interface import ExpertWeights
+
 _BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for
 
 
@@ -44,6 +46,24 @@ def pack_linear(layer: nn.Linear) -> bool:
     layer.weight = nn.Parameter(packed, requires_grad=False)
     _trim_heap()  # per layer: the freed dense copies never pile up
     return True
+
+
+def pack_expert_weights(experts: ExpertWeights) -> tuple[list[nn.Linear], list[nn.Linear]] | None:
+    """Per-expert packed gate_up and down linears of one float32 CPU experts module, its
+    stacked weights then freed; None (untouched) where they cannot all be packed.
+
+    A decode batch gives each expert a few rows: a packed weight runs them ~2x faster
+    than `F.linear` over a slice of the stacked tensor (bench/NOTES.md, issue 22).
+    """
+    if not torch.backends.mkldnn.is_available() or not _packable(experts.gate_up_proj):
+        return None
+    gate_up, down = experts.as_linears()
+    if not all(pack_linear(layer) for layer in (*gate_up, *down)):
+        return None
+    for param in (experts.gate_up_proj, experts.down_proj):
+        param.data = param.data.new_empty(0)  # the packed copies replace them
+    _trim_heap()
+    return gate_up, down
 
 
 def packed_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

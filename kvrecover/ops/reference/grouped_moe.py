@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrecover.ops.interface import ExpertWeights
-from kvrecover.ops.reference.moe import combine_topk
+from kvrecover.ops.reference.moe import combine_topk, expert_activation
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,13 @@ def grouped_mm_moe(
     offs = torch.cumsum(counts, 0).to(torch.int32)
     order = torch.sort(flat, stable=True).indices
     rows = x[order // k]
-    hidden = silu_mul(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs))
+    hidden = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+    if experts.gate_up_bias is not None:  # each sorted row's expert's bias
+        hidden = hidden + experts.gate_up_bias[flat[order]]
+    hidden = expert_activation(experts, silu_mul)(hidden)
     out_sorted = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs)
+    if experts.down_bias is not None:
+        out_sorted = out_sorted + experts.down_bias[flat[order]]
     expert_out = torch.empty_like(out_sorted)
     expert_out[order] = out_sorted
     return combine_topk(expert_out.view(num_tokens, k, -1), topk_weights)

@@ -4,7 +4,7 @@ The tables come from the model (any `ops.interface.RotaryTables`); this module
 only rotates. The fused GPU version is `ops.triton.fused_ops.rotary_`.
 `RotateThenAttend` gives an attention kernel that does not fuse rotary its
 `attend` entry point: the backend's rotary op, then the kernel's `forward`
-(which receives the layer's sliding window and soft-cap).
+(which receives the layer's sliding window, soft-cap and sinks).
 """
 
 from __future__ import annotations
@@ -55,18 +55,20 @@ class RotateThenAttend(ABC):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
         meta: Any, scale: float, *, window: int | None = None, softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotate q and k with `self.rotate` (unless `rotary` is None), then `forward`."""
         if rotary is not None:
             query, key = self.rotate(rotary, positions, query, key)
-        return self.forward(query, key, value, kv_cache, meta, scale, window, softcap)
+        return self.forward(query, key, value, kv_cache, meta, scale, window, softcap, sinks)
 
     @abstractmethod
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: Any, scale: float, window: int | None = None,
-        softcap: float | None = None,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
-        positions only, unless None; scores soft-capped at `softcap`, unless None);
+        positions only, unless None; scores soft-capped at `softcap`, unless None; each
+        head's softmax with its `sinks` logit, unless None: `PagedAttention.attend`);
         returns [T, Hq, D]."""

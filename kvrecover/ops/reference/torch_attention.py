@@ -10,10 +10,14 @@ cache layout and the groups a step is split into):
   gather starts at the first block the window reaches, the blocks before it
   are never read, and fresh prompts longer than the window get a band mask;
 - GQA never expands K/V: SDPA's `enable_gqa`, and for decodes the query heads of
-  one KV head become that head's query rows.
+  one KV head become that head's query rows;
+- soft-capping and attention sinks (which SDPA cannot do) run as explicit ops,
+  rounded as Hugging Face's eager attention rounds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,39 +46,47 @@ class TorchPagedAttention(RotateThenAttend):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
-        positions only, unless None; scores soft-capped at `softcap`, unless None);
-        returns [T, Hq, D]."""
+        positions only, unless None; scores soft-capped at `softcap`, unless None; with
+        each head's `sinks` logit in its softmax, unless None); returns [T, Hq, D]."""
         meta = meta.with_window(window)
+        scoring = _Scoring(scale, softcap, sinks)
         write_step_kv(kv_cache, meta.slot_mapping, key, value)
         num_rows = query.shape[0]
         rows, context = meta.decode_rows, meta.decode_context  # both None without decodes
         if (context is not None and not meta.prefills and isinstance(rows, slice)
                 and rows.stop - rows.start == num_rows):
-            return _decode(query, kv_cache, context, scale, self._workspace, softcap)
+            return _decode(query, kv_cache, context, scoring, self._workspace)
         if len(meta.prefills) == 1 and rows is None:
             group = meta.prefills[0]
             if group.row_end - group.row_start == num_rows:
-                return _prefill(query, key, value, kv_cache, group, scale, self._workspace, softcap)
+                return _prefill(query, key, value, kv_cache, group, scoring, self._workspace)
         out = query.new_empty(query.shape)
         if rows is not None and context is not None:
             if isinstance(rows, slice):
-                out[rows] = _decode(query[rows], kv_cache, context, scale, self._workspace,
-                                    softcap)
+                out[rows] = _decode(query[rows], kv_cache, context, scoring, self._workspace)
             else:
                 decoded = _decode(
-                    query.index_select(0, rows), kv_cache, context, scale,
-                    self._workspace, softcap,
+                    query.index_select(0, rows), kv_cache, context, scoring, self._workspace,
                 )
                 out.index_copy_(0, rows, decoded)
         for group in meta.prefills:
             span = slice(group.row_start, group.row_end)
             out[span] = _prefill(
-                query[span], key[span], value[span], kv_cache, group, scale, self._workspace,
-                softcap,
+                query[span], key[span], value[span], kv_cache, group, scoring, self._workspace,
             )
         return out
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """How one layer scores keys: the scale, the soft-cap and the sinks (None: none)."""
+
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
 
 
 _GATHER_BYTES = 8 << 20  # K + V gathered per decode slice on the CPU: stays in the cache
@@ -129,8 +141,8 @@ def _gather(
 
 
 def _decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, context: ContextGather, scale: float,
-    workspace: _GatherWorkspace, softcap: float | None = None,
+    query: torch.Tensor, kv_cache: torch.Tensor, context: ContextGather, scoring: _Scoring,
+    workspace: _GatherWorkspace,
 ) -> torch.Tensor:
     """Attention for one new token per request.
 
@@ -144,39 +156,40 @@ def _decode(
     per_request = 2 * context.num_blocks * kv_cache[0, 0].numel() * kv_cache.element_size()
     step = batch if kv_cache.device.type != "cpu" else max(1, _GATHER_BYTES // per_request)
     if step >= batch:
-        return _decode_slice(query, kv_cache, context, scale, workspace, 0, batch, softcap)
+        return _decode_slice(query, kv_cache, context, scoring, workspace, 0, batch)
     out = query.new_empty(query.shape)
     for first in range(0, batch, step):
         stop = min(batch, first + step)
         out[first:stop] = _decode_slice(
-            query[first:stop], kv_cache, context, scale, workspace, first, stop, softcap
+            query[first:stop], kv_cache, context, scoring, workspace, first, stop
         )
     return out
 
 
 def _decode_slice(
-    query: torch.Tensor, kv_cache: torch.Tensor, context: ContextGather, scale: float,
-    workspace: _GatherWorkspace, first: int, stop: int, softcap: float | None = None,
+    query: torch.Tensor, kv_cache: torch.Tensor, context: ContextGather, scoring: _Scoring,
+    workspace: _GatherWorkspace, first: int, stop: int,
 ) -> torch.Tensor:
     """`_decode` for the group's requests `[first, stop)` (the rows of `query`)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     keys, values = _gather(kv_cache, context, num_kv_heads, head_dim, workspace, first, stop)
     mask = None if context.mask is None else context.mask[first:stop]
+    group = num_heads // num_kv_heads
+    sinks = None if scoring.sinks is None else scoring.sinks.view(num_kv_heads, group, 1)
     out = _attention(
-        query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        query.reshape(batch, num_kv_heads, group, head_dim),
         keys.transpose(1, 2),
         values.transpose(1, 2),
         mask,  # [B, 1, 1, L] or None: broadcast over the grouped query rows
-        scale, softcap,
+        scoring, sinks,
     )
     return out.reshape(batch, num_heads, head_dim)
 
 
 def _prefill(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-    group: PrefillGroup, scale: float, workspace: _GatherWorkspace,
-    softcap: float | None = None,
+    group: PrefillGroup, scoring: _Scoring, workspace: _GatherWorkspace,
 ) -> torch.Tensor:
     """Attention for a `PrefillGroup`'s rows of q, k and v; returns [rows, Hq, D]."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -195,7 +208,7 @@ def _prefill(
         query.reshape(*shape, num_heads, head_dim).transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        mask, scale, softcap,
+        mask, scoring, None if scoring.sinks is None else scoring.sinks.view(num_heads, 1, 1),
         is_causal=mask is None,
         enable_gqa=num_heads != num_kv_heads,
     )
@@ -204,11 +217,15 @@ def _prefill(
 
 def _attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-    scale: float, softcap: float | None, is_causal: bool = False, enable_gqa: bool = False,
+    scoring: _Scoring, sinks: torch.Tensor | None, is_causal: bool = False,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """SDPA over [..., heads, rows, D]; with `softcap`, the same in explicit ops (SDPA
-    cannot cap scores), rounded as Hugging Face's eager attention rounds."""
-    if softcap is None:
+    """SDPA over [..., heads, rows, D]; with a soft-cap or `sinks` (the layer's, shaped to
+    broadcast over [..., heads, rows, 1]), the same in explicit ops (SDPA can do neither),
+    rounded as Hugging Face's eager attention rounds: the sink joins each row as one more
+    logit whose probability is dropped after the softmax."""
+    scale, softcap = scoring.scale, scoring.softcap
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                               is_causal=is_causal, enable_gqa=enable_gqa)
     if enable_gqa:
@@ -216,11 +233,17 @@ def _attention(
         keys = keys.repeat_interleave(group, dim=-3)
         values = values.repeat_interleave(group, dim=-3)
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         rows, cols = scores.shape[-2:]
         mask = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        combined = torch.cat((scores, sink_column), dim=-1)
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
     return torch.matmul(probs, values)

@@ -13,19 +13,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrecover.ops.cpu.onednn import pack_linear_weights, packed_linear
+from kvrecover.ops.cpu.onednn import pack_expert_weights, pack_linear_weights, packed_linear
 from kvrecover.ops.interface import DeltaRuleState, ExpertWeights, RotaryTables
 from kvrecover.ops.reference import gated_delta
-from kvrecover.ops.reference.moe import reference_moe
+from kvrecover.ops.reference.moe import expert_runner, grouped_moe, reference_moe
 from kvrecover.ops.reference.rotary import reference_rotary
 
 
 class TorchOps:
     """Linears, RMSNorm, rotary, SwiGLU and the experts' feed-forward as plain torch ops."""
 
+    def __init__(self) -> None:
+        # Per experts module (by id, the module kept alive here): its packed linears.
+        self._packed_experts: dict[
+            int, tuple[ExpertWeights, list[nn.Linear], list[nn.Linear]]] = {}
+
     def prepare_weights(self, model: nn.Module) -> None:
-        """Called once right after loading: pack the float32 CPU linears for oneDNN."""
+        """Called once right after loading: pack the float32 CPU linears for oneDNN,
+        each expert's included."""
         pack_linear_weights(model)
+        for module in model.modules():
+            if isinstance(module, ExpertWeights):
+                packed = pack_expert_weights(module)
+                if packed is not None:
+                    self._packed_experts[id(module)] = (module, *packed)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`x @ layer.weight.T + layer.bias`; through oneDNN when the weight was
@@ -89,8 +100,14 @@ class TorchOps:
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         experts: ExpertWeights,
     ) -> torch.Tensor:
-        """The experts' feed-forward (`MoEKernels.moe`): one matmul pair per active expert."""
-        return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)
+        """The experts' feed-forward (`MoEKernels.moe`): one matmul pair per active expert,
+        through its packed linears where `prepare_weights` packed them."""
+        packed = self._packed_experts.get(id(experts))
+        if packed is None:
+            return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)
+        _, gate_up, down = packed
+        run_expert = expert_runner(experts, gate_up, down, packed_linear, self.silu_mul)
+        return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
 
     def causal_conv1d(self, x: torch.Tensor, conv_state: torch.Tensor,
                       weight: torch.Tensor) -> torch.Tensor:

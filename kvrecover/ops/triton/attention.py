@@ -17,7 +17,10 @@ the `BLOCK_N` step holding its earliest query's window start and never loads a
 key, value or block-table entry before it (those blocks may be freed, reused or
 hold NaNs); inside the boundary step the band is masked. Soft-capping
 (`SOFTCAP`, a compile-time constant; 0 = none) maps each score s = scale * q.k
-to SOFTCAP * tanh(s / SOFTCAP) before the mask.
+to SOFTCAP * tanh(s / SOFTCAP) before the mask. Attention sinks (`SINKS`, a
+compile-time flag; the logits in `sinks_ptr`, one per query head): once a row's
+segments are merged, its sink is merged in as one more state (max = the sink, sum
+1, no value: `_merge_sink`), just before the division.
 
 Batch invariance: a query row's arithmetic depends only on its own query, its
 context and the fixed constants (BLOCK_N, SEGMENT). Key steps or segments past
@@ -168,16 +171,25 @@ def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
 
 
 @triton.jit
+def _merge_sink(m_i, l_i, acc, sinks_ptr, head, mask):
+    """A merged state with each row's sink logit (base e, at `sinks_ptr + head`) merged in:
+    a key whose probability joins the sum and whose value is zero."""
+    sink = tl.load(sinks_ptr + head, mask=mask, other=float("-inf")).to(tl.float32)
+    sink = sink * 1.4426950408889634  # to base 2, as the scores
+    return _merge(m_i, l_i, acc, sink, tl.where(mask, 1.0, 0.0), tl.zeros_like(acc))
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_query_start_ptr,
-    block_tables_ptr, block_table_stride_ptr, counter_ptr,
+    block_tables_ptr, block_table_stride_ptr, counter_ptr, sinks_ptr,
     scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, slot_stride,
     max_segments, num_splits, PAGE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,6 +258,9 @@ def _paged_attention_kernel(
                         mask=first[:, None], other=0.0, cache_modifier=".cg",
                     )
                     m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+                if SINKS:
+                    m_i, l_i, acc = _merge_sink(m_i, l_i, acc, sinks_ptr, head,
+                                                rows % GROUP_PAD < GROUP)
                 out = acc / l_i[:, None]
                 out_rows = (row_begin + query_index).to(tl.int64) * out_stride_t + head * out_stride_h
                 tl.store(out_ptr + out_rows[:, None] + dims[None, :],
@@ -262,6 +277,8 @@ def _paged_attention_kernel(
                 ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW, SOFTCAP,
             )
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+        if SINKS:
+            m_i, l_i, acc = _merge_sink(m_i, l_i, acc, sinks_ptr, head, rows % GROUP_PAD < GROUP)
         out = acc / l_i[:, None]
         out_rows = (row_begin + query_index).to(tl.int64) * out_stride_t + head * out_stride_h
         tl.store(
@@ -274,9 +291,9 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_segments_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, query_start_ptr,
-    tile_request_ptr, out_stride_t, out_stride_h, max_segments,
+    tile_request_ptr, sinks_ptr, out_stride_t, out_stride_h, max_segments,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SEGMENT: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -300,8 +317,10 @@ def _combine_segments_kernel(
         l_s = tl.load(part_l_ptr + base + rows)
         acc_s = tl.load(part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :])
         m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
-    out = acc / l_i[:, None]
     head = kv_head * GROUP + rows
+    if SINKS:
+        m_i, l_i, acc = _merge_sink(m_i, l_i, acc, sinks_ptr, head, rows < GROUP)
+    out = acc / l_i[:, None]
     out_rows = row.to(tl.int64) * out_stride_t + head * out_stride_h
     tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(rows < GROUP)[:, None])
@@ -326,10 +345,11 @@ def paged_attention(
     num_stages: int = NUM_STAGES, prefill_block_m: int = PREFILL_BLOCK_M,
     prefill_warps: int = PREFILL_WARPS, decode: DecodeKernelConfig = INVARIANT_DECODE,
     window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` [T, Hq, D] over the paged cache (over the last `window`
-    positions only, unless None; scores soft-capped at `softcap`, unless None); returns
-    [T, Hq, D].
+    positions only, unless None; scores soft-capped at `softcap`, unless None; with each
+    head's `sinks` [Hq] logit in its softmax, unless None); returns [T, Hq, D].
 
     `prefill_block_m` must match the tiles of `meta` (see `tile_tokens`).
     """
@@ -367,12 +387,13 @@ def paged_attention(
         query, kv_cache[0], kv_cache[1], out, part_m, part_l, part_acc,
         meta.seq_lens, meta.query_start_loc, meta.tile_request, meta.tile_query_start,
         meta.block_tables, meta.block_table_stride, counters,
+        out if sinks is None else sinks,  # `out`: a pointer SINKS=False never reads
         scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
         FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32, WINDOW=window or 0,
-        SOFTCAP=float(softcap or 0.0),
+        SOFTCAP=float(softcap or 0.0), SINKS=sinks is not None,
         num_warps=decode.num_warps if split else prefill_warps,
         num_stages=decode.num_stages if split else num_stages,
         enable_fp_fusion=False,
@@ -380,9 +401,9 @@ def paged_attention(
     if split and not fused:
         _combine_segments_kernel[(meta.num_tiles, num_kv_heads)](
             out, part_m, part_l, part_acc, meta.seq_lens, meta.query_start_loc, meta.tile_request,
-            out.stride(0), out.stride(1), max_segments,
+            out if sinks is None else sinks, out.stride(0), out.stride(1), max_segments,
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SEGMENT=segment,
-            WINDOW=window or 0, num_warps=1, enable_fp_fusion=False,
+            WINDOW=window or 0, SINKS=sinks is not None, num_warps=1, enable_fp_fusion=False,
         )
     return out
 
@@ -404,34 +425,35 @@ class TritonPagedAttention:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rotary: RotaryTables | None, positions: torch.Tensor, kv_cache: torch.Tensor,
         meta: PagedAttentionMetadata, scale: float, *, window: int | None = None,
-        softcap: float | None = None,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The `ops.interface.PagedAttention` entry point: with `rotary`, one kernel
         rotates `query` (in place) and the key into the cache (`key` itself stays as it
         was); without, `forward`. `window`: the layer's sliding window, `softcap` its
-        score soft-cap (None: none)."""
+        score soft-cap, `sinks` its per-head sink logits (None: none)."""
         if rotary is None:
-            return self.forward(query, key, value, kv_cache, meta, scale, window, softcap)
+            return self.forward(query, key, value, kv_cache, meta, scale, window, softcap, sinks)
         rotary_store_(rotary, positions, query, key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale, window, softcap)
+        return self._attend(query, kv_cache, meta, scale, window, softcap, sinks)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's (rotated) K/V into the cache, then attend (over the last
         `window` positions only, unless None; scores soft-capped at `softcap`, unless
-        None); returns [T, Hq, D]."""
+        None; with the heads' `sinks` logits, unless None); returns [T, Hq, D]."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, kv_cache, meta, scale, window, softcap)
+        return self._attend(query, kv_cache, meta, scale, window, softcap, sinks)
 
     def _attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata,
-        scale: float, window: int | None, softcap: float | None,
+        scale: float, window: int | None, softcap: float | None, sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         return paged_attention(query, kv_cache, meta, scale, decode=self.decode_config,
-                               window=window, softcap=softcap)
+                               window=window, softcap=softcap, sinks=sinks)
 
 
 def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:

@@ -6,7 +6,9 @@ token count only, so decode steps replay in CUDA graphs). Two grouped-GEMM
 launches cover every expert: the first gathers each block's token rows, runs
 the block's expert's gate and up columns and applies SwiGLU (rounding where the
 torch reference rounds); the second runs the down projection and writes each
-row to its assignment's slot. `reference.moe.combine_topk` then sums a token's
+row to its assignment's slot. gpt-oss's experts add a bias after each matmul
+(`HAS_BIAS`) and clamp their SwiGLU (`CLAMPED`: `reference.moe.clamped_swiglu`),
+rounded as that reference rounds. `reference.moe.combine_topk` then sums a token's
 `k` outputs in top-k order in float32.
 
 Batch invariance: a row's result in a `tl.dot` tile depends only on that row and
@@ -49,12 +51,15 @@ PREFILL_ASSIGNMENTS = 1024  # from here on (tokens x top-k), PREFILL_CONFIG
 
 @triton.jit
 def _gate_up_silu_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_assignments, top_k, N, K, stride_xm, stride_we, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_assignments, top_k, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_be,
+    alpha, limit,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     """Row block b, columns [n0, n0 + BLOCK_N) of the intermediate size N:
-    silu(x @ gate.T) * (x @ up.T) for the block's token rows and expert."""
+    silu(x @ gate.T) * (x @ up.T) for the block's token rows and expert (with the
+    expert's biases, and gpt-oss's clamped SwiGLU with `CLAMPED`)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -89,19 +94,31 @@ def _gate_up_silu_kernel(
     # The reference rounds the gate_up matmul, then silu, then the product.
     gate = _round(gate, dtype)
     up = _round(up, dtype)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    if HAS_BIAS:  # added after the rounded matmul, rounded again
+        bias = bias_ptr + expert.to(tl.int64) * stride_be
+        gate = _round(gate + tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32), dtype)
+        up = _round(up + tl.load(bias + N + rn, mask=n_mask, other=0.0).to(tl.float32), dtype)
+    if CLAMPED:  # (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
+        gate = _round(tl.minimum(gate, limit), dtype)
+        up = _round(tl.minimum(tl.maximum(up, -limit), limit), dtype)
+        sigmoid = _round(1.0 / (1.0 + tl.exp(-_round(gate * alpha, dtype))), dtype)
+        product = _round(gate * sigmoid, dtype) * _round(up + 1.0, dtype)
+    else:
+        product = _round(gate / (1.0 + tl.exp(-gate)), dtype) * up
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(out, (silu * up).to(dtype), mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(out, product.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_assignments, N, K, stride_hm, stride_we, stride_wn, stride_om,
+    h_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_assignments, N, K, stride_hm, stride_we, stride_wn, stride_om, stride_be,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Row block b, hidden columns [n0, n0 + BLOCK_N): h @ down.T for the block's expert,
-    each row written to its assignment's row of `out`."""
+    """Row block b, hidden columns [n0, n0 + BLOCK_N): h @ down.T (plus the expert's bias
+    with `HAS_BIAS`) for the block's expert, each row written to its assignment's row
+    of `out`."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -124,6 +141,10 @@ def _down_kernel(
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
+    if HAS_BIAS:  # added after the rounded matmul
+        bias = bias_ptr + expert.to(tl.int64) * stride_be + rn
+        acc = _round(acc, out_ptr.dtype.element_ty) + tl.load(bias, mask=n_mask,
+                                                              other=0.0).to(tl.float32)
     out = out_ptr + ids.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
@@ -150,22 +171,31 @@ def fused_moe(
     blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
     x = x.contiguous()
     ieee = x.dtype == torch.float32
+    gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
+    gate_up_bias = x if gate_up_bias is None else gate_up_bias.contiguous()  # x: unread
+    down_bias = x if down_bias is None else down_bias.contiguous()
+    has_bias = experts.gate_up_bias is not None and experts.down_bias is not None
+    if has_bias != (experts.gate_up_bias is not None or experts.down_bias is not None):
+        raise ValueError("the fused MoE takes both expert biases or neither")
+    clamp = experts.clamped_swiglu
     hidden_rows = torch.empty((blocks.num_blocks * tiles.block_m, intermediate), dtype=x.dtype,
                               device=x.device)
     expert_out = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
     if num_tokens:
         _gate_up_silu_kernel[(blocks.num_blocks, triton.cdiv(intermediate, tiles.block_n))](
-            x, gate_up, hidden_rows, blocks.sorted_ids, blocks.block_expert,
+            x, gate_up, gate_up_bias, hidden_rows, blocks.sorted_ids, blocks.block_expert,
             blocks.num_assignments, top_k, intermediate, hidden, x.stride(0), gate_up.stride(0),
-            gate_up.stride(1), hidden_rows.stride(0), IEEE=ieee, BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+            gate_up.stride(1), hidden_rows.stride(0), gate_up_bias.stride(0),
+            clamp.alpha if clamp else 0.0, clamp.limit if clamp else 0.0,
+            IEEE=ieee, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            HAS_BIAS=has_bias, CLAMPED=clamp is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
         _down_kernel[(blocks.num_blocks, triton.cdiv(hidden, tiles.block_n))](
-            hidden_rows, down, expert_out, blocks.sorted_ids, blocks.block_expert,
+            hidden_rows, down, down_bias, expert_out, blocks.sorted_ids, blocks.block_expert,
             blocks.num_assignments, hidden, intermediate, hidden_rows.stride(0), down.stride(0),
-            down.stride(1), expert_out.stride(0), IEEE=ieee, BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
+            down.stride(1), expert_out.stride(0), down_bias.stride(0), IEEE=ieee,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            HAS_BIAS=has_bias, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return combine_topk(expert_out.view(num_tokens, top_k, hidden), topk_weights)

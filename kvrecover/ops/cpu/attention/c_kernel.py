@@ -52,6 +52,7 @@ class KvrAttentionArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("window", ctypes.c_int32),  # 0: no sliding window
         ("softcap", ctypes.c_float),  # 0: no soft-capping
+        ("sinks", ctypes.c_void_p),  # [Hq] float32 sink logits; NULL: none
     ]
 
 
@@ -92,10 +93,12 @@ class NativeInvariantAttention(RotateThenAttend):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
         positions only, unless None: the kernel never reads the keys before it; scores
-        soft-capped at `softcap`, unless None); returns [T, Hq, D]."""
+        soft-capped at `softcap`, unless None; each head's softmax with its `sinks`
+        logit, unless None); returns [T, Hq, D]."""
         check_kernel_inputs(query, key, kv_cache)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
@@ -105,13 +108,18 @@ class NativeInvariantAttention(RotateThenAttend):
         plan = self._plans.get(meta, build_step_plan, meta, num_kv_heads,
                                self.num_threads or torch.get_num_threads())
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # the kernel reads [Hq] floats
+            if sinks.shape != (num_heads,):
+                raise ValueError(f"sinks must hold one logit per query head ({num_heads}), "
+                                 f"got shape {tuple(sinks.shape)}")
         args = KvrAttentionArgs(
             query.data_ptr(), query.stride(0), query.stride(1),
             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
             plan.block_tables.data_ptr(), plan.block_tables.stride(0),
             plan.token_request.data_ptr(), plan.token_position.data_ptr(),
             num_heads, num_kv_heads, head_dim, kv_cache.shape[2], DTYPE_CODES[query.dtype], scale,
-            window or 0, softcap or 0.0,
+            window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
         )
         code = self._kernel(ctypes.byref(args), plan.num_items, plan.grain, plan.threads)
         if code:

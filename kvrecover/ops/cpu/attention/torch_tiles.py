@@ -15,8 +15,9 @@ of `key_chunk` absolute positions (chunk c holds positions [c * key_chunk,
 A sliding window masks the keys before each query's window and starts at the
 first chunk any tile's window reaches (keys no query of a tile sees read the
 null block); soft-capping maps each score elementwise. Softmax is exact and
-two-pass in float32: the row maximum over all chunks (a
-max does not depend on order), then `exp(s - max)` per chunk, the chunk sums
+two-pass in float32: the row maximum over all chunks and the head's sink logit, if
+any (a max does not depend on order), then `exp(s - max)` per chunk, the chunk sums
+(then the sink's `exp(sink - max)`)
 and `p @ v` added chunk by chunk in increasing order. A chunk beyond a query's
 position is fully masked: it adds exact zeros, so a tile that reads more chunks
 (a later query shares it) leaves the earlier query's bits alone. A tile reads
@@ -75,10 +76,11 @@ class CpuInvariantAttention(RotateThenAttend):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (over the last `window`
-        positions only, unless None; scores soft-capped at `softcap`, unless None);
-        returns [T, Hq, D]."""
+        positions only, unless None; scores soft-capped at `softcap`, unless None; each
+        head's softmax with its `sinks` logit, unless None); returns [T, Hq, D]."""
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
@@ -118,6 +120,11 @@ class CpuInvariantAttention(RotateThenAttend):
             scores.append(chunk_scores)
         if row_max is None:
             raise ValueError("a tile plan with no key chunks: every query attends to itself")
+        sink_rows = None
+        if sinks is not None:  # row r of a KV head's tile is query head r % group
+            sink_rows = sinks.float().view(num_kv_heads, 1, group).expand(-1, tile, -1)
+            sink_rows = sink_rows.reshape(1, num_kv_heads, rows)
+            row_max = torch.maximum(row_max, sink_rows)
 
         out = queries.new_zeros(num_tiles, num_kv_heads, rows, head_dim)
         denominator = queries.new_zeros(num_tiles, num_kv_heads, rows)
@@ -126,6 +133,8 @@ class CpuInvariantAttention(RotateThenAttend):
             denominator[:active] += probs.sum(-1)
             values = _as_float_heads(value_cache.index_select(0, slots), active, chunk)
             out[:active] += torch.matmul(probs, values)
+        if sink_rows is not None:
+            denominator += (sink_rows - row_max).exp_()
         out.div_(denominator.unsqueeze(-1))
         out = out.view(num_tiles, num_kv_heads, tile, group, head_dim).transpose(1, 2)
         out = out.reshape(num_tiles * tile, num_heads, head_dim)

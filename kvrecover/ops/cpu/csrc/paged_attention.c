@@ -12,7 +12,8 @@
  * with a bf16 cache and AVX512-BF16, q.k and P.V run as vdpbf16ps, whose products
  * are exact and sums float32, with P rounded to bf16 for P.V as flash attention does).
  * Soft-capping (Gemma 2) maps each score s = scale * q.k to softcap * tanh(s / softcap)
- * before the softmax, elementwise. How many items share a call, or how a step is split across threads, cannot
+ * before the softmax, elementwise. Attention sinks (gpt-oss): a head's sink logit joins
+ * the row maximum and adds exp(sink - max) to the denominator, no value. How many items share a call, or how a step is split across threads, cannot
  * change a single bit. One code path per build: the AVX-512 one where the
  * compiler targets it, else a portable scalar one (invariance holds within one
  * machine and build, like a library kernel's).
@@ -43,6 +44,7 @@ typedef struct {
     float scale;
     int32_t window;            /* sliding window in keys; 0: every key 0..position */
     float softcap;             /* scores s become softcap * tanh(s / softcap); 0: none */
+    const float *sinks;        /* [Hq] per-head sink logits in the softmax; NULL: none */
 } KvrAttentionArgs;
 
 /* The first key a query at `position` sees: position - window + 1 (at least 0). */
@@ -220,7 +222,10 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
         }
     }
     float row_max[KVR_MAX_GROUP];
-    for (int h = 0; h < group; h++) row_max[h] = _mm512_reduce_max_ps(maxima[h]);
+    for (int h = 0; h < group; h++) {
+        row_max[h] = _mm512_reduce_max_ps(maxima[h]);
+        if (a->sinks) row_max[h] = fmaxf(row_max[h], a->sinks[kv_head * group + h]);
+    }
     /* Pass 2: p = exp(s - max) in vectors of 16 keys at absolute lanes j % 16. */
 #if defined(__AVX512BF16__)
     const int bf16_pairs = dtype == KVR_BFLOAT16 && dim % 32 == 0;
@@ -305,7 +310,9 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
     }
 #endif
     for (int h = 0; h < group; h++) {
-        __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums[h]));
+        float sum = _mm512_reduce_add_ps(sums[h]);
+        if (a->sinks) sum += expf(a->sinks[kv_head * group + h] - row_max[h]);
+        __m512 inverse = _mm512_set1_ps(1.0f / sum);
         int64_t base = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
         for (int l = 0; l < lanes; l++) {
             __m512 o = _mm512_mul_ps(acc[h][l], inverse);
@@ -344,6 +351,8 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
             scores[j] = s;
             row_max = s > row_max ? s : row_max;
         }
+        const float sink = a->sinks ? a->sinks[kv_head * group + h] : -INFINITY;
+        row_max = sink > row_max ? sink : row_max;
         float sum = 0.0f;
         for (int d = 0; d < dim; d++) acc[d] = 0.0f;
         for (int64_t j = first_key; j < num_keys; j++) {
@@ -353,6 +362,7 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
             key_offsets(a, table, j, 1, kv_head, &offset);
             for (int d = 0; d < dim; d++) acc[d] += p * load_scalar(a->value_cache, offset + d, dtype);
         }
+        if (a->sinks) sum += expf(sink - row_max);
         int64_t obase = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
         for (int d = 0; d < dim; d++) store_scalar(a->out, obase + d, dtype, acc[d] / sum);
     }
