@@ -18,6 +18,7 @@ each; `bytes_per_checkpoint` each, allocated once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -58,9 +59,9 @@ class RecurrentStates:
     @property
     def bytes_per_checkpoint(self) -> int:
         """Bytes of one checkpoint over every recurrent layer."""
-        return sum(spec_bytes for layer_specs in self.specs.values() for spec in layer_specs
-                   if spec.checkpointed
-                   for spec_bytes in [_numel(spec.shape) * (spec.dtype or self.dtype).itemsize])
+        return sum(math.prod(spec.shape) * (spec.dtype or self.dtype).itemsize
+                   for layer_specs in self.specs.values() for spec in layer_specs
+                   if spec.checkpointed)
 
     @property
     def bytes_per_request(self) -> int:
@@ -130,9 +131,3 @@ class RecurrentStates:
                 else:
                     tensor[slot].copy_(saved[checkpoint])
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
