@@ -383,6 +383,10 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         """The cap of the final logits (None: uncapped; Gemma 2's `final_logit_softcapping`)."""
         return None
 
+    # Checkpoint tensors the model does not use (full-name regexes), skipped at load; e.g.
+    # Qwen3-Next's multi-token-prediction head `mtp.*`, which Hugging Face ignores too.
+    checkpoint_ignored: tuple[str, ...] = ()
+
     # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
     # weights: `models.moe.expert_renames`); tried first.
     checkpoint_renames: tuple[CheckpointRename, ...] = ()

@@ -219,13 +219,14 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     renames = getattr(model, "checkpoint_renames", ())
+    ignored = [re.compile(pattern) for pattern in getattr(model, "checkpoint_ignored", ())]
     loaded: set[str] = set()
     loaded_shards: dict[str, set[str]] = {}  # fused parameter -> the shards it received
     for path in checkpoint_files(model_dir):
         handle = SafetensorsFile(path)
         try:
             for name, (dtype, shape, _) in handle.entries.items():
-                if "rotary_emb.inv_freq" in name:
+                if "rotary_emb.inv_freq" in name or any(p.fullmatch(name) for p in ignored):
                     continue
                 target, shard = _target_of(name, renames, packed)
                 param = params.get(target)

@@ -193,6 +193,7 @@ class Qwen3NextForCausalLM(CausalLM[Qwen3NextConfig]):
                                                   "down_proj": "down"}),
                           CheckpointRename(r"(layers\.\d+)\.linear_attn\.(.+)", r"\1.self_attn.\2"))
     packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    checkpoint_ignored = (r"mtp\..*",)  # the multi-token-prediction head (unused, as in HF)
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:

@@ -205,3 +205,18 @@ def test_bf16_states_at_block_boundaries_have_the_same_bits_for_every_chunking(q
                                              else torch.int32),
                                    reference_state.view(torch.int16 if ours.dtype ==
                                                         torch.bfloat16 else torch.int32))
+
+
+def test_the_multi_token_prediction_head_is_skipped_at_load(qwen3_next_dir, tmp_path):
+    """Qwen3-Next checkpoints carry `mtp.*` tensors that Hugging Face ignores; so do we
+    (any other unknown tensor is still an error)."""
+    from safetensors.torch import save_file
+
+    folder = _edited_copy(qwen3_next_dir, tmp_path / "with_mtp")
+    save_file({"mtp.fc.weight": torch.ones(64, 128), "mtp.norm.weight": torch.ones(64)},
+              str(folder / "mtp.safetensors"))
+    llm = LLM(str(folder), block_size=16, device="cpu")
+    assert generate(llm) == reference(("qwen3_next", qwen3_next_dir))
+    save_file({"model.layers.0.unknown.weight": torch.ones(4)}, str(folder / "mtp.safetensors"))
+    with pytest.raises(ValueError, match="unknown.weight"):
+        LLM(str(folder), block_size=16, device="cpu")
