@@ -386,6 +386,9 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     # Checkpoint tensors the model does not use (full-name regexes), skipped at load; e.g.
     # Qwen3-Next's multi-token-prediction head `mtp.*`, which Hugging Face ignores too.
     checkpoint_ignored: tuple[str, ...] = ()
+    # Where the checkpoint nests the decoder inside `model.` (a multimodal checkpoint run
+    # as text only: `language_model.`); "" for a decoder-only checkpoint.
+    checkpoint_prefix = ""
 
     # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
     # weights: `models.moe.expert_renames`); tried first.

@@ -163,6 +163,36 @@ class Qwen3_5MoeConfig(Qwen3NextConfig):
         return {**expert_fields(raw, source, raw.get("num_experts")), "norm_topk_prob": True}
 
 
+def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a Qwen3.5 vision-language config.json (`text_config`),
+    with the top level's architecture and settings that apply to the whole model."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{raw.get('architectures')} config.json has no text_config")
+    whole = {key: raw[key] for key in ("architectures", "tie_word_embeddings",
+                                        "quantization_config", "torch_dtype", "dtype")
+             if key in raw}
+    return {**text, **whole}
+
+
+@dataclass
+class Qwen3_5VisionLanguageConfig(Qwen3_5Config):
+    """`Qwen3_5ForConditionalGeneration`'s text model (its `text_config`)."""
+
+    @classmethod
+    def from_hf_config(cls, raw: dict[str, Any], model_dir: Path) -> ModelConfig:
+        return super().from_hf_config(text_config_of(raw), model_dir)
+
+
+@dataclass
+class Qwen3_5MoeVisionLanguageConfig(Qwen3_5MoeConfig):
+    """`Qwen3_5MoeForConditionalGeneration`'s text model (its `text_config`)."""
+
+    @classmethod
+    def from_hf_config(cls, raw: dict[str, Any], model_dir: Path) -> ModelConfig:
+        return super().from_hf_config(text_config_of(raw), model_dir)
+
+
 class SharedExpertMoeBlock(SparseMoeBlock):
     """Routed experts plus a shared expert weighted by `sigmoid(shared_expert_gate(x))`
     (Hugging Face's `Qwen2MoeSparseMoeBlock`)."""
@@ -193,7 +223,7 @@ class Qwen3NextForCausalLM(CausalLM[Qwen3NextConfig]):
                                                   "down_proj": "down"}),
                           CheckpointRename(r"(layers\.\d+)\.linear_attn\.(.+)", r"\1.self_attn.\2"))
     packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
-    checkpoint_ignored = (r"mtp\..*",)  # the multi-token-prediction head (unused, as in HF)
+    checkpoint_ignored: tuple[str, ...] = (r"mtp\..*",)  # the multi-token-prediction head (unused, as in HF)
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -240,3 +270,21 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     config_class = Qwen3_5MoeConfig
     split_projections = True
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A Qwen3.5 vision-language checkpoint run as text only: its language model (under
+    `model.language_model.`); the vision tower and the MTP head are not loaded."""
+
+    config_class = Qwen3_5VisionLanguageConfig
+    checkpoint_prefix = "language_model."
+    checkpoint_ignored = (r"model\.visual\..*", r"mtp\..*")
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """A Qwen3.5-MoE vision-language checkpoint run as text only (see
+    `Qwen3_5ForConditionalGeneration`)."""
+
+    config_class = Qwen3_5MoeVisionLanguageConfig
+    checkpoint_prefix = "language_model."
+    checkpoint_ignored = (r"model\.visual\..*", r"mtp\..*")

@@ -24,8 +24,12 @@ from kvrecover.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from kvrecover.models.qwen3_next import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeVisionLanguageConfig,
+    Qwen3_5VisionLanguageConfig,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
@@ -88,6 +92,10 @@ HYBRID_FAMILIES = {  # linear-attention hybrids (tests/models/test_qwen3_next_vs
     "Qwen3NextForCausalLM": ({}, Qwen3NextForCausalLM, Qwen3NextConfig),
     "Qwen3_5ForCausalLM": ({}, Qwen3_5ForCausalLM, Qwen3_5Config),
     "Qwen3_5MoeForCausalLM": ({}, Qwen3_5MoeForCausalLM, Qwen3_5MoeConfig),
+    "Qwen3_5ForConditionalGeneration": ({}, Qwen3_5ForConditionalGeneration,
+                                        Qwen3_5VisionLanguageConfig),
+    "Qwen3_5MoeForConditionalGeneration": ({}, Qwen3_5MoeForConditionalGeneration,
+                                           Qwen3_5MoeVisionLanguageConfig),
 }
 
 

@@ -220,3 +220,40 @@ def test_the_multi_token_prediction_head_is_skipped_at_load(qwen3_next_dir, tmp_
     save_file({"model.layers.0.unknown.weight": torch.ones(4)}, str(folder / "mtp.safetensors"))
     with pytest.raises(ValueError, match="unknown.weight"):
         LLM(str(folder), block_size=16, device="cpu")
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def vision_language(request, tmp_path_factory) -> tuple[str, Path]:
+    """Qwen3.5's released form: a vision-language checkpoint (`text_config`, the decoder
+    under `model.language_model.`, a vision tower) with random weights everywhere."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    name = request.param
+    text = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+                full_attention_interval=2, **LINEAR, **(EXPERTS if name == "qwen3_5_moe" else {}))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = AutoConfig.for_model(name, text_config=text, vision_config=vision,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(6)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.08)
+            elif not param_name.endswith("A_log"):
+                param.normal_(0, 0.2).add_(1.0 if "linear_attn.norm" in param_name else 0.0)
+    folder = tmp_path_factory.mktemp(f"{name}_vl")
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(folder, 384)
+    return f"{name}_vl", folder
+
+
+def test_vision_language_checkpoints_run_as_text_and_match_hf(vision_language):
+    name, folder = vision_language
+    architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert architecture.endswith("ForConditionalGeneration")
+    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=12, device="cpu")
+    assert generate(llm) == generate(llm) == reference(vision_language)
+    assert llm.stats["prefix_cache_hit_tokens"] > 0
