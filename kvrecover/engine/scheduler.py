@@ -254,7 +254,7 @@ class Scheduler:
             computes_all = request.needs_every_prompt_position
             hits = None if request.holds_blocks or computes_all else \
                 self.kv_manager.find_cached_prefix(request)
-            if hits and self.state_checkpoints is not None:
+            if hits is not None and self.state_checkpoints is not None:
                 hits = self.state_checkpoints.usable_prefix(request, hits)
             num_local = hits.num_tokens if hits else request.num_computed_tokens
             num_external, load_async = (0, False) if computes_all else \
