@@ -169,6 +169,10 @@ class EngineArgs:
     enforce_eager: bool = option(False, "never replay CUDA graphs", bool)
     enable_prefix_caching: bool = option(
         True, "reuse the KV of prompt prefixes computed before", bool)
+    num_state_checkpoints: int = option(
+        32, "recurrent-state checkpoints kept at block boundaries for prefix caching, for "
+        "models with linear-attention layers (Qwen3-Next, Qwen3.5); 0: none, so no prefix "
+        "of theirs is reused", int, minimum=0, metavar="N")
     seed: int = option(
         0, "engine seed; requests without their own seed derive theirs from it", int,
         minimum=0, maximum=_MAX_SEED)

@@ -15,7 +15,7 @@ groups.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 # A load for a windowed group brings the window before the resume point plus this many
@@ -66,16 +66,21 @@ class KVCacheGroup:
                    for i in range(first, last))
 
 
-def build_kv_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroup, ...]:
-    """The groups of a model whose layer i has window `layer_windows[i]` (None: full).
+def build_kv_groups(layer_windows: Sequence[int | None],
+                    recurrent_layers: Collection[int] = ()) -> tuple[KVCacheGroup, ...]:
+    """The groups of a model whose layer i has window `layer_windows[i]` (None: full);
+    `recurrent_layers` (linear attention: a recurrent state, no KV) belong to none.
 
     Full attention comes first, then windows by size; within a kind, layers in order,
     S at a time. Raises ValueError for a window that is not a positive int.
     """
-    if not layer_windows:
-        raise ValueError("the model has no layers: num_hidden_layers must be at least 1")
+    if len(layer_windows) <= len(set(recurrent_layers)):
+        raise ValueError("the model has no attention layers: num_hidden_layers must be at "
+                         "least 1, and a hybrid model needs one full_attention layer")
     kinds: dict[int | None, list[int]] = {}
     for index, window in enumerate(layer_windows):
+        if index in recurrent_layers:
+            continue
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ValueError(f"layer {index} has sliding window {window!r}: a window must be "
@@ -110,6 +115,16 @@ def layer_slots(groups: Sequence[KVCacheGroup]) -> list[LayerSlot]:
         for position, layer in enumerate(group.layer_indices):
             slots[layer] = LayerSlot(group_index, position)
     return [slots[layer] for layer in sorted(slots)]
+
+
+def layer_slot_map(groups: Sequence[KVCacheGroup], num_layers: int) -> list[LayerSlot | None]:
+    """`LayerSlot` of each of `num_layers` layers, None for a layer in no group (a
+    recurrent layer)."""
+    slots: list[LayerSlot | None] = [None] * num_layers
+    for group_index, group in enumerate(groups):
+        for position, layer in enumerate(group.layer_indices):
+            slots[layer] = LayerSlot(group_index, position)
+    return slots
 
 
 def groups_signature(groups: Sequence[KVCacheGroup]) -> str:

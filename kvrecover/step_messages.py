@@ -74,6 +74,11 @@ class ScheduledRequest:
     # The request's grammar matcher (structured outputs), read by the runner to mask the
     # sampled row's logits; None for an unconstrained request.
     grammar: GrammarState | None = None
+    # A hybrid model's recurrent-state checkpoints (`engine/state_checkpoints.py`): the
+    # checkpoint slot to start from (at `num_computed_tokens`, a prefix-cache hit), and
+    # (position, slot) of each block boundary inside this slice whose state to keep.
+    restore_checkpoint: int | None = None
+    save_checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tables(self) -> list[list[int]]:
@@ -88,6 +93,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_request_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    # Requests preempted since the last step (they restart from 0): the worker frees
+    # what it holds for them besides KV blocks (a hybrid model's recurrent states).
+    preempted_request_ids: set[str] = field(default_factory=set)
 
     @property
     def num_scheduled_tokens(self) -> int:

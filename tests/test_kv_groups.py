@@ -74,3 +74,14 @@ def test_first_needed_block_follows_q_minus_w_lt_k():
     assert KVCacheGroup(None, (0,)).first_needed_block(1000, 4) == 0
     # A load to 16 brings the window before 16 (block 3) and one more window.
     assert group.first_loaded_block(16, 4) == 2
+
+
+# ----- issue 23: recurrent (linear-attention) layers belong to no group --------------------
+def test_recurrent_layers_have_no_group_and_no_cache_tensor():
+    from kvrecover.kv_groups import LayerSlot, layer_slot_map
+
+    groups = build_kv_groups([None] * 4, recurrent_layers=[0, 2])
+    assert groups == (KVCacheGroup(None, (1, 3)),)
+    assert layer_slot_map(groups, 4) == [None, LayerSlot(0, 0), None, LayerSlot(0, 1)]
+    with pytest.raises(ValueError, match="full_attention layer"):
+        build_kv_groups([None] * 2, recurrent_layers=[0, 1])

@@ -19,6 +19,7 @@ from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.resolve import ResolvedConfig, resolve_config
 from kvrecover.engine.scheduler import Scheduler
 from kvrecover.engine.snapshot import EngineSnapshot
+from kvrecover.engine.state_checkpoints import StateCheckpoints
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_layout import update_block_hashes
 from kvrecover.kv_transfer.base import KVConnectorRole
@@ -80,7 +81,10 @@ class Engine:
             connector = plan.create(KVConnectorRole.SCHEDULER, self.layout)
             self.model_runner.attach_connector(plan.create(KVConnectorRole.WORKER, self.layout))
         transfer = plan.transfer if plan is not None else None
-        self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer)
+        checkpoints = (StateCheckpoints(num_state_checkpoints(config), args.block_size)
+                       if self.model_config.recurrent_layers() else None)
+        self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer,
+                                   state_checkpoints=checkpoints)
         self._request_counter = 0
         self._choices: dict[str, list[str]] = {}  # an n > 1 request's id -> its choices' ids
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
@@ -346,6 +350,15 @@ class Engine:
         )
 
 
+def num_state_checkpoints(config: ResolvedConfig) -> int:
+    """A hybrid model's recurrent-state checkpoint slots: none without prefix caching
+    (nothing would resume from them)."""
+    args = config.args
+    if not config.model_config.recurrent_layers() or not args.enable_prefix_caching:
+        return 0
+    return args.num_state_checkpoints
+
+
 def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
     """The model runner: this process's alone, or rank 0's of a tensor-parallel group."""
     args = config.args
@@ -355,6 +368,7 @@ def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
             config.max_model_len, config.layout, enforce_eager=args.enforce_eager,
             batch_invariant=args.batch_invariant, attention_backend=config.attention_backend,
             native_kernels=args.native_kernels,
+            num_state_checkpoints=num_state_checkpoints(config),
         )
     return TensorParallelRunner(RankSpec(
         config.model_config, config.model_dir, config.device, config.dtype,

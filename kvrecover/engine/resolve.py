@@ -131,6 +131,11 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
         groups=resolve_kv_groups(model_config),
     )
     connector = resolve_connector(args.kv_transfer_config)
+    if connector is not None and model_config.recurrent_layers():
+        raise ValueError(
+            f"{model_config.architecture} has linear-attention layers (a recurrent state per "
+            "request), and kvrecover cannot store or load their states with the KV yet: run "
+            "it without kv_transfer_config")
     if connector is not None and layout.groups:
         check_connector_groups(connector, layout)
     return ResolvedConfig(
@@ -209,10 +214,10 @@ def resolve_max_model_len(max_model_len: int | None, config: ModelConfig) -> int
 def resolve_kv_groups(model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
     """The KV cache groups of the model's layer windows; () (one full-attention group of
     every layer, the layout of a model without windows) when no layer has one."""
-    windows = model_config.layer_windows()
-    if all(window is None for window in windows):
+    windows, recurrent = model_config.layer_windows(), model_config.recurrent_layers()
+    if not recurrent and all(window is None for window in windows):
         return ()
-    return build_kv_groups(windows)
+    return build_kv_groups(windows, recurrent)
 
 
 def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLayout,

@@ -24,6 +24,7 @@ from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from kvrecover.engine.kv_loads import KVLoads
 from kvrecover.engine.request import Request, RequestStatus
+from kvrecover.engine.state_checkpoints import StateCheckpoints
 from kvrecover.engine.stats import EngineStats
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.step_messages import (
@@ -47,6 +48,7 @@ class Scheduler:
         connector: KVConnectorBase | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        state_checkpoints: StateCheckpoints | None = None,
     ) -> None:
         self.config = config
         self.kv_manager = kv_manager
@@ -57,10 +59,13 @@ class Scheduler:
                                 self._end_with_error, clock)
         self.recovery = self.kv_loads.recovery
         self.loads = self.kv_loads.tracker
+        # A hybrid model's recurrent-state checkpoints: a prefix is reused only with its state.
+        self.state_checkpoints = state_checkpoints
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
+        self._preempted_since_last_step: set[str] = set()  # the worker frees their states
         # Requests ended outside the token loop (failed loads, connector errors),
         # reported with the step's output.
         self._ended: list[Request] = []
@@ -144,8 +149,9 @@ class Scheduler:
             stalled = self._schedule_waiting(scheduled, budget)
             if stalled is not None and not scheduled and not self.running:
                 self._fail_stalled(stalled)
-        output = SchedulerOutput(scheduled, self._finished_since_last_step)
-        self._finished_since_last_step = set()
+        output = SchedulerOutput(scheduled, self._finished_since_last_step,
+                                 preempted_request_ids=self._preempted_since_last_step)
+        self._finished_since_last_step, self._preempted_since_last_step = set(), set()
         output.kv_connector_metadata = self.kv_loads.build_connector_meta(output)
         return output
 
@@ -231,6 +237,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
+        self._preempted_since_last_step.add(request.request_id)
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> Request | None:
@@ -247,6 +254,8 @@ class Scheduler:
             computes_all = request.needs_every_prompt_position
             hits = None if request.holds_blocks or computes_all else \
                 self.kv_manager.find_cached_prefix(request)
+            if hits is not None and self.state_checkpoints is not None:
+                hits = self.state_checkpoints.usable_prefix(request, hits)
             num_local = hits.num_tokens if hits else request.num_computed_tokens
             num_external, load_async = (0, False) if computes_all else \
                 self.kv_loads.external_tokens(request, num_local)
@@ -309,7 +318,7 @@ class Scheduler:
         start = request.num_computed_tokens
         spec = request.logits_spec
         scores_prompt = request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
-        return ScheduledRequest(
+        item = ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids[start : start + num_new],
             num_computed_tokens=start,
@@ -324,6 +333,9 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids if scores_prompt else None,
             grammar=request.grammar,
         )
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.plan(request, item)
+        return item
 
     @staticmethod
     def _tables_of(request: Request) -> list[list[int]]:
@@ -351,6 +363,8 @@ class Scheduler:
                 continue  # its failure, if any, is void too
             if item.request_id in output.failed_requests:
                 failing.append(request)
+                if self.state_checkpoints is not None:
+                    self.state_checkpoints.discard(item.save_checkpoints)
                 continue
             request.num_computed_tokens += len(item.token_ids)
             prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens)
@@ -439,3 +453,5 @@ class Scheduler:
         self.kv_loads.request_finished(request)
         self.kv_manager.free(request)
         self._finished_since_last_step.add(request.request_id)
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.forget(request.request_id)

@@ -43,6 +43,12 @@ class ModelConfig:
         the KV cache per layer."""
         return [None] * self.num_hidden_layers
 
+    def recurrent_layers(self) -> list[int]:
+        """The layers that keep a recurrent state instead of a KV cache (linear attention,
+        `models/recurrent_state.py`); a hybrid family overrides this. They belong to no KV
+        cache group."""
+        return []
+
     @property
     def identity(self) -> str:
         """A short stable digest of everything that shapes the KV cache's contents

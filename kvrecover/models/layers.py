@@ -32,6 +32,7 @@ from kvrecover.models.parallel_layers import (
     VocabParallelEmbedding,
     shard_heads,
 )
+from kvrecover.models.recurrent_state import StateSpec
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.interface import BackendFeatures
 
@@ -309,6 +310,12 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             # matmul (oneDNN on the CPU); the embedding then keeps the dense copy.
             self.lm_head.weight = self.embed_tokens.weight
 
+    def recurrent_state_specs(self, chunk_size: int) -> dict[int, list[StateSpec]]:
+        """Each recurrent (linear-attention) layer's per-request state, by layer index
+        (`models/recurrent_state.py`); none in a family without such layers. Such a layer
+        receives a `RecurrentLayerStep` in place of attention metadata."""
+        return {}
+
     def add_rotary_tables(self, config: ConfigT, max_positions: int) -> None:
         """Called by `__init__` before the layers are made: a family whose layers rotate by
         other tables than `self.rotary` adds them here (and lists them in `rotary_tables`)."""
@@ -375,6 +382,13 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     def final_logit_softcap(self) -> float | None:
         """The cap of the final logits (None: uncapped; Gemma 2's `final_logit_softcapping`)."""
         return None
+
+    # Checkpoint tensors the model does not use (full-name regexes), skipped at load; e.g.
+    # Qwen3-Next's multi-token-prediction head `mtp.*`, which Hugging Face ignores too.
+    checkpoint_ignored: tuple[str, ...] = ()
+    # Where the checkpoint nests the decoder inside `model.` (a multimodal checkpoint run
+    # as text only: `language_model.`); "" for a decoder-only checkpoint.
+    checkpoint_prefix = ""
 
     # Checkpoint names the fragments below do not cover (per-expert tensors into stacked
     # weights: `models.moe.expert_renames`); tried first.

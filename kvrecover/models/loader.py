@@ -64,9 +64,10 @@ class CheckpointRename:
 
 
 def _target_of(name: str, renames: tuple[CheckpointRename, ...],
-               packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
-    """Our parameter name and shard id for checkpoint tensor `name`."""
-    target = name.removeprefix("model.")  # HF nests the decoder under `model.`
+               packed: dict[str, tuple[str, str]], prefix: str = "") -> tuple[str, str | None]:
+    """Our parameter name and shard id for checkpoint tensor `name` (`prefix`: where a
+    multimodal checkpoint nests the decoder inside `model.`, e.g. `language_model.`)."""
+    target = name.removeprefix("model.").removeprefix(prefix)  # HF nests the decoder there
     for rename in renames:
         renamed = rename.apply(target)
         if renamed is not None:
@@ -219,15 +220,17 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     renames = getattr(model, "checkpoint_renames", ())
+    ignored = [re.compile(pattern) for pattern in getattr(model, "checkpoint_ignored", ())]
+    prefix = getattr(model, "checkpoint_prefix", "")
     loaded: set[str] = set()
     loaded_shards: dict[str, set[str]] = {}  # fused parameter -> the shards it received
     for path in checkpoint_files(model_dir):
         handle = SafetensorsFile(path)
         try:
             for name, (dtype, shape, _) in handle.entries.items():
-                if "rotary_emb.inv_freq" in name:
+                if "rotary_emb.inv_freq" in name or any(p.fullmatch(name) for p in ignored):
                     continue
-                target, shard = _target_of(name, renames, packed)
+                target, shard = _target_of(name, renames, packed, prefix)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")

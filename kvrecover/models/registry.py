@@ -30,6 +30,12 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),  # text only (gemma3_text)
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),  # linear-attention hybrid
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),  # text only (qwen3_5_text)
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),  # qwen3_5_moe_text
+    # Qwen3.5's released (vision-language) checkpoints, run as text only
+    "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

@@ -78,9 +78,10 @@ class KernelBackend:
             )
 
 
-# The features every family's attention implements (each kernel of each family).
+# The features every family's attention implements (each kernel of each family); the
+# linear-attention kernels are the torch reference's, which every family's ops inherit.
 EVERY_BACKEND = BackendFeatures(sliding_window=True, logit_softcap=True, attention_sinks=True,
-                                moe=True)
+                                moe=True, linear_attention=True)
 
 # Whether bf16/fp16 on the CPU run the invariant kernels without `batch_invariant`.
 # On: with the C attention kernel they cost no more than the reference kernels in

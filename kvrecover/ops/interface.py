@@ -182,7 +182,57 @@ class MoEKernels(Protocol):
         ...
 
 
-class ModelOps(LinearKernels, NormKernels, MoEKernels, Protocol):
+# ----- linear attention (gated delta rule) ----------------------------------------------
+@dataclass
+class DeltaRuleState:
+    """One request's state of one linear-attention layer (views into the worker's pool).
+
+    `state` [Hv, Dk, Dv] is the recurrent state at the last chunk boundary at or before
+    the request's position p; the tails [C, ...] hold the (normalised) inputs of the
+    positions from that boundary to p, in their first `p % C` rows.
+    """
+
+    state: torch.Tensor  # [Hv, Dk, Dv] float32
+    query_tail: torch.Tensor  # [C, Hv, Dk] float32, l2-normalised and scaled
+    key_tail: torch.Tensor  # [C, Hv, Dk] float32, l2-normalised
+    value_tail: torch.Tensor  # [C, Hv, Dv] float32
+    decay_tail: torch.Tensor  # [C, Hv] float32, log decay g
+    beta_tail: torch.Tensor  # [C, Hv] float32
+
+
+class LinearAttentionKernels(Protocol):
+    """The per-request kernels of a Gated DeltaNet layer (`models/gated_deltanet.py`); each
+    row's bits do not depend on how many tokens the step holds or where it was split
+    (`ops/reference/gated_delta.py` says how)."""
+
+    def causal_conv1d(self, x: torch.Tensor, conv_state: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+        """SiLU of the depthwise causal convolution of one request's `x` [T, D] with
+        `weight` [D, K], continuing from and advancing `conv_state` [D, K - 1]."""
+        ...
+
+    def gated_delta_rule(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        decay: torch.Tensor, beta: torch.Tensor, state: DeltaRuleState, start: int,
+        chunk_size: int, snapshots: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> torch.Tensor:
+        """One request's outputs [T, Hv, Dv] (float32) for positions [start, start + T),
+        advancing its `DeltaRuleState` in place, in chunks aligned to absolute positions;
+        the recurrent state at each chunk boundary of `snapshots` is copied into its tensor."""
+        ...
+
+    def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log decay `-exp(A_log) * softplus(a + dt_bias)` [T, Hv] float32, `sigmoid(b)`)."""
+        ...
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """RMSNorm of `x` times `silu(gate)` (Hugging Face's `RMSNormGated`)."""
+        ...
+
+
+class ModelOps(LinearKernels, NormKernels, MoEKernels, LinearAttentionKernels, Protocol):
     """Every per-token op a model calls besides attention (`ops.reference.TorchOps` is the
     reference; each override rounds where it rounds)."""
 

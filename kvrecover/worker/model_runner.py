@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrecover.kv_groups import layer_slots
+from kvrecover.kv_groups import layer_slot_map
 from kvrecover.kv_layout import KVCacheLayout, blocks_needed
 from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup, shard_heads
+from kvrecover.models.recurrent_state import delta_chunk_size
 from kvrecover.models.registry import build_model, model_class
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.interface import StepInputs, StepInputSpec
@@ -37,6 +38,7 @@ from kvrecover.worker.prompt_logprobs import (
     add_logprobs,
     score_prompt_tokens,
 )
+from kvrecover.worker.recurrent_states import RecurrentStates
 from kvrecover.worker.sampler import SampledRows, Sampler
 
 if TYPE_CHECKING:
@@ -58,7 +60,9 @@ class ModelRunner:
     through the fixed-order Triton matmul, on the CPU through the fixed-shape
     kernels that bf16/fp16 use by default (`ops.backend`). Unless
     `enforce_eager`, decode steps on CUDA replay CUDA graphs where the backend's
-    step inputs support them.
+    step inputs support them. A hybrid model's recurrent states live in
+    `recurrent_states` (`worker/recurrent_states.py`, with `num_state_checkpoints`
+    checkpoint slots).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         native_kernels: bool | None = None,
         tp: TensorParallelGroup = SINGLE_RANK,
+        num_state_checkpoints: int = 0,
     ) -> None:
         self.backend = select_backend(
             attention_backend, device, batch_invariant=batch_invariant, dtype=dtype,
@@ -102,11 +107,17 @@ class ModelRunner:
         self.backend.prepare_weights(self.model)
         self.kv_caches: list[torch.Tensor] = []  # allocate_kv_cache, once the weights are in
         # Layer i's cache tensor and KV cache group (`kv_groups.py`): a block id spans the
-        # cache tensors, layer j of each group using tensor j.
-        slots = layer_slots(layout.kv_groups)
-        self._layer_tensors = [slot.tensor for slot in slots]
-        self._layer_groups = [slot.group for slot in slots]
+        # cache tensors, layer j of each group using tensor j. A recurrent layer has none.
+        slots = layer_slot_map(layout.kv_groups, model_config.num_hidden_layers)
+        self._layer_tensors = [None if slot is None else slot.tensor for slot in slots]
+        self._layer_groups = [None if slot is None else slot.group for slot in slots]
         self.layer_caches: list[torch.Tensor] = []
+        # A hybrid model's per-request recurrent states (its linear-attention layers).
+        specs = self.model.recurrent_state_specs(delta_chunk_size(layout.block_size))
+        self.recurrent_states = (RecurrentStates(specs, dtype, device,
+                                                 delta_chunk_size(layout.block_size),
+                                                 num_state_checkpoints)
+                                 if specs else None)
         self.sampler = Sampler(device)
         self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
         self.sampler.token_masks.append(GrammarMask(self.grammar_bitmask))
@@ -127,7 +138,7 @@ class ModelRunner:
         graph_inputs = self.inputs.for_graphs()
         # Graphs and overlap replay one rank's step alone; ranks step together (eagerly).
         if (device.type == "cuda" and not enforce_eager and graph_inputs is not None
-                and tp.size == 1):
+                and tp.size == 1 and self.recurrent_states is None):
             from kvrecover.worker.cuda_graphs import DecodeGraphs
 
             max_blocks = blocks_needed(max_model_len, layout.block_size)
@@ -143,7 +154,9 @@ class ModelRunner:
         """Allocate the paged KV cache. The engine calls this after construction, so a
         memory budget measured on the device already accounts for the weights."""
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.device)
-        self.layer_caches = [self.kv_caches[t] for t in self._layer_tensors]
+        no_cache = torch.empty(0, device=self.device)  # a recurrent layer's: it has no KV
+        self.layer_caches = [no_cache if t is None else self.kv_caches[t]
+                             for t in self._layer_tensors]
 
     def release(self) -> None:
         """Drop every tensor this runner holds: the KV cache (emptying the list that
@@ -210,8 +223,8 @@ class ModelRunner:
         step with a structured-output request does not overlap (its grammar must accept
         this step's token before the next mask exists); it still replays its graph."""
         scheduled = scheduler_output.scheduled
-        if self.tp.size > 1:
-            return False
+        if self.tp.size > 1 or self.recurrent_states is not None:
+            return False  # a recurrent state cannot take back a step that turns out void
         if not scheduled or any(len(s.token_ids) != 1 or not s.sample for s in scheduled):
             return False
         if any(s.grammar is not None for s in scheduled):
@@ -258,6 +271,9 @@ class ModelRunner:
         """Note where the step's failed rows go; bind the connector metadata, start loads."""
         self._failed_requests = output.failed_requests
         self.sampler.processors.release(scheduler_output.finished_request_ids)
+        if self.recurrent_states is not None:
+            self.recurrent_states.release(scheduler_output.finished_request_ids)
+            self.recurrent_states.release(scheduler_output.preempted_request_ids)
         if self.kv_connector is not None:
             self.kv_connector.start_step(scheduler_output)
 
@@ -298,7 +314,7 @@ class ModelRunner:
             tokens, rows = source
             inputs.input_ids.copy_(tokens.index_select(0, torch.tensor(rows, device=self.device)))
         before_layer = after_layer = None
-        layer_meta = self._layer_meta(inputs)
+        layer_meta = self._layer_meta(inputs, scheduled)
         if self.kv_connector is not None:
             before_layer, after_layer = self.kv_connector.layer_hooks(inputs.attn, layer_meta)
         hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.attn,
@@ -336,11 +352,19 @@ class ModelRunner:
             raise RuntimeError("a graphed decode step needs the whole vocabulary's logits")
         return self.backend.sampling.upcast_greedy(logits)
 
-    def _layer_meta(self, inputs: StepInputs) -> list[Any] | None:
-        """Each layer's attention record (its group's); None for a model of one group."""
+    def _layer_meta(self, inputs: StepInputs,
+                    scheduled: list[ScheduledRequest] | None = None) -> list[Any] | None:
+        """Each layer's record: its group's attention record, or a recurrent layer's
+        `RecurrentLayerStep` (for the `scheduled` requests); None for a model of one
+        attention group and no recurrent layer."""
+        if self.recurrent_states is not None and scheduled is not None:
+            steps = self.recurrent_states.step(scheduled)
+            group_attn = inputs.group_attn or [inputs.attn]
+            return [steps[i] if g is None else group_attn[g]
+                    for i, g in enumerate(self._layer_groups)]
         if not inputs.group_attn:
             return None
-        return [inputs.group_attn[g] for g in self._layer_groups]
+        return [inputs.group_attn[g] for g in self._layer_groups if g is not None]
 
     def _can_replay(self, scheduler_output: SchedulerOutput) -> bool:
         """Graphs run only pure decode steps whose connector has nothing to load or save."""

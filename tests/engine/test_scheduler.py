@@ -384,3 +384,22 @@ def test_a_runner_failure_without_failed_loads_ends_only_that_request():
     assert a.output_token_ids == [] and a.num_computed_tokens == 0  # its part never applied
     run_to_completion(scheduler)
     assert b.output_token_ids == [TOKEN] * 3 and all_blocks_free(scheduler)
+
+
+# ----- issue 23: the worker frees what it holds for a preempted request ------------------
+def test_preempted_requests_are_named_in_the_next_schedule_once():
+    """A hybrid model's recurrent-state slots are freed by these ids (the request restarts
+    from 0); each preemption is named once, in the schedule that made it."""
+    scheduler = make_scheduler(num_blocks=7, budget=64)
+    requests = [add(scheduler, name, list(range(10 * i, 10 * i + 9)), max_tokens=8)
+                for i, name in enumerate("abc")]
+    named: list[str] = []
+    for _ in range(60):
+        if not scheduler.has_unfinished():
+            break
+        output, _ = step(scheduler)
+        named += sorted(output.preempted_request_ids)
+        assert not output.preempted_request_ids & {s.request_id for s in output.scheduled
+                                                    if s.num_computed_tokens > 0}
+    assert sum(r.num_preemptions for r in requests) == len(named) > 0
+    assert all_blocks_free(scheduler)

@@ -21,6 +21,18 @@ from kvrecover.models.mixtral import MixtralConfig, MixtralForCausalLM
 from kvrecover.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from kvrecover.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from kvrecover.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from kvrecover.models.qwen3_next import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeVisionLanguageConfig,
+    Qwen3_5VisionLanguageConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 from kvrecover.models.registry import (
     MODELS,
     build_model,
@@ -76,9 +88,20 @@ MOE_FAMILIES = {
 GPT_OSS = {"GptOssForCausalLM": ({}, GptOssForCausalLM, GptOssConfig)}
 
 
+HYBRID_FAMILIES = {  # linear-attention hybrids (tests/models/test_qwen3_next_vs_hf.py)
+    "Qwen3NextForCausalLM": ({}, Qwen3NextForCausalLM, Qwen3NextConfig),
+    "Qwen3_5ForCausalLM": ({}, Qwen3_5ForCausalLM, Qwen3_5Config),
+    "Qwen3_5MoeForCausalLM": ({}, Qwen3_5MoeForCausalLM, Qwen3_5MoeConfig),
+    "Qwen3_5ForConditionalGeneration": ({}, Qwen3_5ForConditionalGeneration,
+                                        Qwen3_5VisionLanguageConfig),
+    "Qwen3_5MoeForConditionalGeneration": ({}, Qwen3_5MoeForConditionalGeneration,
+                                           Qwen3_5MoeVisionLanguageConfig),
+}
+
+
 def test_every_supported_architecture_is_registered_with_a_family():
-    assert supported_architectures() == (*FAMILIES, *MOE_FAMILIES, *GEMMA_FAMILIES, *GPT_OSS)
-    every = {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES, **GPT_OSS}
+    every = {**FAMILIES, **MOE_FAMILIES, **GEMMA_FAMILIES, **GPT_OSS, **HYBRID_FAMILIES}
+    assert supported_architectures() == tuple(every)
     for architecture, (_, model, config) in every.items():
         assert model_class(architecture) is model
         assert issubclass(model, CausalLM) and model.config_class is config

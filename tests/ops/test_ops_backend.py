@@ -63,30 +63,33 @@ def test_every_backend_declares_its_features_and_names_what_is_missing():
     for backend in (select_backend("torch", CPU), select_backend("auto", CPU, dtype=torch.bfloat16),
                     select_backend("auto", CPU, batch_invariant=True)):
         assert backend.features == BackendFeatures(sliding_window=True, logit_softcap=True,
-                                                   attention_sinks=True, moe=True)
+                                                   attention_sinks=True, moe=True,
+                                                   linear_attention=True)
         backend.check_supports(BackendFeatures(), "LlamaForCausalLM")  # a dense model runs
         backend.check_supports(BackendFeatures(sliding_window=True), "MistralForCausalLM")
         backend.check_supports(BackendFeatures(moe=True), "MixtralForCausalLM")
         backend.check_supports(BackendFeatures(moe=True, sliding_window=True,
                                                attention_sinks=True), "GptOssForCausalLM")
-    needed = BackendFeatures(moe=True, sliding_window=True, linear_attention=True)
-    assert BackendFeatures().missing(needed) == ["sliding_window", "moe", "linear_attention"]
-    assert BackendFeatures(sliding_window=True).missing(needed) == ["moe", "linear_attention"]
-    with pytest.raises(ValueError, match=r"model Qwen3NextForCausalLM needs linear_attention, "
+        backend.check_supports(BackendFeatures(linear_attention=True, moe=True),
+                               "Qwen3NextForCausalLM")
+    needed = BackendFeatures(moe=True, sliding_window=True, tensor_parallel=True)
+    assert BackendFeatures().missing(needed) == ["sliding_window", "moe", "tensor_parallel"]
+    assert BackendFeatures(sliding_window=True).missing(needed) == ["moe", "tensor_parallel"]
+    with pytest.raises(ValueError, match=r"model LlamaForCausalLM needs tensor_parallel, "
                                          r"which the 'torch' kernel backend does not support"):
-        select_backend("torch", CPU).check_supports(needed, "Qwen3NextForCausalLM")
+        select_backend("torch", CPU).check_supports(needed, "LlamaForCausalLM")
 
 
 def test_a_model_needing_a_feature_the_backend_lacks_is_refused_at_start_up(
     tiny_llama, monkeypatch
 ):
-    """A fabricated requirement: the Llama model says it needs linear attention."""
+    """A fabricated requirement: the Llama model says it needs a feature no backend has."""
     loaded = []
     monkeypatch.setattr(LlamaForCausalLM, "required_features",
-                        classmethod(lambda cls, config: BackendFeatures(linear_attention=True)))
+                        classmethod(lambda cls, config: BackendFeatures(tensor_parallel=True)))
     monkeypatch.setattr(model_runner, "load_weights", lambda *args: loaded.append(args))
     for dtype, backend in (("float32", "torch"), ("bfloat16", "cpu_invariant")):
-        with pytest.raises(ValueError, match=f"model LlamaForCausalLM needs linear_attention, "
+        with pytest.raises(ValueError, match=f"model LlamaForCausalLM needs tensor_parallel, "
                                              f"which the '{backend}' kernel backend"):
             LLM(str(tiny_llama), device="cpu", dtype=dtype, num_kv_blocks=32)
     assert loaded == []  # refused before any weight was read

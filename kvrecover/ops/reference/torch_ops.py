@@ -7,12 +7,15 @@ round. `TorchOps` is an `ops.interface.ModelOps`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrecover.ops.cpu.onednn import pack_expert_weights, pack_linear_weights, packed_linear
-from kvrecover.ops.interface import ExpertWeights, RotaryTables
+from kvrecover.ops.interface import DeltaRuleState, ExpertWeights, RotaryTables
+from kvrecover.ops.reference import gated_delta
 from kvrecover.ops.reference.moe import expert_runner, grouped_moe, reference_moe
 from kvrecover.ops.reference.rotary import reference_rotary
 
@@ -105,3 +108,27 @@ class TorchOps:
         _, gate_up, down = packed
         run_expert = expert_runner(experts, gate_up, down, packed_linear, self.silu_mul)
         return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
+
+    def causal_conv1d(self, x: torch.Tensor, conv_state: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+        """The short causal convolution of a linear-attention layer (`LinearAttentionKernels`)."""
+        return gated_delta.causal_conv1d(x, conv_state, weight)
+
+    def gated_delta_rule(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        decay: torch.Tensor, beta: torch.Tensor, state: DeltaRuleState,
+        start: int, chunk_size: int, snapshots: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> torch.Tensor:
+        """The gated delta rule in absolute-aligned chunks (`LinearAttentionKernels`)."""
+        return gated_delta.gated_delta_rule(query, key, value, decay, beta, state, start,
+                                            chunk_size, snapshots)
+
+    def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The delta rule's decay and beta (`LinearAttentionKernels`)."""
+        return gated_delta.delta_gates(a, b, a_log, dt_bias)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """RMSNorm times `silu(gate)` (`LinearAttentionKernels`)."""
+        return gated_delta.gated_rms_norm(x, gate, weight, eps)

@@ -1,0 +1,97 @@
+"""Which prefixes have a recurrent-state checkpoint, and where the worker keeps it.
+
+A hybrid model's linear-attention layers (rule 8) can resume at a prefix P only
+from their state at P. The worker keeps `num_state_checkpoints` checkpoint slots
+(the conv and recurrent states of every linear layer at one block boundary); this
+module, on the scheduler's side, decides which boundary goes into which slot:
+every block boundary a step crosses is saved, keyed by the chain hash of the
+block that ends there (the prefix's identity, as for KV blocks), the least
+recently used checkpoint giving way. A prefix-cache hit is cut back to the
+longest prefix whose boundary has a checkpoint (`usable_prefix`), and the
+request's first slice starts from it (`ScheduledRequest.restore_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvrecover.engine.kv_cache_manager import PrefixHit
+from kvrecover.engine.request import Request
+from kvrecover.kv_layout import update_block_hashes
+from kvrecover.step_messages import ScheduledRequest
+
+
+class StateCheckpoints:
+    """The scheduler's map of checkpointed block boundaries (block hash -> slot, LRU)."""
+
+    def __init__(self, num_slots: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_slots = num_slots
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # oldest first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._restores: dict[str, int] = {}  # request id -> slot its next slice starts from
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def usable_prefix(self, request: Request, hits: PrefixHit) -> PrefixHit:
+        """`hits` cut to its longest prefix whose last boundary has a checkpoint (the
+        empty hit when none has); remembers that checkpoint for the request's next slice."""
+        self._restores.pop(request.request_id, None)
+        for num_blocks in range(len(hits), 0, -1):
+            slot = self._slots.get(request.block_hashes[num_blocks - 1])
+            if slot is not None:
+                self._slots.move_to_end(request.block_hashes[num_blocks - 1])
+                self._restores[request.request_id] = slot
+                return PrefixHit(num_blocks * self.block_size,
+                                 [blocks[:num_blocks] for blocks in hits.blocks])
+        return PrefixHit(0, [[] for _ in hits.blocks])
+
+    def plan(self, request: Request, item: ScheduledRequest) -> None:
+        """Fill `item`'s checkpoint fields: the restore remembered by `usable_prefix` (if
+        the slice starts there) and a slot for each block boundary the slice reaches."""
+        restore = self._restores.pop(request.request_id, None)
+        start = item.num_computed_tokens
+        if restore is not None and start > 0:
+            item.restore_checkpoint = restore
+        end = start + len(item.token_ids)
+        first, last = start // self.block_size + 1, end // self.block_size
+        if last < first or self.num_slots == 0:
+            return
+        update_block_hashes(request.block_hashes, request.token_ids[:end], self.block_size)
+        pinned = {restore}
+        for boundary in range(first, last + 1):
+            block_hash = request.block_hashes[boundary - 1]
+            if block_hash in self._slots:  # the same prefix's state, bit for bit (point 2)
+                self._slots.move_to_end(block_hash)
+                continue
+            slot = self._take_slot(pinned)
+            if slot is None:
+                return
+            self._slots[block_hash] = slot
+            pinned.add(slot)
+            item.save_checkpoints.append((boundary * self.block_size, slot))
+
+    def _take_slot(self, pinned: set[int | None]) -> int | None:
+        """A free slot, else the least recently used one not `pinned` (read or written
+        in this step)."""
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slots.items():
+            if slot not in pinned:
+                del self._slots[block_hash]
+                return slot
+        return None
+
+    def discard(self, saves: list[tuple[int, int]]) -> None:
+        """Forget the checkpoints a failed step was to write (their slots may hold garbage):
+        called by the scheduler for each request whose part of a step failed."""
+        lost = {slot for _, slot in saves}
+        for block_hash, slot in list(self._slots.items()):
+            if slot in lost:
+                del self._slots[block_hash]
+                self._free.append(slot)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a restore planned for a request that ended before its slice ran."""
+        self._restores.pop(request_id, None)

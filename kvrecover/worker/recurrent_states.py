@@ -1,0 +1,133 @@
+"""The recurrent states of a hybrid model's linear-attention layers, one slot per request.
+
+A request gets a slot the first time a step schedules it and gives it back when
+it ends (the step's `finished_request_ids`) or is preempted
+(`preempted_request_ids`). A step that starts a request at position 0 (its
+first, or a recomputation from scratch after a preemption) zeroes its slot; one
+with `restore_checkpoint` (a prefix-cache hit) starts from that checkpoint; any
+other step must continue exactly where the slot's state stands, else the step
+is refused (`RecurrentStateError`) rather than computed on a state of another
+position. The pool grows by doubling when every slot is taken; memory per
+request is `bytes_per_request`.
+
+Checkpoints (`num_checkpoints` slots, which boundary goes where being the
+scheduler's decision, `engine/state_checkpoints.py`) hold the checkpointed
+states (conv and recurrent, not a partial chunk's inputs) at one block boundary
+each; `bytes_per_checkpoint` each, allocated once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvrecover.models.recurrent_state import RecurrentLayerStep, RequestRows, StateSpec
+from kvrecover.step_messages import ScheduledRequest
+
+INITIAL_SLOTS = 4
+
+
+class RecurrentStateError(RuntimeError):
+    """A step asked for a request's state at a position its slot does not hold."""
+
+
+class RecurrentStates:
+    """The per-request state tensors of every recurrent layer, and who holds which slot."""
+
+    def __init__(self, specs: dict[int, list[StateSpec]], dtype: torch.dtype,
+                 device: torch.device, chunk_size: int, num_checkpoints: int = 0) -> None:
+        self.specs = specs
+        self.dtype = dtype
+        self.device = device
+        self.chunk_size = chunk_size
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {
+            layer: {spec.name: self._zeros(spec, INITIAL_SLOTS) for spec in layer_specs}
+            for layer, layer_specs in specs.items()
+        }
+        self.num_slots = INITIAL_SLOTS
+        self.slots: dict[str, int] = {}
+        self.free: list[int] = list(range(INITIAL_SLOTS - 1, -1, -1))
+        self.positions: list[int] = [0] * INITIAL_SLOTS  # tokens each slot's state has seen
+        self.checkpoints: dict[int, dict[str, torch.Tensor]] = {
+            layer: {spec.name: self._zeros(spec, num_checkpoints)
+                    for spec in layer_specs if spec.checkpointed}
+            for layer, layer_specs in specs.items()
+        }
+
+    @property
+    def bytes_per_checkpoint(self) -> int:
+        """Bytes of one checkpoint over every recurrent layer."""
+        return sum(math.prod(spec.shape) * (spec.dtype or self.dtype).itemsize
+                   for layer_specs in self.specs.values() for spec in layer_specs
+                   if spec.checkpointed)
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Bytes of one request's states over every recurrent layer."""
+        return sum(tensor[0].nbytes for layer in self.tensors.values()
+                   for tensor in layer.values())
+
+    def _zeros(self, spec: StateSpec, slots: int) -> torch.Tensor:
+        return torch.zeros((slots, *spec.shape), dtype=spec.dtype or self.dtype,
+                           device=self.device)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Give back the slots of requests that ended or were preempted."""
+        for request_id in request_ids:
+            slot = self.slots.pop(request_id, None)
+            if slot is not None:
+                self.free.append(slot)
+
+    def _slot_of(self, request_id: str) -> int:
+        slot = self.slots.get(request_id)
+        if slot is None:
+            if not self.free:
+                self._grow()
+            slot = self.slots[request_id] = self.free.pop()
+        return slot
+
+    def _grow(self) -> None:
+        """Double the pool (states keep their slots)."""
+        added = self.num_slots
+        for layer, layer_specs in self.specs.items():
+            for spec in layer_specs:
+                tensors = self.tensors[layer]
+                tensors[spec.name] = torch.cat((tensors[spec.name], self._zeros(spec, added)))
+        self.free.extend(range(self.num_slots + added - 1, self.num_slots - 1, -1))
+        self.positions.extend([0] * added)
+        self.num_slots += added
+
+    def step(self, scheduled: Sequence[ScheduledRequest]) -> dict[int, RecurrentLayerStep]:
+        """Each recurrent layer's record of this step; advances every slot's position to
+        the end of its request's tokens (the step computes them, or its requests end)."""
+        requests: list[RequestRows] = []
+        row = 0
+        for item in scheduled:
+            slot = self._slot_of(item.request_id)
+            position, count = item.num_computed_tokens, len(item.token_ids)
+            if position == 0 or item.restore_checkpoint is not None:
+                self._reset(slot, item.restore_checkpoint)
+            elif self.positions[slot] != position:
+                raise RecurrentStateError(
+                    f"request {item.request_id!r} continues at position {position}, but its "
+                    f"recurrent state stands at {self.positions[slot]}")
+            requests.append(RequestRows(row, row + count, position, slot,
+                                        tuple(item.save_checkpoints)))
+            self.positions[slot] = position + count
+            row += count
+        return {layer: RecurrentLayerStep(tensors, requests, self.chunk_size,
+                                          self.checkpoints[layer])
+                for layer, tensors in self.tensors.items()}
+
+    def _reset(self, slot: int, checkpoint: int | None) -> None:
+        """Zero `slot`'s states, then (with `checkpoint`) copy that checkpoint's in."""
+        for layer, tensors in self.tensors.items():
+            for name, tensor in tensors.items():
+                saved = self.checkpoints[layer].get(name)
+                if checkpoint is None or saved is None:
+                    tensor[slot].zero_()
+                else:
+                    tensor[slot].copy_(saved[checkpoint])
+
