@@ -9,7 +9,7 @@ prefix), then jumps over the kept blocks. Driven with fabricated runner outputs
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import BLOCK, PROMPT, FakeConnector, add, make_scheduler, step
+from scheduler_harness import BLOCK, PROMPT, FakeConnector, add, make_scheduler, slice_of, step
 
 from kvrecover import KVTransferConfig
 from kvrecover.engine.recompute_gaps import plan_kept_ranges
@@ -151,3 +151,21 @@ def test_policy_fail_keeps_nothing():
     step(scheduler, invalid=lambda: {a.block_ids[1]})
     assert a.is_finished and a.error_type == "kv_load_failed" and a.kept_ranges == []
     assert scheduler.stats.kv_load_failed_requests == 1
+
+
+def test_holes_reported_while_an_async_load_is_in_flight_are_judged_when_it_ends():
+    connector = FakeConnector({"a": [(LOADED, True)]})
+    scheduler = make_scheduler(connector, recompute="blocks")
+    a = add(scheduler, "a", PROMPT, max_tokens=2)
+    step(scheduler)
+    step(scheduler, invalid={a.block_ids[3]})  # rule 2: remembered, the load may still write
+    assert (a.num_computed_tokens, a.kept_ranges) == (LOADED, [])
+    step(scheduler, invalid={a.block_ids[1]}, finished_recving={"a"})
+    assert (a.num_computed_tokens, a.kept_ranges) == (4, [(8, 12), (16, LOADED)])
+    chunks = []
+    for _ in range(3):
+        output, _ = step(scheduler)
+        item = slice_of(output, "a")
+        chunks.append((item.num_computed_tokens, len(item.token_ids), item.sample))
+    assert chunks == [(4, 4, False), (12, 4, False), (20, 1, True)]
+    assert scheduler.stats.kv_load_recomputed_tokens == 2 * BLOCK

@@ -310,7 +310,8 @@ def run_steps(llm, prompts, add_at: dict[int, int], max_steps=500):
     return [results[str(i)] for i in range(len(prompts))]
 
 
-def test_failed_shared_block_with_chunked_owner_recompute(stored, tmp_path):
+@pytest.mark.parametrize("recompute", ["prefix", "blocks"])
+def test_failed_shared_block_with_chunked_owner_recompute(stored, tmp_path, recompute):
     """A block in the prefix cache, shared by two requests, is reported invalid; the
     owner recomputes it over several steps while the sharer must never read it
     half-rewritten, and a request arriving meanwhile must not hit it."""
@@ -322,7 +323,7 @@ def test_failed_shared_block_with_chunked_owner_recompute(stored, tmp_path):
         as_inputs(prompts), PARAMS)
     transfer = KVTransferConfig("LateReportConnector", "kv_consumer",
                                 {"shared_storage_path": str(store)},
-                                kv_connector_module_path=str(module))
+                                kv_connector_module_path=str(module), kv_load_recompute=recompute)
     llm = LLM(str(model), device="cpu", kv_transfer_config=transfer, max_num_batched_tokens=8)
     # Request 0 loads; request 1 (same 100-token prefix) arrives next step and hits the
     # prefix cache; the failure is reported while both run; request 2 arrives mid-recompute.
