@@ -24,17 +24,14 @@ from collections.abc import Collection, Sequence
 from kvrecover.engine.request import Request
 from kvrecover.kv_groups import KVCacheGroup
 
-# Why "blocks" falls back to "prefix" for a model with windowed groups: a windowed group
-# holds only its window and margin of a load, and releases blocks as the request
-# advances; a gap's queries would need window blocks that may be the null block, and
-# rule 8's rollback point already keeps what a window no longer reads.
-WINDOWED_FALLBACK = "a sliding-window KV cache group holds only part of a load (rule 8)"
-
 
 def supports_blocks_scope(groups: Sequence[KVCacheGroup]) -> bool:
     """Whether recovery may keep blocks after a hole for a model with these KV cache
-    groups: only when every group is full attention (one block position means one
-    range of tokens in every group)."""
+    groups: only when every group is full attention. Otherwise scope "blocks" falls
+    back to "prefix": a windowed group holds only its window and margin of a load and
+    releases blocks as the request advances, so a gap's queries could find the blocks
+    their window reads gone, and rule 8's rollback point already keeps what no window
+    reads again."""
     return all(group.window is None for group in groups)
 
 

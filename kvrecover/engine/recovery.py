@@ -91,7 +91,7 @@ class KVLoadRecovery:
         self.policy = policy
         self.retry_limit = retry_limit
         # Scope "blocks" keeps valid loaded blocks after a hole; windowed models fall
-        # back to "prefix" (`recompute_gaps.WINDOWED_FALLBACK`).
+        # back to "prefix" (`recompute_gaps.supports_blocks_scope`).
         self.keeps_blocks = (recompute == "blocks" and policy == "recompute"
                              and supports_blocks_scope(self.groups))
         # Invalid blocks reported while the request's async load was in flight.
