@@ -1,7 +1,8 @@
 """Redis benchmark: what the RedisConnector costs next to a raw redis-py pipeline.
 
     .venv/bin/python bench/bench_redis.py [--megabytes 64] [--batch-blocks 32] [--repeats 5]
-        [--url redis://127.0.0.1:6379/0] [--dir /dev/shm]
+        [--url redis://127.0.0.1:6379/0] [--dir /dev/shm] [--cluster [--ttft-only]
+        [--prompt-tokens 2048]]
 
 For two KV layouts (the default model's, float32, and a Llama-3-8B-like one,
 bfloat16; see bench_storage.py), save and load throughput in GB/s of payload
@@ -18,8 +19,9 @@ bytes, `--batch-blocks` blocks per round trip (a step's worth):
 - with --cluster, the same through a three-node Redis Cluster started on loopback
   ports (tests/redis_cluster_helpers.py), next to a raw redis-py cluster pipeline
   (SET / GET, grouped by node by redis-py), same run; then the time to first token
-  of a prompt whose KV is in the cluster: all nodes up, one of three killed, and no
-  connector (all computed), on a small random model.
+  of a prompt whose KV is in the cluster: all nodes up, one of three killed (under
+  recovery scope "prefix" and "blocks", `kv_load_recompute`), and no connector (all
+  computed), on a small random model; `--ttft-only` skips the throughput rows.
 
 Without --url a private redis-server (no persistence) is started on a free
 loopback port and stopped afterwards. The store is flushed before each save;
@@ -257,13 +259,33 @@ def bench_layout(name: str, layout: KVCacheLayout, url: str, folder: Path, megab
     ]
 
 
-def time_to_first_token(cluster, folder: Path, prompt_tokens: int, repeats: int) -> dict[str, float]:
+class NodeKillingRedisConnector(RedisConnector):
+    """RedisConnector that kills `victim` (a cluster node) once, after the lookup of the
+    first load that claims tokens and before that load reads: a node lost mid-load."""
+
+    victim = None
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        victim = NodeKillingRedisConnector.victim
+        if victim is not None and num_external_tokens > 0:
+            NodeKillingRedisConnector.victim = None
+            victim.kill()
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+
+def time_to_first_token(cluster, folder: Path, prompt_tokens: int, repeats: int
+                        ) -> dict[str, tuple[float, int]]:
     """Best time to first token (seconds) of a `prompt_tokens` prompt whose KV a producer
-    stored in `cluster`: all nodes up; one of three killed (its blocks recomputed, the
-    others loaded); no connector. A fresh engine per measurement, warmed up first."""
+    stored in `cluster`, and the tokens recovery recomputed in that run: all nodes up;
+    one of three lost between the lookup and the load, under recovery scope "prefix"
+    (everything from the first lost block on recomputed) and "blocks" (only the lost
+    node's blocks); one of three killed before the request (the lookup claims only the
+    blocks before the first one on it); no connector. A fresh engine per measurement,
+    warmed up first."""
     from conftest import build_tiny_model
 
     from kvrecover import LLM, SamplingParams
+    from kvrecover.kv_transfer.registry import register_connector
 
     model = build_tiny_model(folder / "model", hidden_size=256, intermediate_size=512,
                              num_hidden_layers=6, num_attention_heads=8,
@@ -271,21 +293,30 @@ def time_to_first_token(cluster, folder: Path, prompt_tokens: int, repeats: int)
     generator = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
-    def engine(role: str | None) -> LLM:
+    register_connector("NodeKillingRedisConnector", f"{__name__}:NodeKillingRedisConnector")
+
+    def engine(role: str | None, recompute: str = "prefix",
+               connector: str = "RedisConnector") -> LLM:
+        NodeKillingRedisConnector.victim = None  # never during a warm-up
         transfer = None if role is None else KVTransferConfig(
-            "RedisConnector", role, {"url": cluster.url, "timeout_s": 2.0})
+            connector, role, {"url": cluster.url, "timeout_s": 2.0},
+            kv_load_recompute=recompute)
         llm = LLM(str(model), device="cpu", block_size=16, max_num_batched_tokens=512,
                   num_kv_blocks=4 * prompt_tokens // 16, kv_transfer_config=transfer)
         llm.generate([{"prompt_token_ids": [5] * 40}], params)  # warm-up (nothing stored)
         return llm
 
-    def ttft(role: str | None, prompt: list[int]) -> float:
-        llm = engine(role)
+    def ttft(role: str | None, prompt: list[int], recompute: str = "prefix",
+             kill_mid_load=None) -> tuple[float, int]:
+        llm = engine(role, recompute,
+                     "RedisConnector" if kill_mid_load is None else "NodeKillingRedisConnector")
+        NodeKillingRedisConnector.victim = kill_mid_load  # armed after the warm-up
+        before = llm.stats["kv_load_recomputed_tokens"]
         started = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], params)
         elapsed = time.perf_counter() - started
         llm.close()
-        return elapsed
+        return elapsed, llm.stats["kv_load_recomputed_tokens"] - before
 
     prompts = [torch.randint(2, 384, (prompt_tokens,), generator=generator).tolist()
                for _ in range(2 * repeats)]
@@ -294,8 +325,24 @@ def time_to_first_token(cluster, folder: Path, prompt_tokens: int, repeats: int)
     producer.close()
     best = {"cluster, all 3 nodes up": min(ttft("kv_consumer", p) for p in prompts[:repeats]),
             "no connector (all computed)": min(ttft(None, p) for p in prompts[:repeats])}
-    cluster.nodes[0].kill()
-    best["cluster, 1 of 3 nodes killed"] = min(ttft("kv_consumer", p) for p in prompts[repeats:])
+    victim = cluster.nodes[0]
+    victim.kill()
+    best["1 of 3 killed before the request"] = min(
+        ttft("kv_consumer", p, "blocks") for p in prompts[repeats:])
+    lost: dict[str, list[tuple[float, int]]] = {"prefix": [], "blocks": []}
+    for prompt in prompts[repeats:]:  # the two scopes in turn, on the same prompts
+        for recompute, runs in lost.items():
+            if victim.process is None:  # back, empty: store the prompt's KV again
+                victim.start(cluster.binary)
+                cluster.wait_ok()
+                producer = engine("kv_producer")
+                producer.generate([{"prompt_token_ids": prompt}], params)
+                producer.close()
+            runs.append(ttft("kv_consumer", prompt, recompute, kill_mid_load=victim))
+            if victim.process is not None:
+                raise RuntimeError("the lookup claimed nothing: no node was lost mid-load")
+    for recompute, runs in lost.items():
+        best[f"1 of 3 lost mid-load, {recompute!r}"] = min(runs)
     return best
 
 
@@ -312,6 +359,8 @@ def main() -> None:
                         help="also through a 3-node Redis Cluster, and its time to first token")
     parser.add_argument("--prompt-tokens", type=int, default=2048,
                         help="prompt length of the time-to-first-token runs (2048)")
+    parser.add_argument("--ttft-only", action="store_true",
+                        help="with --cluster: only the time-to-first-token runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="kvrecover_bench_redis_", dir=args.dir))
@@ -331,7 +380,7 @@ def main() -> None:
         print(f"redis {version} at {url.split('@')[-1]}, redis-py {redis.__version__}, "
               f"{args.batch_blocks} blocks per round trip, best of {args.repeats}\n")
         print(f"{'layout':<34}{'operation':<48}{'GB/s':>8}{'x raw':>8}")
-        for name, layout in LAYOUTS.items():
+        for name, layout in ({} if args.ttft_only and cluster is not None else LAYOUTS).items():
             for layout_name, operation, rate, ratio in bench_layout(
                 name, layout, url, root / "folder", args.megabytes, args.batch_blocks,
                 args.repeats, None if cluster is None else cluster.url,
@@ -342,9 +391,10 @@ def main() -> None:
                   "server pipeline, the connector against the raw cluster pipeline)")
             print(f"\ntime to first token, {args.prompt_tokens}-token prompt, best of "
                   f"{args.repeats}:")
-            for case, seconds in time_to_first_token(cluster, root, args.prompt_tokens,
-                                                     args.repeats).items():
-                print(f"  {case:<34}{seconds * 1000:>9.1f} ms")
+            print(f"  {'case':<46}{'TTFT':>12}{'recomputed tokens':>20}")
+            for case, (seconds, recomputed) in time_to_first_token(
+                    cluster, root, args.prompt_tokens, args.repeats).items():
+                print(f"  {case:<46}{seconds * 1000:>9.1f} ms{recomputed:>20}")
     finally:
         if cluster is not None:
             cluster.cleanup()

@@ -24,6 +24,7 @@ from kvrecover.options import from_dict as record_from_dict
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+KV_LOAD_RECOMPUTE_SCOPES = ("prefix", "blocks")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -48,6 +49,10 @@ class KVTransferConfig:
     and recompute) or `fail` (end the affected requests with an error).
     `kv_load_retry_limit` bounds how often a request asks the connector again for
     KV after a failed load before it recomputes its prompt locally.
+    `kv_load_recompute` is what policy `recompute` recomputes: `prefix` (everything
+    from the first invalid block on) or `blocks` (only the invalid blocks, and what a
+    sync load's step computed after them; the valid loaded blocks after a hole are
+    kept; a model with sliding-window layers falls back to `prefix`).
     """
 
     kv_connector: str = option(
@@ -68,6 +73,10 @@ class KVTransferConfig:
         str, choices=KV_LOAD_FAILURE_POLICIES, describe=f"one of {KV_LOAD_FAILURE_POLICIES}")
     kv_load_retry_limit: int = option(
         1, "how often a request asks the connector again after a failed load", int, minimum=0)
+    kv_load_recompute: str = option(
+        "prefix", "prefix (recompute from the first invalid block on) or blocks (only the "
+        "invalid blocks; keep the valid loaded ones after them)", str,
+        choices=KV_LOAD_RECOMPUTE_SCOPES, describe=f"one of {KV_LOAD_RECOMPUTE_SCOPES}")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -72,11 +72,12 @@ class FakeConnector(KVConnectorBase):
 
 
 def make_scheduler(connector=None, *, num_blocks=64, policy="recompute", retry_limit=1,
-                   clock=None, budget=64, groups=None) -> Scheduler:
+                   clock=None, budget=64, groups=None, recompute="prefix") -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256,
                              block_size=BLOCK)
     transfer = KVTransferConfig("Fake", "kv_consumer", {"load_timeout_s": TIMEOUT},
-                                kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit)
+                                kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit,
+                                kv_load_recompute=recompute)
     manager = (KVCacheManager(num_blocks, BLOCK, True) if groups is None
                else KVCacheManager(num_blocks, BLOCK, True, groups))
     return Scheduler(config, manager, EngineStats(),

@@ -10,7 +10,7 @@ request is pending: recovery may still need them).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvrecover.engine.block_pool import BlockPool, KVCacheBlock
@@ -212,9 +212,10 @@ class KVCacheManager:
             if 0 < block_id < len(blocks):
                 self.pool.uncache(blocks[block_id])
 
-    def make_private_from(self, request: Request, first_block_index: int) -> None:
+    def make_private_from(self, request: Request, first_block_index: int,
+                          keep: Collection[int] = ()) -> None:
         """Prepare the request to rewrite its blocks from `first_block_index` on, in
-        every group.
+        every group, except the positions in `keep` (valid blocks it will not rewrite).
 
         A block only this request holds is rewritten in place and leaves the prefix
         cache; a shared one is swapped for a fresh block, so no other request ever
@@ -224,8 +225,8 @@ class KVCacheManager:
         request.num_cached_blocks = min(request.num_cached_blocks, first_block_index)
         for table in request.block_tables:
             for index in range(first_block_index, len(table)):
-                if table[index] == NULL_BLOCK_ID:
-                    continue  # a windowed gap: `allocate` fills it when the request grows
+                if table[index] == NULL_BLOCK_ID or index in keep:
+                    continue  # a windowed gap (`allocate` fills it) or a kept block
                 block = self.block(table[index])
                 if block.ref_count == 1:
                     self.pool.uncache(block)

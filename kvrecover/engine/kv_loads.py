@@ -20,6 +20,7 @@ from kvrecover.config import KVTransferConfig
 from kvrecover.engine.async_loads import AsyncLoadTracker
 from kvrecover.engine.kv_cache_manager import KVCacheManager
 from kvrecover.engine.pending_sends import PendingSends
+from kvrecover.engine.recompute_gaps import num_kept_tokens, truncate_kept
 from kvrecover.engine.recovery import KVLoadRecovery, RecoveryPlan, RequestRecovery
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.scheduler_connector import ConnectorError, SchedulerConnector
@@ -54,6 +55,7 @@ class KVLoads:
         transfer: KVTransferConfig | None,
         end_with_error: Callable[[Request, str], None],
         clock: Callable[[], float] = time.monotonic,
+        recurrent: bool = False,
     ) -> None:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
@@ -67,6 +69,8 @@ class KVLoads:
             transfer.kv_load_failure_policy if transfer else "recompute",
             transfer.kv_load_retry_limit if transfer else 0,
             kv_manager.groups,
+            transfer.kv_load_recompute if transfer else "prefix",
+            recurrent,
         )
         self.tracker = AsyncLoadTracker(load_deadline_s(connector), clock)
         self.sends = PendingSends(self.tracker.timeout_s, clock)
@@ -213,6 +217,8 @@ class KVLoads:
         for request in loaded:
             start, end = request.pending_range
             self.stats.prompt_tokens_external += max(0, min(request.num_computed_tokens, end) - start)
+            if request.kept_ranges:  # loaded valid blocks after a hole (scope "blocks")
+                self.stats.prompt_tokens_external += num_kept_tokens(request.kept_ranges, start, end)
             request.pending_external = None
             self.kv_manager.cache_computed_blocks(request)
 
@@ -251,8 +257,13 @@ class KVLoads:
             return
         if verdict.drop_block_ids:
             self.kv_manager.drop_blocks(request, verdict.drop_block_ids)
+        num_lost = verdict.num_tokens_lost
+        request.kept_ranges = verdict.kept_ranges
         if not verdict.orphan_blocks:
-            self.kv_manager.make_private_from(request, verdict.first_invalid_block)
+            self.kv_manager.make_private_from(request, verdict.first_invalid_block,
+                                              verdict.kept_block_indices(self.block_size))
+            if request.kept_ranges:  # without a spare block the tail went, kept part too
+                num_lost += truncate_kept(request, len(request.block_ids) * self.block_size)
         request.num_computed_tokens = verdict.rollback_to
         self.stats.kv_load_recovered_requests += 1
         if verdict.may_reconsult:  # the connector may load them again: count at that claim
@@ -263,7 +274,7 @@ class KVLoads:
                 start, end = min(start, earlier[0]), max(end, earlier[1])
             self._lost_until_reclaim[request.request_id] = (start, end)
         else:
-            self.stats.kv_load_recomputed_tokens += verdict.num_tokens_lost
+            self.stats.kv_load_recomputed_tokens += num_lost
         logger.info("request %s: %s; rolled back to token %d, %d token(s) to reload or "
                     "recompute", request.request_id, verdict.error, verdict.rollback_to,
-                    verdict.num_tokens_lost)
+                    num_lost)

@@ -19,6 +19,10 @@ plan (`kv_loads.py`) and the KV cache manager executes its block operations.
   stay held until the worker confirms, and the request recomputes in fresh ones.
 - After a failure a request may ask the connector again only `retry_limit`
   times (rule 6).
+- Scope "blocks" (`kv_load_recompute`, full-attention models only): the cut is the
+  same, but the valid blocks the judged load brought after it are kept
+  (`recompute_gaps.py`); the request recomputes only the gaps, and such a request
+  does not ask the connector again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvrecover.engine.recompute_gaps import num_kept_tokens, plan_kept_ranges, supports_blocks_scope
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.kv_groups import KVCacheGroup
 from kvrecover.kv_layout import NULL_BLOCK_ID, blocks_needed
@@ -50,6 +55,14 @@ class RequestRecovery:
     # Failed blocks below the rollback point that no window reads from there: released
     # (they become the null block), nothing is recomputed for them (rule 8).
     drop_block_ids: list[int] = field(default_factory=list)
+    # Scope "blocks": valid loaded token ranges above `rollback_to` that stay computed
+    # (`recompute_gaps.py`); the request computes only the gaps between them.
+    kept_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def kept_block_indices(self, block_size: int) -> set[int]:
+        """The block positions of the kept ranges (whole blocks)."""
+        return {index for start, end in self.kept_ranges
+                for index in range(start // block_size, end // block_size)}
 
     @property
     def voids_step(self) -> bool:
@@ -71,11 +84,16 @@ class KVLoadRecovery:
     """Applies the failure policy and the retry bound; remembers failures of in-flight loads."""
 
     def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1,
-                 groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),)) -> None:
+                 groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),),
+                 recompute: str = "prefix", recurrent: bool = False) -> None:
         self.block_size = block_size
         self.groups = tuple(groups)
         self.policy = policy
         self.retry_limit = retry_limit
+        # Scope "blocks" keeps valid loaded blocks after a hole; windowed and hybrid
+        # models fall back to "prefix" (`recompute_gaps.supports_blocks_scope`).
+        self.keeps_blocks = (recompute == "blocks" and policy == "recompute"
+                             and supports_blocks_scope(self.groups, recurrent))
         # Invalid blocks reported while the request's async load was in flight.
         self._deferred: dict[str, set[int]] = {}
 
@@ -140,27 +158,38 @@ class KVLoadRecovery:
     def _judge(self, request: Request, invalid: set[int]) -> RequestRecovery | None:
         block_size = self.block_size
         computed = request.num_computed_tokens
-        num_computed_blocks = blocks_needed(computed, block_size)
+        earlier_kept = request.kept_ranges  # only ever set under scope "blocks"
+        # Kept ranges count as computed: a hole in them is a failure of the request too.
+        horizon = max(computed, earlier_kept[-1][1]) if earlier_kept else computed
         bad = [(g, i) for g, table in enumerate(request.block_tables)
-               for i, block_id in enumerate(table[:num_computed_blocks]) if block_id in invalid]
+               for i, block_id in enumerate(table[:blocks_needed(horizon, block_size)])
+               if block_id in invalid]
         if not bad:
             return None
         rollback_to = self.rollback_point(request, invalid)
         first = (blocks_needed(computed, block_size) if rollback_to == computed
                  else rollback_to // block_size)
         dropped = [request.block_tables[g][i] for g, i in bad if i < first]
+        kept: list[tuple[int, int]] = []
+        if self.keeps_blocks:
+            kept = plan_kept_ranges(rollback_to, request.pending_external, earlier_kept,
+                                    {i for _, i in bad}, block_size, request.num_tokens)
         # A lost block that no window reads again costs nothing: no error, even under `fail`.
         fail = self.policy == "fail" and rollback_to < computed
-        # Only a request that has not run past its load may ask again (rule 6 bounds it).
+        # Only a request that has not run past its load may ask again (rule 6 bounds it);
+        # one that keeps loaded blocks after a hole recomputes the holes instead.
         may_reconsult = (
             not fail
+            and not kept
             and request.status is RequestStatus.WAITING
             and request.num_kv_load_failures + 1 <= self.retry_limit
         )
+        num_lost = (computed + num_kept_tokens(earlier_kept)) - (rollback_to + num_kept_tokens(kept))
         return RequestRecovery(
             request.request_id, rollback_to, first, len(bad),
-            computed - rollback_to, fail=fail, may_reconsult=may_reconsult,
+            num_lost, fail=fail, may_reconsult=may_reconsult,
             error=f"KV load failed for {len(bad)} block(s)", drop_block_ids=dropped,
+            kept_ranges=kept,
         )
 
     def rollback_point(self, request: Request, invalid: set[int]) -> int:

@@ -85,6 +85,9 @@ class Request:
         self.connector_consulted = False  # asked the connector since (re)start
         self.num_kv_load_failures = 0
         self.pending_external: tuple[int, int] | None = None  # token range being loaded
+        # Valid loaded token ranges above num_computed_tokens that recovery kept after a
+        # hole (scope "blocks", `recompute_gaps.py`): skipped, not computed, when reached.
+        self.kept_ranges: list[tuple[int, int]] = []
         self.error: str | None = None
         self.error_type: str | None = None  # see RequestOutput.error_type
         # Sampling beyond the token: processors, logprobs, the choices of `n`.
@@ -158,6 +161,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_blocks = 0
         self.pending_external = None
+        self.kept_ranges = []
         self.connector_consulted = False
 
     def append_output_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from kvrecover.config import KVTransferConfig, SchedulerConfig
 from kvrecover.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from kvrecover.engine.kv_loads import KVLoads
+from kvrecover.engine.recompute_gaps import compute_limit, skip_kept
 from kvrecover.engine.request import Request, RequestStatus
 from kvrecover.engine.state_checkpoints import StateCheckpoints
 from kvrecover.engine.stats import EngineStats
@@ -56,7 +57,8 @@ class Scheduler:
         self.connector = connector
         self.kv_transfer_config = kv_transfer_config
         self.kv_loads = KVLoads(kv_manager, stats, connector, kv_transfer_config,
-                                self._end_with_error, clock)
+                                self._end_with_error, clock,
+                                recurrent=state_checkpoints is not None)
         self.recovery = self.kv_loads.recovery
         self.loads = self.kv_loads.tracker
         # A hybrid model's recurrent-state checkpoints: a prefix is reused only with its state.
@@ -137,7 +139,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(compute_limit(request) - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new):
                 break  # the request itself was preempted: it was the last running one
             scheduled.append(self._slice(request, num_new))
@@ -262,7 +264,8 @@ class Scheduler:
             if request.is_finished:
                 continue  # the connector failed it under policy `fail`
             load_async = load_async and num_external > 0
-            num_new = 0 if load_async else min(request.num_tokens - num_local - num_external, budget)
+            num_new = 0 if load_async else min(
+                compute_limit(request) - num_local - num_external, budget)
             num_needed = num_local + num_external + num_new
             load_end = num_local + num_external if num_external else None
             if not self.kv_manager.allocate(request, num_needed, hits, load_end):
@@ -369,6 +372,8 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens)
             self.stats.prompt_tokens_computed += max(0, prompt_end - item.num_computed_tokens)
+            if request.kept_ranges:
+                skip_kept(request)  # it filled a gap: jump over the kept blocks after it
             stepped.append(request)
         loaded = [r for r in stepped if r.pending_external is not None]
         loaded += self.kv_loads.finish_loads(output.finished_recving, self.requests)

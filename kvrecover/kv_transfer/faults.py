@@ -225,6 +225,7 @@ class FaultInjectionConnector(KVConnectorBase):
                                        if k not in own},
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_load_retry_limit=config.kv_load_retry_limit,
+            kv_load_recompute=config.kv_load_recompute,
         )
         try:
             self.inner = create_connector(inner_config, role, layout)

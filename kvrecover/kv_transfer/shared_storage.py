@@ -109,6 +109,10 @@ class SharedStorageConnector(StoreConnectorBase):
         self._paged: PagedBlocks | None = None  # set by register_kv_caches
         io_threads = self.settings.io_threads
         self.io_threads = min(MAX_IO_THREADS, os.cpu_count() or 1) if io_threads is None else io_threads
+        # Each block read and installed on its own (a bad one costs only itself) where
+        # recovery keeps valid blocks after a hole: KV cache groups (rule 8), or the
+        # engine's scope "blocks"; otherwise a request's blocks count up to its first bad one.
+        self._each_block = self._grouped or config.kv_load_recompute == "blocks"
 
     def _open_store(self) -> BlockStore:
         path = self.settings.shared_storage_path
@@ -158,7 +162,7 @@ class SharedStorageConnector(StoreConnectorBase):
         """Read and verify the transfers' blocks (on a reader thread) as one batch of rows,
         each transfer a run of its own (a failure cuts its own run only), into staging
         rows or `into_cache` (a direct cache, `PagedBlocks.load_direct`); per transfer,
-        its blocks (None from its first failure on, or each failed one with KV groups)."""
+        its blocks (None from its first failure on, or each failed one with `_each_block`)."""
         paged = self._paged_blocks()
         rows = [(transfer, position) for transfer in transfers
                 for position in range(len(transfer.block_ids))]
@@ -174,11 +178,11 @@ class SharedStorageConnector(StoreConnectorBase):
             results: list[RowResult] = [None] * len(rows)
             cancelled.progress = results  # kept by `_salvage` if the deadline gives up
             paged.load_direct([block_id for transfer in transfers for block_id in transfer.block_ids],
-                              read_row, cancelled, self.io_threads, every_row=self._grouped,
+                              read_row, cancelled, self.io_threads, every_row=self._each_block,
                               segments=ends, results=results)
         else:
             staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
-                                          every_row=self._grouped, segments=ends)
+                                          every_row=self._each_block, segments=ends)
         loads = self._loaded_blocks(transfers, results, staged)
         if staged is not None and not any(any(blocks) for blocks in loads):
             paged.release(staged.host, staged.uploaded)
@@ -195,9 +199,9 @@ class SharedStorageConnector(StoreConnectorBase):
                 result = results[offset + position]
                 if not isinstance(result, int):
                     self._log_failure(transfer.keys[position], result)
-                    if not self._grouped:
+                    if not self._each_block:
                         break
-                    blocks.append(None)  # KV cache groups: each block stands on its own
+                    blocks.append(None)  # each block stands on its own
                     continue
                 blocks.append(LoadedBlock(result, staged, offset + position))
             loads.append(blocks + [None] * (len(transfer.block_ids) - len(blocks)))
@@ -252,13 +256,13 @@ class SharedStorageConnector(StoreConnectorBase):
         """Copy the loads' verified blocks into the cache unless they were loaded there
         (one `PagedBlocks.install_rows` for them all: on a GPU one indexed copy per
         layer and one check for the whole step); report, per transfer, every block from
-        its first bad one on as invalid (with KV cache groups, every verified block is
+        its first bad one on as invalid (with `_each_block`, every verified block is
         installed and only the bad ones are invalid). None: already reported."""
         chosen: list[tuple[int, int, LoadedBlock]] = []  # (transfer, position, block)
         for index, blocks in enumerate(results):
             if blocks is None:
                 continue
-            usable = blocks if self._grouped else prefix_before_none(blocks)
+            usable = blocks if self._each_block else prefix_before_none(blocks)
             chosen += [(index, position, block) for position, block in enumerate(usable)
                        if block is not None]
         stagings = {id(block.staging) for _, _, block in chosen if block.staging is not None}
@@ -281,7 +285,7 @@ class SharedStorageConnector(StoreConnectorBase):
             if blocks is None:
                 continue
             held = [(index, position) in good for position in range(len(transfer.block_ids))]
-            if not self._grouped:  # a request's blocks count up to its first bad one
+            if not self._each_block:  # a request's blocks count up to its first bad one
                 count = next((i for i, ok in enumerate(held) if not ok), len(held))
                 held = [position < count for position in range(len(held))]
             invalid = [block_id for block_id, ok in zip(transfer.block_ids, held) if not ok]

@@ -279,6 +279,7 @@ def _tier_config(outer: KVTransferConfig, index: int, entry: TierEntry) -> KVTra
             kv_connector_module_path=entry.kv_connector_module_path,
             kv_load_failure_policy=outer.kv_load_failure_policy,
             kv_load_retry_limit=outer.kv_load_retry_limit,
+            kv_load_recompute=outer.kv_load_recompute,
         )
     except ValueError as error:
         raise ValueError(f"connectors[{index}]: {error}") from error

@@ -18,10 +18,11 @@ BROKEN_PROMPT = 0  # the prompt whose rank-1 shard breaks; the others load fine
 
 
 def run(model: Path, store: Path, *, size: int = 2, async_load: bool = False,
-        policy: str = "recompute", **extra):
+        policy: str = "recompute", recompute: str = "prefix", **extra):
     transfer = storage_transfer(store, "kv_consumer", async_load=async_load,
                                 load_timeout_s=5.0, **extra)
     transfer.kv_load_failure_policy = policy
+    transfer.kv_load_recompute = recompute
     llm = make_kv_llm(model, transfer, tensor_parallel_size=size)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in KV_PROMPTS],
@@ -97,6 +98,20 @@ def test_one_ranks_failed_load_is_recomputed_exactly(size_2_store, tiny_llama, t
     assert ids(outputs) == size_2_store[1]
     assert stats["kv_load_failed_blocks"] >= 1
     assert stats["kv_load_recovered_requests"] >= 1  # async: once more on its retry (rule 6)
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_scope_blocks_recomputes_only_the_block_one_rank_lost(size_2_store, tiny_llama,
+                                                              tmp_path, async_load):
+    """Rule 9 under scope "blocks": the block is invalid for every rank, and only it (and,
+    after a sync load, the tokens its step computed on top of it) is recomputed."""
+    store = broken_copy(size_2_store, tmp_path / "store", "missing")
+    outputs, stats, _ = run(tiny_llama, store, async_load=async_load, recompute="blocks")
+    assert ids(outputs) == size_2_store[1]
+    prompt = KV_PROMPTS[BROKEN_PROMPT]
+    tail = 0 if async_load else len(prompt) - (len(prompt) - 1) // KV_BLOCK * KV_BLOCK
+    assert stats["kv_load_failed_blocks"] == 1
+    assert stats["kv_load_recomputed_tokens"] == KV_BLOCK + tail
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])

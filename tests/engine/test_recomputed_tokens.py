@@ -38,13 +38,14 @@ def stored(tiny_llama, tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
     return tiny_llama, store, [o.outputs[0].token_ids for o in baseline]
 
 
-def run_with_faults(stored, async_load: bool) -> dict[str, int]:
+def run_with_faults(stored, async_load: bool, bad: dict[int, list[int]] = BAD,
+                    kind: str = "missing", recompute: str = "prefix") -> dict[str, int]:
     model, store, baseline = stored
-    faults = [{"requests": index, "blocks": positions, "kind": "missing"}
-              for index, positions in BAD.items()]
+    faults = [{"requests": index, "blocks": positions, "kind": kind}
+              for index, positions in bad.items()]
     transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", {
         "inner_connector": "SharedStorageConnector", "shared_storage_path": str(store),
-        "async_load": async_load, "faults": faults})
+        "async_load": async_load, "faults": faults}, kv_load_recompute=recompute)
     with LLM(str(model), device="cpu", block_size=BLOCK, enable_prefix_caching=False,
              kv_transfer_config=transfer) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
@@ -66,6 +67,30 @@ def test_async_recovery_recomputes_no_more_than_sync(stored):
     assert async_["prompt_tokens_computed"] <= sync["prompt_tokens_computed"]
     assert async_["prompt_tokens_external"] == sync["prompt_tokens_external"] == (
         len(PROMPTS) * LOADED - LOST)
+
+
+# Hole layouts per request (positions among its 10 loaded blocks).
+LAYOUTS = {
+    "several-first-adjacent-last": {0: [2, 5], 1: [0], 2: [6, 7, 8], 3: [9]},
+    "middle": {1: [4]},
+    "every-other": {2: [1, 3, 5, 7]},
+}
+
+
+@pytest.mark.parametrize("kind", ["missing", "error", "corrupt"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_scope_blocks_recomputes_exactly_the_failed_blocks(stored, async_load, layout, kind):
+    """Scope "blocks": exact ids; recomputed = the failed blocks' tokens, plus after a sync
+    load the one token its step computed on top of them; every valid block loads."""
+    bad = LAYOUTS[layout]
+    stats = run_with_faults(stored, async_load, bad, kind, recompute="blocks")
+    failed = sum(len(positions) for positions in bad.values()) * BLOCK
+    tail = 0 if async_load else len(bad)
+    assert stats["kv_load_recomputed_tokens"] == failed + tail
+    assert stats["prompt_tokens_external"] == len(PROMPTS) * LOADED - failed
+    assert stats["prompt_tokens_computed"] == failed + len(PROMPTS) + tail
+    assert stats["kv_load_failed_requests"] == 0
 
 
 # ----- the counting rule, model-free (`scheduler_harness.py`) ------------------------------

@@ -74,7 +74,7 @@ def moe_stored(request, tmp_path_factory) -> tuple[Path, Path, list[list[int]], 
 
 def decode(model: Path, store: Path, *, async_load=False, faults=None, policy="recompute",
            retry_limit=1, connector="FaultInjectionConnector", module_path=None, prompts=None,
-           load_timeout_s=5.0, fault_seed=None, **llm_kwargs):
+           load_timeout_s=5.0, fault_seed=None, recompute="prefix", **llm_kwargs):
     extra = {"shared_storage_path": str(store), "async_load": async_load,
              "load_timeout_s": load_timeout_s}
     if faults is not None:
@@ -82,7 +82,8 @@ def decode(model: Path, store: Path, *, async_load=False, faults=None, policy="r
     if fault_seed is not None:
         extra["seed"] = fault_seed
     transfer = KVTransferConfig(connector, "kv_consumer", extra, kv_connector_module_path=module_path,
-                                kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit)
+                                kv_load_failure_policy=policy, kv_load_retry_limit=retry_limit,
+                                kv_load_recompute=recompute)
     llm_kwargs.setdefault("max_num_batched_tokens", 32)
     llm = LLM(str(model), device="cpu", kv_transfer_config=transfer, **llm_kwargs)
     outputs = llm.generate(as_inputs(prompts or make_prompts()), PARAMS)
@@ -127,6 +128,42 @@ def check_fail_policy(stored, async_load, blocks, kind, **engine) -> None:
     assert token_ids(outputs)[1:] == baseline[1:]
     assert all(o.outputs[0].finish_reason == "length" for o in outputs[1:])
     assert llm.stats["kv_load_failed_requests"] == 1
+
+
+BLOCK_SIZE = 16  # the engine's default, used by every run here
+
+
+# Fault selectors of the first request's 8 loaded blocks, and how many blocks each fails.
+HOLES = {"first": 1, "middle": 1, "last": 1, "1,3": 2, "2,3,6": 3, "half": 4}
+SELECTORS = {"1,3": [1, 3], "2,3,6": [2, 3, 6], "half": 0.5}
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("holes", list(HOLES))
+@pytest.mark.parametrize("kind", ["missing", "error", "corrupt"])
+def test_recompute_only_the_failed_blocks_matrix(stored, async_load, holes, kind):
+    """Scope "blocks": exact ids, and only the failed blocks' tokens are recomputed (plus,
+    after a sync load, the tokens its step computed on top of them)."""
+    blocks = SELECTORS.get(holes, holes)
+    model, store, baseline = stored
+    faults = [{"requests": "first", "blocks": blocks, "kind": kind}]
+    outputs, llm = decode(model, store, async_load=async_load, faults=faults,
+                          recompute="blocks", retry_limit=0)
+    assert token_ids(outputs) == baseline
+    stats = llm.stats
+    first = make_prompts()[0]  # the first to load: 8 stored blocks, then its last tokens
+    loaded = (len(first) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    tail = 0 if async_load else len(first) - loaded
+    assert stats["kv_load_recovered_requests"] == 1
+    assert stats["kv_load_failed_blocks"] == HOLES[holes]
+    assert stats["kv_load_recomputed_tokens"] == HOLES[holes] * BLOCK_SIZE + tail
+    assert stats["kv_load_failed_requests"] == 0
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("blocks", ["middle", [1, 3]])
+def test_fail_policy_is_the_same_under_scope_blocks(stored, async_load, blocks):
+    check_fail_policy(stored, async_load, blocks, "missing", recompute="blocks")
 
 
 # The matrix on the MoE families: nothing MoE-specific in recovery, exact ids in float32
@@ -188,15 +225,17 @@ def test_random_fraction_of_requests(stored, seed):
     assert stats["kv_load_failed_requests"] == 0
 
 
+@pytest.mark.parametrize("recompute", ["prefix", "blocks"])
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-def test_failures_under_preemption(stored, async_load):
+def test_failures_under_preemption(stored, async_load, recompute):
     """A KV budget that forces preemption while requests grow and loads fail."""
     model, store, _ = stored
     long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = LLM(str(model), device="cpu").generate(as_inputs(make_prompts()), long_params)
     extra = {"shared_storage_path": str(store), "async_load": async_load,
              "faults": [{"requests": "all", "blocks": "middle", "kind": "missing"}]}
-    transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", extra)
+    transfer = KVTransferConfig("FaultInjectionConnector", "kv_consumer", extra,
+                                kv_load_recompute=recompute)
     llm = LLM(str(model), device="cpu", kv_transfer_config=transfer, num_kv_blocks=24,
               max_num_batched_tokens=32)
     outputs = llm.generate(as_inputs(make_prompts()), long_params)
@@ -207,7 +246,8 @@ def test_failures_under_preemption(stored, async_load):
     assert pool.num_free_blocks == pool.num_usable_blocks  # nothing leaked
 
 
-def test_failure_while_remaining_prompt_is_chunked(stored):
+@pytest.mark.parametrize("recompute", ["prefix", "blocks"])
+def test_failure_while_remaining_prompt_is_chunked(stored, recompute):
     """The prompt continues past the stored prefix: chunked prefill after a failed load."""
     model, store, baseline = stored
     long_tail = random_prompts(1, [150], 384, seed=99)[0]
@@ -215,9 +255,9 @@ def test_failure_while_remaining_prompt_is_chunked(stored):
     reference = LLM(str(model), device="cpu", max_num_batched_tokens=16).generate(
         as_inputs(prompts), PARAMS)
     for async_load in (False, True):
-        faults = [{"requests": "first", "blocks": "middle", "kind": "missing"}]
+        faults = [{"requests": "first", "blocks": [1, 3], "kind": "missing"}]
         outputs, llm = decode(model, store, async_load=async_load, faults=faults,
-                              prompts=prompts, max_num_batched_tokens=16)
+                              prompts=prompts, max_num_batched_tokens=16, recompute=recompute)
         assert token_ids(outputs) == token_ids(reference)
         assert llm.stats["kv_load_recovered_requests"] >= 1
 
@@ -270,7 +310,8 @@ def run_steps(llm, prompts, add_at: dict[int, int], max_steps=500):
     return [results[str(i)] for i in range(len(prompts))]
 
 
-def test_failed_shared_block_with_chunked_owner_recompute(stored, tmp_path):
+@pytest.mark.parametrize("recompute", ["prefix", "blocks"])
+def test_failed_shared_block_with_chunked_owner_recompute(stored, tmp_path, recompute):
     """A block in the prefix cache, shared by two requests, is reported invalid; the
     owner recomputes it over several steps while the sharer must never read it
     half-rewritten, and a request arriving meanwhile must not hit it."""
@@ -282,7 +323,7 @@ def test_failed_shared_block_with_chunked_owner_recompute(stored, tmp_path):
         as_inputs(prompts), PARAMS)
     transfer = KVTransferConfig("LateReportConnector", "kv_consumer",
                                 {"shared_storage_path": str(store)},
-                                kv_connector_module_path=str(module))
+                                kv_connector_module_path=str(module), kv_load_recompute=recompute)
     llm = LLM(str(model), device="cpu", kv_transfer_config=transfer, max_num_batched_tokens=8)
     # Request 0 loads; request 1 (same 100-token prefix) arrives next step and hits the
     # prefix cache; the failure is reported while both run; request 2 arrives mid-recompute.

@@ -183,10 +183,11 @@ def test_failed_shared_block_leaves_the_cache_and_every_holder(policy):
 
 # ----- rule 5: the engine's own deadline --------------------------------------------------
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_load_never_reported_finished_expires_and_its_blocks_stay_held(policy):
+@pytest.mark.parametrize("recompute", ["prefix", "blocks"])
+def test_a_load_never_reported_finished_expires_and_its_blocks_stay_held(policy, recompute):
     clock = FakeClock()
     connector = FakeConnector({"a": [(16, True)]})
-    scheduler = make_scheduler(connector, policy=policy, clock=clock)
+    scheduler = make_scheduler(connector, policy=policy, clock=clock, recompute=recompute)
     a = add(scheduler, "a", PROMPT)
     b = add(scheduler, "b", list(range(200, 209)))
     step(scheduler)

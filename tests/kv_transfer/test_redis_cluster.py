@@ -63,10 +63,11 @@ def cluster():
 
 
 def cluster_transfer(url: str, role: str = "kv_both", policy: str = "recompute",
-                     hooked: bool = False, **extra) -> KVTransferConfig:
+                     hooked: bool = False, recompute: str = "prefix", **extra) -> KVTransferConfig:
     return KVTransferConfig("HookedRedisConnector" if hooked else "RedisConnector", role,
                             {"url": url, **extra}, kv_load_failure_policy=policy,
-                            kv_connector_module_path=__name__ if hooked else None)
+                            kv_connector_module_path=__name__ if hooked else None,
+                            kv_load_recompute=recompute)
 
 
 def prefill(model: Path, url: str, prompts: list[list[int]]) -> dict:
@@ -117,10 +118,12 @@ def test_decode_loads_what_prefill_stored_across_the_nodes(tiny_llama, cluster, 
 
 
 # ----- a node lost between lookup and load ----------------------------------------------
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("policy, recompute", [("recompute", "prefix"), ("fail", "prefix"),
+                                               ("recompute", "blocks")])
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_a_node_killed_between_lookup_and_load_costs_only_its_blocks(tiny_llama, cluster,
-                                                                      async_load, policy):
+                                                                      async_load, policy,
+                                                                      recompute):
     prefill(tiny_llama, cluster.url, [PROMPT_A])
     lost: dict = {}
 
@@ -131,7 +134,8 @@ def test_a_node_killed_between_lookup_and_load_costs_only_its_blocks(tiny_llama,
 
     between_lookup_and_load["hook"] = kill_busiest
     llm = make_llm(tiny_llama, cluster_transfer(cluster.url, "kv_consumer", policy, hooked=True,
-                                                async_load=async_load, timeout_s=2.0))
+                                                recompute=recompute, async_load=async_load,
+                                                timeout_s=2.0))
     started = time.monotonic()
     outputs = run(llm, [PROMPT_A, PROMPT_C])
     elapsed = time.monotonic() - started
@@ -146,6 +150,12 @@ def test_a_node_killed_between_lookup_and_load_costs_only_its_blocks(tiny_llama,
     else:
         assert outputs[0].outputs[0].token_ids == expected[0]
         assert stats["kv_load_recovered_requests"] == 1
+    if recompute == "blocks":
+        # Exactly the lost node's blocks are recomputed (and, after a sync load, A's
+        # tokens that its load step computed on top of them); the rest loaded.
+        tail = 0 if async_load else len(PROMPT_A) - LOADABLE_A * BLOCK
+        assert stats["kv_load_recomputed_tokens"] == lost["count"] * BLOCK + tail
+        assert stats["prompt_tokens_external"] == (LOADABLE_A - lost["count"]) * BLOCK
     assert outputs[1].outputs[0].token_ids == expected[1]
     assert elapsed < 30  # a refused node fails at once, never a wait
     llm.close()
