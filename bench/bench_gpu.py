@@ -59,9 +59,14 @@ def time_kvrecover(model_dir: Path, batch: int, prompt_len: int, new_tokens: int
     """Prefill and decode throughput of kvrecover for one batch shape (after a warm-up run)."""
     from kvrecover import LLM, SamplingParams
 
+    shape = ModelShape.of(model_dir)
+    # Room for the whole batch's KV (bf16) with a margin, at least 12 GB: a cache that
+    # cannot hold the batch preempts, and the figures would time recomputation.
+    kv_bytes = (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 2
+                * batch * (prompt_len + new_tokens + 16))
     llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + new_tokens + 16,
-              enable_prefix_caching=False, kv_cache_memory_gb=12, max_num_seqs=max(batch, 16),
-              **llm_args)
+              enable_prefix_caching=False, kv_cache_memory_gb=max(12.0, 1.25 * kv_bytes / 1e9),
+              max_num_seqs=max(batch, 16), **llm_args)
 
     def run(prompts, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
