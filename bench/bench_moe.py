@@ -8,8 +8,9 @@ Two parts:
   bandwidth (decode) or of the bf16 matmul rate (prefill) it reaches;
 - `engine`: kvrecover end to end on a random checkpoint of the same shape with
   `--layers` of its 48 layers (the whole model needs 61 GB of disk): decode tok/s
-  at batch 1/16/64 and prefill tok/s, default, `batch_invariant`, and default with
-  the experts on `torch._grouped_mm` (patched in here only, to compare), with the
+  at batch 1/16/64 and prefill tok/s, default (batch-invariant for MoE models), `fast`
+  (the non-invariant tiles), and fast with the experts on `torch._grouped_mm`
+  (patched in here only, to compare), with the
   roofline of a decode step from the bytes of the active parameters it reads
   (every dense weight, the expected distinct experts of the batch under uniform
   routing, the KV of the batch).
@@ -147,13 +148,16 @@ def decode_roofline(ceilings: dict, layers: int, batch: int, context: int) -> fl
 
 
 def time_engine(model_dir: Path, batch: int, prompt_len: int, new_tokens: int,
-                grouped_mm: bool = False, **llm_args) -> dict:
-    """Prefill and decode rates of one batch shape (after a warm-up run)."""
+                grouped_mm: bool = False, fast_tiles: bool = False, **llm_args) -> dict:
+    """Prefill and decode rates of one batch shape (after a warm-up run). `fast_tiles`:
+    the non-invariant kernels MoE models no longer run by default."""
     from kvrecover import LLM, SamplingParams
+    from kvrecover.ops import backend
     from kvrecover.ops.reference.grouped_moe import grouped_mm_moe
     from kvrecover.ops.triton.fused_ops import TritonOps
 
     original = TritonOps.moe
+    backend.MOE_INVARIANT_BY_DEFAULT = not fast_tiles
     if grouped_mm:  # the comparison only: the engine's experts on torch._grouped_mm
         TritonOps.moe = lambda self, x, w, ids, experts: grouped_mm_moe(  # type: ignore
             x, w, ids, experts, self.silu_mul)
@@ -179,14 +183,17 @@ def time_engine(model_dir: Path, batch: int, prompt_len: int, new_tokens: int,
         return _rates(batch, prompt_len, new_tokens, prefill_s, total_s)
     finally:
         TritonOps.moe = original  # type: ignore[method-assign]
+        backend.MOE_INVARIANT_BY_DEFAULT = True
         gc.collect()
         torch.cuda.empty_cache()
 
 
 def engine_bench(ceilings: dict, args: argparse.Namespace) -> list[dict]:
     model_dir = build_checkpoint(args.model_dir, args.layers)
-    modes = {"default": {}, "batch_invariant": {"batch_invariant": True},
-             "grouped_mm": {"grouped_mm": True}}
+    # "default" is batch-invariant for MoE models (ops.backend.MOE_INVARIANT_BY_DEFAULT);
+    # "fast" and "grouped_mm" run the faster non-invariant kernels.
+    modes = {"default": {}, "fast": {"fast_tiles": True},
+             "grouped_mm": {"grouped_mm": True, "fast_tiles": True}}
     rows = []
     for batch in args.batches:
         roof_s = decode_roofline(ceilings, args.layers, batch, args.prompt_len + args.new_tokens // 2)
@@ -213,7 +220,7 @@ def main() -> None:
     parser.add_argument("--layer-tokens", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--modes", nargs="+", default=["default", "batch_invariant", "grouped_mm"])
+    parser.add_argument("--modes", nargs="+", default=["default", "fast", "grouped_mm"])
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-qwen3moe"))
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args()

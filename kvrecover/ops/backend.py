@@ -87,11 +87,18 @@ EVERY_BACKEND = BackendFeatures(sliding_window=True, logit_softcap=True, attenti
 # On: with the C attention kernel they cost no more than the reference kernels in
 # bf16 (within the 15% a default may cost; bench/NOTES.md, "bf16 on the CPU").
 HALF_INVARIANT_BY_DEFAULT = True
+# Mixture-of-experts models on Triton run the batch-invariant kernels by default: in the
+# faster tiles a recomputed token's router logits can differ from the baseline's by an
+# ulp and top-k turns that into another expert, so recovery would not reproduce the
+# output (measured on gpt-oss; bench/NOTES.md, "GPU runs of 2026-12-01, evening"). The
+# cost: 0-5% of MoE decode, ~27% of MoE prefill (bench_moe.py).
+MOE_INVARIANT_BY_DEFAULT = True
 
 
 def select_backend(
     attention_backend: str, device: torch.device, *, batch_invariant: bool = False,
     dtype: torch.dtype = torch.float32, native_kernels: bool | None = None,
+    moe: bool = False,
 ) -> KernelBackend:
     """The backend for `attention_backend` on `device` (see the module docstring).
 
@@ -100,6 +107,8 @@ def select_backend(
     path it selects the invariant CPU kernels, which bf16/fp16 on the CPU run
     anyway (`HALF_INVARIANT_BY_DEFAULT`). `native_kernels` says whether those may
     build and run our C kernels (None: `KVRECOVER_NATIVE_KERNELS`, default on).
+    `moe` (the model has experts) selects the invariant Triton kernels too
+    (`MOE_INVARIANT_BY_DEFAULT`).
     """
     if attention_backend not in ATTENTION_BACKENDS:  # EngineArgs checks too; direct callers
         raise ValueError(
@@ -110,6 +119,7 @@ def select_backend(
         from kvrecover.ops.triton.fused_ops import BatchInvariantOps, TritonOps
         from kvrecover.ops.triton.sampling import TritonSampling
 
+        batch_invariant = batch_invariant or (moe and MOE_INVARIANT_BY_DEFAULT)
         triton_ops = BatchInvariantOps() if batch_invariant else TritonOps()
         return KernelBackend("triton", TritonPagedAttention(batch_invariant), triton_ops,
                              step_input_builder, TritonSampling(), features=EVERY_BACKEND,

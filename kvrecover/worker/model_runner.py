@@ -81,14 +81,12 @@ class ModelRunner:
         tp: TensorParallelGroup = SINGLE_RANK,
         num_state_checkpoints: int = 0,
     ) -> None:
+        features = model_class(model_config.architecture).required_features(model_config)
         self.backend = select_backend(
             attention_backend, device, batch_invariant=batch_invariant, dtype=dtype,
-            native_kernels=native_kernels,
+            native_kernels=native_kernels, moe=features.moe,
         )
-        self.backend.check_supports(
-            model_class(model_config.architecture).required_features(model_config),
-            model_config.architecture,
-        )
+        self.backend.check_supports(features, model_config.architecture)
         if device.type == "cpu":
             set_cpu_threads(tp.size)
         self.device = device

@@ -170,12 +170,21 @@ def test_bf16_batch_invariant_moe_tokens_do_not_depend_on_the_batch(request, fam
     assert _token_ids(batched, prompts)[0] == _token_ids(alone, prompts[:1])[0]
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_models_run_the_invariant_kernels_by_default(request, family, tiny_llama):
+    moe = LLM(str(request.getfixturevalue(family)), device=ENGINE_DEVICE, dtype="bfloat16")
+    assert moe.engine.model_runner.backend.batch_invariant
+    dense = LLM(str(tiny_llama), device=ENGINE_DEVICE, dtype="bfloat16")
+    assert not dense.engine.model_runner.backend.batch_invariant
+
+
+@pytest.mark.parametrize("mode", [{"batch_invariant": True}, {}], ids=["invariant", "default"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_bf16_batch_invariant_moe_recovery_is_exact(request, tmp_path, family, policy):
+def test_bf16_moe_recovery_is_exact(request, tmp_path, family, policy, mode):
     model_dir = request.getfixturevalue(family)
     prompts = random_prompts(4, [100, 70, 40, 90], 384, seed=11)
-    engine = dict(device=ENGINE_DEVICE, dtype="bfloat16", batch_invariant=True)
+    engine = dict(device=ENGINE_DEVICE, dtype="bfloat16", **mode)
     producer = KVTransferConfig("SharedStorageConnector", "kv_producer",
                                 {"shared_storage_path": str(tmp_path)})
     _token_ids(LLM(str(model_dir), kv_transfer_config=producer, **engine), prompts)
