@@ -54,6 +54,7 @@ class KVLoads:
         transfer: KVTransferConfig | None,
         end_with_error: Callable[[Request, str], None],
         clock: Callable[[], float] = time.monotonic,
+        recurrent: bool = False,
     ) -> None:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
@@ -67,6 +68,7 @@ class KVLoads:
             transfer.kv_load_failure_policy if transfer else "recompute",
             transfer.kv_load_retry_limit if transfer else 0,
             kv_manager.groups,
+            recurrent,
         )
         self.tracker = AsyncLoadTracker(load_deadline_s(connector), clock)
         self.sends = PendingSends(self.tracker.timeout_s, clock)

@@ -71,9 +71,12 @@ class KVLoadRecovery:
     """Applies the failure policy and the retry bound; remembers failures of in-flight loads."""
 
     def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1,
-                 groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),)) -> None:
+                 groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),),
+                 recurrent: bool = False) -> None:
         self.block_size = block_size
         self.groups = tuple(groups)
+        # A hybrid model's linear-attention layers resume only where their state is held.
+        self.recurrent = recurrent
         self.policy = policy
         self.retry_limit = retry_limit
         # Invalid blocks reported while the request's async load was in flight.
@@ -169,6 +172,8 @@ class KVLoadRecovery:
         A full-attention group needs every block below P; a windowed group the blocks
         its window reads from P on (`KVCacheGroup.can_resume_at`). P is block-aligned
         unless it is num_computed_tokens itself (nothing to redo); 0 always qualifies.
+        A model with recurrent layers (`recurrent`) also needs their state at exactly P:
+        the request holds it at num_computed_tokens only, so any loss rolls it back to 0.
         """
         block_size = self.block_size
         computed = request.num_computed_tokens
@@ -183,7 +188,9 @@ class KVLoadRecovery:
                     limit = index * block_size
                     break
         candidates = [limit] if limit == computed else []
-        candidates += range((min(limit, computed - 1) // block_size) * block_size, -1, -block_size)
+        if not self.recurrent:
+            candidates += range((min(limit, computed - 1) // block_size) * block_size, -1,
+                                -block_size)
         for position in candidates:
             if position > limit:
                 continue

@@ -56,7 +56,8 @@ class Scheduler:
         self.connector = connector
         self.kv_transfer_config = kv_transfer_config
         self.kv_loads = KVLoads(kv_manager, stats, connector, kv_transfer_config,
-                                self._end_with_error, clock)
+                                self._end_with_error, clock,
+                                recurrent=state_checkpoints is not None)
         self.recovery = self.kv_loads.recovery
         self.loads = self.kv_loads.tracker
         # A hybrid model's recurrent-state checkpoints: a prefix is reused only with its state.

@@ -47,6 +47,7 @@ from kvrecover.options import from_dict, option, option_names, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")
@@ -197,6 +198,14 @@ class FaultInjectionConnector(KVConnectorBase):
         return inner.kv_groups_supported(config)
 
     @classmethod
+    def recurrent_states_supported(cls, config: KVTransferConfig) -> bool:
+        """Stores recurrent states exactly when the connector it wraps does."""
+        from kvrecover.kv_transfer.registry import connector_class
+
+        inner = connector_class(KVTransferConfig(_inner_name(config), config.kv_role))
+        return inner.recurrent_states_supported(config)
+
+    @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
         """Its own settings and those of the inner connector (None: it takes any)."""
         from kvrecover.kv_transfer.registry import connector_class
@@ -289,6 +298,9 @@ class FaultInjectionConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         self.inner.register_kv_caches(kv_caches)
+
+    def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
+        self.inner.register_recurrent_states(states)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
