@@ -24,7 +24,7 @@ plan (`kv_loads.py`) and the KV cache manager executes its block operations.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvrecover.engine.request import Request, RequestStatus
@@ -72,11 +72,12 @@ class KVLoadRecovery:
 
     def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1,
                  groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),),
-                 recurrent: bool = False) -> None:
+                 recurrent_state_at: Callable[[Request, int], bool] | None = None) -> None:
         self.block_size = block_size
         self.groups = tuple(groups)
-        # A hybrid model's linear-attention layers resume only where their state is held.
-        self.recurrent = recurrent
+        # A hybrid model's linear-attention layers resume at P only from their state at P:
+        # whether one is held for the request there (the scheduler's state checkpoints).
+        self.recurrent_state_at = recurrent_state_at
         self.policy = policy
         self.retry_limit = retry_limit
         # Invalid blocks reported while the request's async load was in flight.
@@ -172,8 +173,8 @@ class KVLoadRecovery:
         A full-attention group needs every block below P; a windowed group the blocks
         its window reads from P on (`KVCacheGroup.can_resume_at`). P is block-aligned
         unless it is num_computed_tokens itself (nothing to redo); 0 always qualifies.
-        A model with recurrent layers (`recurrent`) also needs their state at exactly P:
-        the request holds it at num_computed_tokens only, so any loss rolls it back to 0.
+        A model with recurrent layers also needs their state at exactly P
+        (`recurrent_state_at`; the request holds it at num_computed_tokens).
         """
         block_size = self.block_size
         computed = request.num_computed_tokens
@@ -188,11 +189,12 @@ class KVLoadRecovery:
                     limit = index * block_size
                     break
         candidates = [limit] if limit == computed else []
-        if not self.recurrent:
-            candidates += range((min(limit, computed - 1) // block_size) * block_size, -1,
-                                -block_size)
+        candidates += range((min(limit, computed - 1) // block_size) * block_size, -1, -block_size)
+        state_at = self.recurrent_state_at
         for position in candidates:
             if position > limit:
+                continue
+            if state_at is not None and 0 < position < computed and not state_at(request, position):
                 continue
             if all(group.can_resume_at(position, block_size, table, invalid, NULL_BLOCK_ID)
                    for group, table in windowed):

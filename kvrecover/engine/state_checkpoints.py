@@ -48,6 +48,22 @@ class StateCheckpoints:
                                  [blocks[:num_blocks] for blocks in hits.blocks])
         return PrefixHit(0, [[] for _ in hits.blocks])
 
+    def holds(self, request: Request, position: int) -> bool:
+        """Whether a checkpoint of the request's prefix at block boundary `position` is
+        kept (recovery's rule 8 for a hybrid: a rollback point needs one)."""
+        num_blocks = position // self.block_size
+        return (position % self.block_size == 0 and 0 < num_blocks <= len(request.block_hashes)
+                and request.block_hashes[num_blocks - 1] in self._slots)
+
+    def restore_at(self, request: Request, position: int) -> None:
+        """The request was rolled back to `position`: its next slice starts from the
+        checkpoint there (if one is kept; position 0 starts from zeros)."""
+        self._restores.pop(request.request_id, None)
+        if self.holds(request, position):
+            block_hash = request.block_hashes[position // self.block_size - 1]
+            self._slots.move_to_end(block_hash)
+            self._restores[request.request_id] = (self._slots[block_hash], position)
+
     def plan(self, request: Request, item: ScheduledRequest) -> None:
         """Fill `item`'s checkpoint fields: the restore remembered by `usable_prefix` (if
         the slice starts there: a connector's load may have carried it further) and a slot
@@ -63,7 +79,8 @@ class StateCheckpoints:
         if last < first or self.num_slots == 0:
             return
         update_block_hashes(request.block_hashes, request.token_ids[:end], self.block_size)
-        pinned = {restore}
+        # A restore still to come keeps its slot (a rollback's or an admission's).
+        pinned = {restore} | {slot for slot, _ in self._restores.values()}
         for boundary in range(last, first - 1, -1):
             block_hash = request.block_hashes[boundary - 1]
             if block_hash in self._slots:  # the same prefix's state, bit for bit (point 2)

@@ -33,8 +33,9 @@ def baseline(qwen3_next_dir) -> list[list[int]]:
 
 
 def hybrid_llm(folder: Path, transfer: KVTransferConfig | None = None, **engine) -> LLM:
-    return LLM(str(folder), block_size=BLOCK, device="cpu", max_num_batched_tokens=12,
-               enable_prefix_caching=False, kv_transfer_config=transfer, **engine)
+    settings = dict(block_size=BLOCK, device="cpu", max_num_batched_tokens=12,
+                    enable_prefix_caching=False, kv_transfer_config=transfer)
+    return LLM(str(folder), **{**settings, **engine})
 
 
 def state_entries(store: Path) -> list[Path]:
