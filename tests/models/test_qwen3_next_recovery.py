@@ -91,3 +91,21 @@ def test_the_rollback_point_is_a_held_checkpoint_not_0(model, store, baseline, t
     # Tokens 24-41, plus the one the step of the failed load computed (then voided); a
     # rollback to 0 would compute all 41 again.
     assert llm.stats["prompt_tokens_computed"] - computed == len(prompt) - 24 + 1
+
+
+@pytest.mark.parametrize("async_load", [False, True])
+@pytest.mark.parametrize("target", ["kv", "state"])
+def test_shared_prefixes_recover_with_their_own_states(model, tmp_path, target, async_load):
+    """Two prompts share 24 tokens, both stored; the first one's load fails while the
+    other's succeeds in the same batch, with prefix caching on: each request rolls back
+    or resumes on its own state slot, and both give the connector-free tokens."""
+    shared = PROMPTS[2][:24]
+    prompts = [shared + PROMPTS[1][:9], shared + PROMPTS[0] + PROMPTS[1][9:20]]
+    expected = generate(hybrid_llm(model), prompts)
+    store = tmp_path / "store"
+    generate(hybrid_llm(model, storage_transfer(store, "kv_producer")), prompts)
+    llm = hybrid_llm(model, faulty(store, target, "corrupt", async_load=async_load),
+                     enable_prefix_caching=True)
+    assert generate(llm, prompts) == expected
+    assert llm.stats["kv_load_failed_blocks"] > 0
+    assert generate(llm, prompts) == expected  # and again, from the checkpoints they left
