@@ -352,9 +352,10 @@ class Engine:
 
 def num_state_checkpoints(config: ResolvedConfig) -> int:
     """A hybrid model's recurrent-state checkpoint slots: none without prefix caching
-    (nothing would resume from them)."""
+    or a connector (nothing would resume from them, or store them)."""
     args = config.args
-    if not config.model_config.recurrent_layers() or not args.enable_prefix_caching:
+    if not config.model_config.recurrent_layers() or not (
+            args.enable_prefix_caching or config.connector is not None):
         return 0
     return args.num_state_checkpoints
 

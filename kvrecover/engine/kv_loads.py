@@ -55,7 +55,7 @@ class KVLoads:
         transfer: KVTransferConfig | None,
         end_with_error: Callable[[Request, str], None],
         clock: Callable[[], float] = time.monotonic,
-        recurrent: bool = False,
+        recurrent_state_at: Callable[[Request, int], bool] | None = None,
     ) -> None:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
@@ -70,7 +70,7 @@ class KVLoads:
             transfer.kv_load_retry_limit if transfer else 0,
             kv_manager.groups,
             transfer.kv_load_recompute if transfer else "prefix",
-            recurrent,
+            recurrent_state_at,
         )
         self.tracker = AsyncLoadTracker(load_deadline_s(connector), clock)
         self.sends = PendingSends(self.tracker.timeout_s, clock)

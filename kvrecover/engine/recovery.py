@@ -28,7 +28,7 @@ plan (`kv_loads.py`) and the KV cache manager executes its block operations.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvrecover.engine.recompute_gaps import num_kept_tokens, plan_kept_ranges, supports_blocks_scope
@@ -85,15 +85,19 @@ class KVLoadRecovery:
 
     def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1,
                  groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),),
-                 recompute: str = "prefix", recurrent: bool = False) -> None:
+                 recompute: str = "prefix",
+                 recurrent_state_at: Callable[[Request, int], bool] | None = None) -> None:
         self.block_size = block_size
         self.groups = tuple(groups)
+        # A hybrid model's linear-attention layers resume at P only from their state at P:
+        # whether one is held for the request there (the scheduler's state checkpoints).
+        self.recurrent_state_at = recurrent_state_at
         self.policy = policy
         self.retry_limit = retry_limit
         # Scope "blocks" keeps valid loaded blocks after a hole; windowed and hybrid
         # models fall back to "prefix" (`recompute_gaps.supports_blocks_scope`).
         self.keeps_blocks = (recompute == "blocks" and policy == "recompute"
-                             and supports_blocks_scope(self.groups, recurrent))
+                             and supports_blocks_scope(self.groups, recurrent_state_at is not None))
         # Invalid blocks reported while the request's async load was in flight.
         self._deferred: dict[str, set[int]] = {}
 
@@ -198,6 +202,8 @@ class KVLoadRecovery:
         A full-attention group needs every block below P; a windowed group the blocks
         its window reads from P on (`KVCacheGroup.can_resume_at`). P is block-aligned
         unless it is num_computed_tokens itself (nothing to redo); 0 always qualifies.
+        A model with recurrent layers also needs their state at exactly P
+        (`recurrent_state_at`; the request holds it at num_computed_tokens).
         """
         block_size = self.block_size
         computed = request.num_computed_tokens
@@ -213,8 +219,11 @@ class KVLoadRecovery:
                     break
         candidates = [limit] if limit == computed else []
         candidates += range((min(limit, computed - 1) // block_size) * block_size, -1, -block_size)
+        state_at = self.recurrent_state_at
         for position in candidates:
             if position > limit:
+                continue
+            if state_at is not None and 0 < position < computed and not state_at(request, position):
                 continue
             if all(group.can_resume_at(position, block_size, table, invalid, NULL_BLOCK_ID)
                    for group, table in windowed):

@@ -132,10 +132,8 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
     )
     connector = resolve_connector(args.kv_transfer_config)
     if connector is not None and model_config.recurrent_layers():
-        raise ValueError(
-            f"{model_config.architecture} has linear-attention layers (a recurrent state per "
-            "request), and kvrecover cannot store or load their states with the KV yet: run "
-            "it without kv_transfer_config")
+        check_connector_states(connector, model_config.architecture, args.num_state_checkpoints,
+                               tp_size)
     if connector is not None and layout.groups:
         check_connector_groups(connector, layout)
     return ResolvedConfig(
@@ -237,6 +235,26 @@ def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLay
         fixed_num_blocks=args.num_kv_blocks, budget_bytes=budget,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
+
+
+def check_connector_states(plan: ConnectorPlan, architecture: str, num_checkpoints: int,
+                           tp_size: int) -> None:
+    """A ValueError, before any weight loads, when a model with linear-attention layers
+    meets a connector that cannot carry their recurrent states (`state_entries`), or a
+    setup in which it cannot save them."""
+    name = f"KV connector {plan.transfer.kv_connector!r} ({plan.connector_class.__name__})"
+    if not plan.connector_class.recurrent_states_supported(plan.transfer):
+        raise ValueError(
+            f"{architecture} has linear-attention layers (a recurrent state per request), and "
+            f"{name} does not store their states with the KV (supports_recurrent_states): use "
+            "SharedStorageConnector or RedisConnector, or run without "
+            "kv_transfer_config")
+    if tp_size > 1:
+        raise ValueError(f"{architecture} with {name}: recurrent states are stored from one "
+                         "rank only; use tensor_parallel_size=1")
+    if plan.transfer.is_producer and num_checkpoints < 1:
+        raise ValueError(f"{architecture} with {name} as a producer saves each prompt's state "
+                         "from a checkpoint slot: set num_state_checkpoints to at least 1")
 
 
 def check_connector_groups(plan: ConnectorPlan, layout: KVCacheLayout) -> None:

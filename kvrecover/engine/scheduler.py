@@ -58,7 +58,8 @@ class Scheduler:
         self.kv_transfer_config = kv_transfer_config
         self.kv_loads = KVLoads(kv_manager, stats, connector, kv_transfer_config,
                                 self._end_with_error, clock,
-                                recurrent=state_checkpoints is not None)
+                                recurrent_state_at=None if state_checkpoints is None
+                                else state_checkpoints.holds)
         self.recovery = self.kv_loads.recovery
         self.loads = self.kv_loads.tracker
         # A hybrid model's recurrent-state checkpoints: a prefix is reused only with its state.
@@ -242,6 +243,21 @@ class Scheduler:
         self._preempted_since_last_step.add(request.request_id)
         self.waiting.appendleft(request)
 
+    def _restore_recovered_states(self, scheduler_output: SchedulerOutput,
+                                  recovered: set[str]) -> None:
+        """Rule 8 for a hybrid model: forget the checkpoints a voided step wrote (computed
+        on invalid KV) and resume each rolled-back request from its checkpoint."""
+        checkpoints = self.state_checkpoints
+        if checkpoints is None:
+            return
+        for item in scheduler_output.scheduled:
+            if item.request_id in recovered:
+                checkpoints.discard(item.save_checkpoints)
+        for request_id in recovered:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                checkpoints.restore_at(request, request.num_computed_tokens)
+
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> Request | None:
         """Admit waiting requests within the budget; returns the one that found no blocks."""
         skipped: list[Request] = []
@@ -380,6 +396,8 @@ class Scheduler:
         self.kv_loads.finish_sends(output.finished_sending)
         queues = (self.running, self.waiting)
         recovered = self.kv_loads.recover(output, loaded, queues, self.requests)
+        if self.state_checkpoints is not None and recovered:
+            self._restore_recovered_states(scheduler_output, recovered)
         self.kv_loads.account_loaded(loaded)
         self.stats.kv_save_failed_blocks += output.kv_save_failed_blocks
         self.stats.add_connector_stats(output.kv_connector_stats)

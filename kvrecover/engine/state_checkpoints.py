@@ -29,7 +29,8 @@ class StateCheckpoints:
         self.num_slots = num_slots
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # oldest first
         self._free = list(range(num_slots - 1, -1, -1))
-        self._restores: dict[str, int] = {}  # request id -> slot its next slice starts from
+        # request id -> (slot, position) its next slice starts from, if it starts there.
+        self._restores: dict[str, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -42,35 +43,58 @@ class StateCheckpoints:
             slot = self._slots.get(request.block_hashes[num_blocks - 1])
             if slot is not None:
                 self._slots.move_to_end(request.block_hashes[num_blocks - 1])
-                self._restores[request.request_id] = slot
+                self._restores[request.request_id] = (slot, num_blocks * self.block_size)
                 return PrefixHit(num_blocks * self.block_size,
                                  [blocks[:num_blocks] for blocks in hits.blocks])
         return PrefixHit(0, [[] for _ in hits.blocks])
 
+    def holds(self, request: Request, position: int) -> bool:
+        """Whether a checkpoint of the request's prefix at block boundary `position` is
+        kept (recovery's rule 8 for a hybrid: a rollback point needs one)."""
+        num_blocks = position // self.block_size
+        return (position % self.block_size == 0 and 0 < num_blocks <= len(request.block_hashes)
+                and request.block_hashes[num_blocks - 1] in self._slots)
+
+    def restore_at(self, request: Request, position: int) -> None:
+        """The request was rolled back to `position`: its next slice starts from the
+        checkpoint there (if one is kept; position 0 starts from zeros)."""
+        self._restores.pop(request.request_id, None)
+        if self.holds(request, position):
+            block_hash = request.block_hashes[position // self.block_size - 1]
+            self._slots.move_to_end(block_hash)
+            self._restores[request.request_id] = (self._slots[block_hash], position)
+
     def plan(self, request: Request, item: ScheduledRequest) -> None:
         """Fill `item`'s checkpoint fields: the restore remembered by `usable_prefix` (if
-        the slice starts there) and a slot for each block boundary the slice reaches."""
-        restore = self._restores.pop(request.request_id, None)
+        the slice starts there: a connector's load may have carried it further) and a slot
+        for each block boundary the slice reaches, the latest first (a connector stores
+        the state of the prompt's last loadable boundary from its slot)."""
+        remembered = self._restores.pop(request.request_id, None)
         start = item.num_computed_tokens
-        if restore is not None and start > 0:
-            item.restore_checkpoint = restore
+        restore = None
+        if remembered is not None and start > 0 and remembered[1] == start:
+            restore = item.restore_checkpoint = remembered[0]
         end = start + len(item.token_ids)
         first, last = start // self.block_size + 1, end // self.block_size
         if last < first or self.num_slots == 0:
             return
         update_block_hashes(request.block_hashes, request.token_ids[:end], self.block_size)
-        pinned = {restore}
-        for boundary in range(first, last + 1):
+        # A restore still to come keeps its slot (a rollback's or an admission's).
+        pinned = {restore} | {slot for slot, _ in self._restores.values()}
+        for boundary in range(last, first - 1, -1):
             block_hash = request.block_hashes[boundary - 1]
             if block_hash in self._slots:  # the same prefix's state, bit for bit (point 2)
                 self._slots.move_to_end(block_hash)
                 continue
             slot = self._take_slot(pinned)
             if slot is None:
-                return
+                break
             self._slots[block_hash] = slot
             pinned.add(slot)
             item.save_checkpoints.append((boundary * self.block_size, slot))
+        item.save_checkpoints.sort()  # the layers write them in position order
+        for position, _ in item.save_checkpoints:  # the latest boundary most recently used
+            self._slots.move_to_end(request.block_hashes[position // self.block_size - 1])
 
     def _take_slot(self, pinned: set[int | None]) -> int | None:
         """A free slot, else the least recently used one not `pinned` (read or written

@@ -49,6 +49,7 @@ from kvrecover.options import from_dict, option_names, reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 DEFAULT_LOAD_TIMEOUT_S = 30.0
@@ -120,6 +121,12 @@ class KVConnectorBase:
     # start-up, a connector that does not declare it.
     supports_kv_groups: ClassVar[bool] = False
 
+    # Whether the connector stores and loads a hybrid model's recurrent states with the
+    # KV (`state_entries.py`): its claims end at a boundary whose state is stored, and
+    # its worker role installs that state (`register_recurrent_states`). A model with
+    # linear-attention layers refuses, at start-up, a connector that does not declare it.
+    supports_recurrent_states: ClassVar[bool] = False
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.config = config
         self.role = role
@@ -142,6 +149,12 @@ class KVConnectorBase:
         """Whether this class, configured so, works per KV cache group (default:
         `supports_kv_groups`; a wrapper asks the connector it wraps too)."""
         return cls.supports_kv_groups
+
+    @classmethod
+    def recurrent_states_supported(cls, config: KVTransferConfig) -> bool:
+        """Whether this class, configured so, stores recurrent states (default:
+        `supports_recurrent_states`; a wrapper asks the connector it wraps too)."""
+        return cls.supports_recurrent_states
 
     @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
@@ -196,6 +209,11 @@ class KVConnectorBase:
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Worker calls this once with the per-layer cache tensors
         ([2, num_blocks, block_size, kv_heads, head_dim] each)."""
+
+    def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
+        """Worker calls this once, after `register_kv_caches`, for a hybrid model (only
+        on a connector whose `recurrent_states_supported`): the states it saves at
+        checkpoint slots and installs for the requests it loads."""
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Worker calls this at the start of each step with that step's metadata."""

@@ -12,6 +12,8 @@ request's loaded blocks, or a float fraction (a seeded random subset).
 `group`: the KV cache group whose loaded blocks `blocks` counts (default 0; a model
 with sliding-window layers has several, `kv_groups.py`; a windowed group's loaded
 blocks are its window and margin only).
+`target`: "kv" (default) or "state": the recurrent state a hybrid model's load
+carries (`state_entries`), every chunk of it.
 `kind`: "missing" (not loaded), "error" (the read raises), "corrupt" (bytes are
 altered after the read, before verification: only the checksum catches it),
 "hang" (the read never returns; the load deadline ends it).
@@ -43,13 +45,17 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from kvrecover.kv_transfer.state_entries import STATE_READ_BLOCK_ID
 from kvrecover.options import from_dict, option, option_names, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")
+FAULT_TARGETS = ("kv", "state")
+STATE_FAULT = (-1, -1)  # the (group, position) under which a load's state fault is kept
 BLOCK_SELECTORS = ("all", "first", "last", "middle")
 DEFAULT_FAULTS = [{"requests": "first", "blocks": "all", "kind": "missing"}]
 FAULT_LABEL = "fault {name!r}"
@@ -86,6 +92,9 @@ class FaultRule:
                        choices=FAULT_KINDS, describe=f"one of {FAULT_KINDS}")
     group: int = option(0, "the KV cache group whose loaded blocks `blocks` selects from",
                         int, minimum=0)
+    target: str = option("kv", "what fails: 'kv' (the selected KV blocks) or 'state' (the "
+                         "recurrent state a hybrid model's load carries; `blocks` unused)",
+                         str, choices=FAULT_TARGETS, describe=f"one of {FAULT_TARGETS}")
 
     def __post_init__(self) -> None:
         validate(self, FAULT_LABEL)
@@ -197,6 +206,14 @@ class FaultInjectionConnector(KVConnectorBase):
         return inner.kv_groups_supported(config)
 
     @classmethod
+    def recurrent_states_supported(cls, config: KVTransferConfig) -> bool:
+        """Stores recurrent states exactly when the connector it wraps does."""
+        from kvrecover.kv_transfer.registry import connector_class
+
+        inner = connector_class(KVTransferConfig(_inner_name(config), config.kv_role))
+        return inner.recurrent_states_supported(config)
+
+    @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
         """Its own settings and those of the inner connector (None: it takes any)."""
         from kvrecover.kv_transfer.registry import connector_class
@@ -265,6 +282,10 @@ class FaultInjectionConnector(KVConnectorBase):
             rng = random.Random(f"{self.seed}:{load_index}")
             bad = {}
             for rule in self.rules:
+                if rule.target == "state":
+                    if rule.selects_request(load_index, rng):
+                        bad.setdefault(STATE_FAULT, rule.kind)
+                    continue
                 if rule.group >= len(tables):
                     continue
                 start = max(first, groups[rule.group].first_loaded_block(load_end, block_size))
@@ -275,6 +296,8 @@ class FaultInjectionConnector(KVConnectorBase):
             self._bad_blocks[request.request_id] = bad
         faults = {tables[g][p]: kind for (g, p), kind in bad.items()
                   if first <= p < min(last, len(tables[g])) and tables[g][p] != NULL_BLOCK_ID}
+        if STATE_FAULT in bad:  # every read of the load's state (`state_entries`) fails
+            faults[STATE_READ_BLOCK_ID] = bad[STATE_FAULT]
         if faults:
             self._step_faults[request.request_id] = faults
 
@@ -290,6 +313,9 @@ class FaultInjectionConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         self.inner.register_kv_caches(kv_caches)
+
+    def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
+        self.inner.register_recurrent_states(states)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)

@@ -295,6 +295,7 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def wait_for_save(self) -> None:
         metadata = self._get_metadata_of(StorageConnectorMetadata)
+        self._save_states(metadata, self._failed_requests | self._discarded_saves)
         todo: dict[bytes, int] = {}  # key -> cache block id, for the whole step
         for transfer in metadata.saves:
             # KV computed on top of a failed load is garbage: never store it.

@@ -53,6 +53,14 @@ from kvrecover.kv_transfer.reader_threads import (
     StoreRead,
     StoreStuck,
 )
+from kvrecover.kv_transfer.state_entries import (
+    STATE_READ_BLOCK_ID,
+    RecurrentStateAccess,
+    decode_state,
+    encode_state,
+    state_key,
+    state_keys,
+)
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
@@ -114,6 +122,20 @@ class BlockTransfer:
     block_ids: list[int]
     keys: Sequence[bytes]  # slices of the request's block hashes (a tuple)
     is_async: bool = False
+    # A hybrid model's load: the chain hash of the block that ends where it ends (its
+    # recurrent state's name, `state_entries`), and that position.
+    state_hash: bytes | None = None
+    state_position: int = 0
+
+
+@dataclass
+class StateSave:
+    """A recurrent state to store: the checkpoint slot the step writes it to, and the
+    chain hash of the block that ends at its boundary."""
+
+    request_id: str
+    slot: int
+    block_hash: bytes
 
 
 @dataclass
@@ -122,6 +144,7 @@ class StorageConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    state_saves: list[StateSave] = field(default_factory=list)
 
     def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
         return {t.request_id: (t.block_ids, t.is_async) for t in self.loads}
@@ -154,6 +177,9 @@ class StoreConnectorBase(KVConnectorBase):
     # Per KV cache group: a block id spans the layers of one group (the registered
     # tensors), so only the scheduler role's choice of blocks and keys knows groups.
     supports_kv_groups = True
+    # A hybrid model's recurrent states travel as entries of the same store
+    # (`state_entries`): one at the last loadable boundary of each saved prompt.
+    supports_recurrent_states = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -167,6 +193,9 @@ class StoreConnectorBase(KVConnectorBase):
         self.kv_groups = layout.kv_groups
         # Several groups or a window: blocks and keys per group (`_group_blocks`).
         self._grouped = layout.kv_groups != single_group(layout.num_layers)
+        # Layers in no KV cache group are recurrent (linear attention): claims need states.
+        self._stateful = layout.num_layers > sum(len(g.layer_indices) for g in layout.kv_groups)
+        self._states: RecurrentStateAccess | None = None  # worker role, hybrid models
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         self._filtered_block: FilteredBlock | None = None
         # Scheduler role state.
@@ -204,8 +233,19 @@ class StoreConnectorBase(KVConnectorBase):
             end = first + self._count_stored_prefix(request, group_keys) // num_groups
         else:
             end = first + self._count_stored_prefix(request, wanted)
+        if self._stateful:
+            end = self._last_state_boundary(keys, first, end)
         num_tokens = max(0, end * self.block_size - num_computed_tokens)
         return num_tokens, self.async_load and num_tokens > 0
+
+    def _last_state_boundary(self, keys: Sequence[bytes], first: int, end: int) -> int:
+        """The last block boundary in (first, end] whose recurrent state is stored, else
+        `first` (a hybrid's claim must end where its state can be supplied)."""
+        if end <= first:
+            return first
+        candidates = list(range(end, first, -1))
+        present = self.store.exists_many([state_key(keys[b - 1]) for b in candidates])
+        return next((b for b, found in zip(candidates, present) if found), first)
 
     def _count_stored_prefix(self, request: KVRequestView, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the store holds (one batched call)."""
@@ -230,10 +270,14 @@ class StoreConnectorBase(KVConnectorBase):
             end = request.num_computed_tokens + num_external_tokens
             ids, group_keys = self._group_blocks(request, request.block_tables, first,
                                                  first + count, load_end=end)
-            self._pending_loads.append(self._new_load(request, ids, group_keys))
-            return
-        self._pending_loads.append(self._new_load(
-            request, block_ids[first : first + count], keys[first : first + count]))
+            load = self._new_load(request, ids, group_keys)
+        else:
+            load = self._new_load(request, block_ids[first : first + count],
+                                  keys[first : first + count])
+        if self._stateful:
+            load.state_hash = keys[first + count - 1]
+            load.state_position = (first + count) * self.block_size
+        self._pending_loads.append(load)
 
     def _group_blocks(self, request: KVRequestView, tables: Sequence[Sequence[int]],
                       first: int, last: int, load_end: int | None = None,
@@ -266,6 +310,8 @@ class StoreConnectorBase(KVConnectorBase):
                 continue
             end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
             first, last = item.num_computed_tokens // self.block_size, end // self.block_size
+            if self._stateful:
+                self._plan_state_save(request, item.save_checkpoints, metadata)
             if last <= first:
                 continue
             keys = request.block_hashes
@@ -278,6 +324,16 @@ class StoreConnectorBase(KVConnectorBase):
             ))
         return metadata
 
+    def _plan_state_save(self, request: KVRequestView, checkpoints: list[tuple[int, int]],
+                         metadata: StorageConnectorMetadata) -> None:
+        """Store the state at the prompt's last loadable boundary (where a consumer's claim
+        ends) if this step checkpoints it."""
+        boundary = (request.num_prompt_tokens - 1) // self.block_size
+        for position, slot in checkpoints:
+            if boundary > 0 and position == boundary * self.block_size:
+                metadata.state_saves.append(StateSave(
+                    request.request_id, slot, request.block_hashes[boundary - 1]))
+
     def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._requests.pop(request.request_id, None)
         return False
@@ -286,9 +342,12 @@ class StoreConnectorBase(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._kv_caches = kv_caches
 
+    def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
+        self._states = states
+
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         """Start the step's async loads on their threads; read its sync loads now
-        (`_read_now`, under one deadline) and install what they read."""
+        (`_read_now`, under one deadline) and install what they read (and their states)."""
         metadata = self._get_metadata_of(StorageConnectorMetadata)
         synchronous = []
         for transfer in metadata.loads:
@@ -300,6 +359,76 @@ class StoreConnectorBase(KVConnectorBase):
             return
         results = self._read_now(synchronous, self._read_sync, batched=self.batched_sync_reads)
         self._install_step(synchronous, results)
+        stateful = [transfer for transfer in synchronous if transfer.state_hash is not None]
+        if stateful:
+            payloads = self._read_now(stateful, self._read_states, batched=True)
+            for transfer, payload in zip(stateful, payloads):
+                self._install_state(transfer, payload)
+
+    def _state_keys(self, block_hash: bytes, states: RecurrentStateAccess) -> list[bytes]:
+        return state_keys(block_hash, states.bytes_per_checkpoint, self.store.payload_nbytes)
+
+    def _read_states(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
+                     ) -> list[bytes | None]:
+        """Read and verify the transfers' recurrent states (one batched store read, on a
+        reader thread); None for each that failed."""
+        states = self._states
+        if states is None or any(t.state_hash is None for t in transfers):
+            return [None] * len(transfers)
+        keys = [self._state_keys(t.state_hash, states) for t in transfers if t.state_hash]
+        raws = self.store.read_many([key for chunk_keys in keys for key in chunk_keys])
+        payloads: list[bytes | None] = []
+        start = 0
+        for transfer, chunk_keys in zip(transfers, keys):
+            chunk_raws = raws[start : start + len(chunk_keys)]
+            start += len(chunk_keys)
+            try:
+                filtered = []
+                for key, raw in zip(chunk_keys, chunk_raws):
+                    if isinstance(raw, Exception):
+                        raise raw
+                    if self._read_filter is not None:
+                        raw = self._read_filter(transfer.request_id, STATE_READ_BLOCK_ID, key,
+                                                raw, cancelled)
+                    filtered.append(raw)
+                payloads.append(decode_state(self.store, chunk_keys, states.state_signature,
+                                             states.bytes_per_checkpoint, filtered))
+            except Exception as error:  # a failing read is a failed load, never a crash
+                logger.warning("recurrent state at %s failed to load: %r",
+                               chunk_keys[0].hex(), error)
+                self._suspect_keys.update(chunk_keys)
+                payloads.append(None)
+        return payloads
+
+    def _install_state(self, transfer: BlockTransfer, payload: bytes | None) -> None:
+        """Give the request its loaded state at the load's end; without one (a failed
+        read) zeros there, and the load fails: its last block is reported invalid, so
+        recovery rolls the request back to a boundary whose state it holds."""
+        if self._states is None:
+            return
+        self._states.install(transfer.request_id, transfer.state_position, payload)
+        if payload is None and transfer.block_ids:
+            self._invalid_block_ids.add(transfer.block_ids[-1])
+            self._failed_requests.add(transfer.request_id)
+
+    def _save_states(self, metadata: StorageConnectorMetadata, skipped: set[str]) -> None:
+        """Store the step's checkpointed states (`wait_for_save` calls it), unless their
+        request's load failed or the store holds them already."""
+        states = self._states
+        if states is None or not metadata.state_saves:
+            return
+        todo = [save for save in metadata.state_saves if save.request_id not in skipped]
+        present = self.store.exists_many([state_key(save.block_hash) for save in todo])
+        entries = []
+        for save, found in zip(todo, present):
+            keys = self._state_keys(save.block_hash, states)
+            if found and not self._suspect_keys.intersection(keys):
+                continue
+            self._suspect_keys.difference_update(keys)
+            entries += encode_state(self.store, keys, states.state_signature,
+                                    states.read_checkpoint(save.slot))
+        if entries:
+            self._save_failures += self.store.write_many(entries)
 
     def _install_step(self, transfers: list[BlockTransfer], results: list[Any]) -> None:
         """Install a step's sync loads (`_read_now`'s results: None where every block was
@@ -328,7 +457,7 @@ class StoreConnectorBase(KVConnectorBase):
         deadline = time.monotonic() + self.load_timeout_s
         try:
             task = self._readers.start(f"kv-load-{transfer.request_id}",
-                                       lambda cancelled: self._read_async(transfer, cancelled))
+                                       lambda cancelled: self._read_async_load(transfer, cancelled))
         except StoreStuck as error:  # fails at once: reported finished, its blocks invalid
             refused: concurrent.futures.Future = concurrent.futures.Future()
             refused.set_exception(error)
@@ -432,11 +561,24 @@ class StoreConnectorBase(KVConnectorBase):
                 done.add(request_id)
         return None, done or None
 
+    def _read_async_load(self, transfer: BlockTransfer, cancelled: ReadCancel) -> Any:
+        """An async load's blocks (`_read_async`), with its state (blocks, state) when it
+        carries one."""
+        blocks = self._read_async(transfer, cancelled)
+        if transfer.state_hash is None:
+            return blocks
+        return blocks, self._read_states([transfer], cancelled)[0]
+
     def _land(self, load: AsyncLoad) -> None:
         """Install a finished load's blocks, or mark them invalid if its read crashed."""
         error = load.future.exception()
         if error is None:
-            self._install(load.transfer, load.future.result())
+            result = load.future.result()
+            if load.transfer.state_hash is None:
+                self._install(load.transfer, result)
+            else:
+                self._install(load.transfer, result[0])
+                self._install_state(load.transfer, result[1])
         else:
             logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
                            load.transfer.request_id, error)

@@ -181,6 +181,7 @@ class BlockStoreConnector(StoreConnectorBase):
         metadata = self._get_metadata_of(StorageConnectorMetadata)
         # KV computed on top of a failed load is garbage: never store it.
         skipped = self._failed_requests | self._discarded_saves
+        self._save_states(metadata, skipped)
         blocks = {key: block_id for transfer in metadata.saves
                   if transfer.request_id not in skipped
                   for block_id, key in zip(transfer.block_ids, transfer.keys)}

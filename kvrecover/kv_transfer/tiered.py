@@ -130,6 +130,8 @@ class TieredConnector(BlockStoreConnector):
     """Loads each block from the first tier that has it, falling through on failure."""
 
     settings_class = TieredSettings
+    # Its loads pick a tier per block; recurrent states are not routed through tiers yet.
+    supports_recurrent_states = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []

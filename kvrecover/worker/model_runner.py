@@ -173,6 +173,8 @@ class ModelRunner:
         """Give the runner the worker-role connector and the connector the cache."""
         self.kv_connector = WorkerConnector(connector, self.kv_caches, self.layer_caches)
         connector.register_kv_caches(self.kv_caches)
+        if self.recurrent_states is not None:
+            connector.register_recurrent_states(self.recurrent_states)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

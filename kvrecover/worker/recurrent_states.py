@@ -69,6 +69,46 @@ class RecurrentStates:
         return sum(tensor[0].nbytes for layer in self.tensors.values()
                    for tensor in layer.values())
 
+    @property
+    def state_signature(self) -> str:
+        """The checkpointed states' layers, names, shapes and dtypes (a stored state's
+        fingerprint, `kv_transfer/state_entries.py`)."""
+        return ";".join(f"{layer}:{spec.name}:{tuple(spec.shape)}:{spec.dtype or self.dtype}"
+                        for layer, layer_specs in sorted(self.specs.items())
+                        for spec in layer_specs if spec.checkpointed)
+
+    def _checkpointed(self) -> list[tuple[int, str]]:
+        return [(layer, spec.name) for layer, layer_specs in sorted(self.specs.items())
+                for spec in layer_specs if spec.checkpointed]
+
+    def read_checkpoint(self, slot: int) -> bytes:
+        """Checkpoint slot `slot`'s states, layer by layer, as raw bytes (a connector
+        stores them; called after the step that wrote the slot)."""
+        return b"".join(self.checkpoints[layer][name][slot].contiguous().cpu()
+                        .view(torch.uint8).numpy().tobytes()
+                        for layer, name in self._checkpointed())
+
+    def install(self, request_id: str, position: int, payload: bytes | None) -> None:
+        """Make `payload` (`read_checkpoint`'s form; None: zeros) the request's state at
+        `position`: a connector calls it for a request whose KV it loaded up to there,
+        before the request's next slice runs. Takes the request's slot if it has none."""
+        slot = self._slot_of(request_id)
+        for tensors in self.tensors.values():
+            for tensor in tensors.values():
+                tensor[slot].zero_()
+        if payload is not None:
+            if len(payload) != self.bytes_per_checkpoint:
+                raise ValueError(f"a stored state of {len(payload)} bytes, not the "
+                                 f"{self.bytes_per_checkpoint} of this model's states")
+            offset = 0
+            for layer, name in self._checkpointed():
+                target = self.tensors[layer][name][slot]
+                size = target.nbytes
+                raw = torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=torch.uint8)
+                target.copy_(raw.view(target.dtype).view(target.shape))
+                offset += size
+        self.positions[slot] = position
+
     def _zeros(self, spec: StateSpec, slots: int) -> torch.Tensor:
         return torch.zeros((slots, *spec.shape), dtype=spec.dtype or self.dtype,
                            device=self.device)

@@ -123,7 +123,8 @@ def test_hybrid_models_fall_back_to_prefix():
     full = (KVCacheGroup(None, (0, 2)),)
     assert supports_blocks_scope(full) and not supports_blocks_scope(full, recurrent=True)
     assert KVLoadRecovery(BLOCK, groups=full, recompute="blocks").keeps_blocks
-    assert not KVLoadRecovery(BLOCK, groups=full, recompute="blocks", recurrent=True).keeps_blocks
+    assert not KVLoadRecovery(BLOCK, groups=full, recompute="blocks",
+                              recurrent_state_at=lambda request, position: True).keeps_blocks
 
 
 def test_kept_blocks_stay_in_place_and_are_cached_once_passed():

@@ -2,8 +2,8 @@
 for token: float32 on the CPU, tiny random checkpoints with linear and full layers
 (`layer_types`, or Hugging Face's `full_attention_interval`), under chunked prefill,
 block sizes 4 and 16, a KV budget tight enough to preempt, batches of prompts of
-different lengths, and prefix-cache reuse resuming from recurrent-state checkpoints.
-Connectors are refused until they store the states with the KV (issue 23)."""
+different lengths, and prefix-cache reuse resuming from recurrent-state checkpoints
+(connectors carrying the states: `test_qwen3_next_connectors.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import build_tokenizer, hf_greedy, random_prompts
 
-from kvrecover import LLM, KVTransferConfig, SamplingParams
+from kvrecover import LLM, SamplingParams
 
 LENGTHS = [5, 23, 41]
 MAX_NEW = 8
@@ -142,13 +142,6 @@ def test_checkpoint_memory_is_bounded_and_outputs_stay_hf(qwen3_next_dir):
         assert states.bytes_per_checkpoint > 0
         if slots == 0:
             assert llm.stats["prefix_cache_hit_tokens"] == 0
-
-
-def test_connectors_are_refused(qwen3_next_dir, tmp_path):
-    transfer = KVTransferConfig(kv_connector="SharedStorageConnector", kv_role="kv_both",
-                                kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
-    with pytest.raises(ValueError, match="linear-attention layers"):
-        LLM(str(qwen3_next_dir), device="cpu", kv_transfer_config=transfer)
 
 
 def _edited_copy(folder: Path, target: Path, **changes) -> Path:
