@@ -19,7 +19,8 @@ bits do not depend on its batch or chunking. It selects the invariant CPU
 kernels for every dtype (the C attention kernel, or its torch fallback where it
 cannot or may not be built: `native_kernels`). bf16 and fp16 on the CPU run
 them by default too (`HALF_INVARIANT_BY_DEFAULT`); float32 without
-`batch_invariant` runs the reference (oneDNN linears, SDPA).
+`batch_invariant` runs the reference (oneDNN linears, SDPA). On Triton, models
+with experts run the invariant kernels by default (`MOE_INVARIANT_BY_DEFAULT`).
 """
 
 from __future__ import annotations
