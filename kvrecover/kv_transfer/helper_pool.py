@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 MAX_POOL_THREADS = 64  # as `io_threads` at most
+CLOSE_JOIN_S = 5.0  # how long `close` waits for the threads, in all
 
 
 class HelperPool:
@@ -78,9 +80,14 @@ class HelperPool:
             except Exception:  # read_rows' work catches its own; never kill a pool thread
                 pass
 
-    def close(self) -> None:
-        """Let the threads end once the queued calls are done (idempotent)."""
+    def close(self, join_s: float = CLOSE_JOIN_S) -> None:
+        """End the threads once the queued calls are done and wait up to `join_s` in all
+        for them (idempotent): none may still be inside torch when the interpreter tears
+        down (that aborts the process). A thread stuck in a read is left behind."""
         with self._lock:
             threads, self._threads = self._threads, []
         for _ in threads:
             self._tasks.put(None)
+        give_up = time.monotonic() + join_s
+        for thread in threads:
+            thread.join(max(0.0, give_up - time.monotonic()))

@@ -5,6 +5,7 @@ helpers still runs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -117,3 +118,15 @@ def test_read_rows_on_a_pool_reads_every_row_once(threads):
     finally:
         pool.close()
     assert results == list(range(20)) and sorted(seen) == list(range(20))
+
+
+def test_close_joins_the_pool_threads():
+    """No pool thread outlives `close` (one left inside torch at interpreter teardown
+    aborts the process)."""
+    pool = HelperPool()
+    finish = pool.run(3, lambda: time.sleep(0.05))
+    finish()
+    threads = [t for t in threading.enumerate() if t.name.startswith("kv-io-")]
+    assert threads
+    pool.close()
+    assert not any(t.is_alive() for t in threads)
