@@ -34,7 +34,13 @@ from pathlib import Path
 
 import torch
 from bench_recovery import random_prompts, release_memory, timed_batch
-from bench_windowed import RecomputeFromZero, failed_positions, folder_bytes, storage
+from bench_windowed import (
+    RecomputeFromZero,
+    failed_positions,
+    folder_bytes,
+    storage,
+    time_recovery_rules,
+)
 from model_shapes import write_word_tokenizer
 from random_checkpoint import write_random_checkpoint
 
@@ -162,29 +168,8 @@ def recovery_ttft(model_dir: Path, llm_args: dict, store: Path, rounds: list[lis
     runs = list(enumerate(label for _ in range(args.repeats) for label in SCENARIOS))
     rules = [rule for index, label in runs
              for rule in fault_rules(index, args.batch, positions[label])]
-    rows = []
-    for recovery in ("block-precise", "from-0 (vLLM)"):
-        llm = LLM(str(model_dir), **llm_args, kv_transfer_config=KVTransferConfig(
-            "FaultInjectionConnector", "kv_consumer", {
-                "inner_connector": "SharedStorageConnector",
-                "shared_storage_path": str(store), "faults": rules}))
-        if recovery.startswith("from-0"):
-            llm.engine.scheduler.kv_loads.recovery.__class__ = RecomputeFromZero
-        timed_batch(llm, random_prompts(args.batch, 48, seed=999), 2)  # warm-up, no load
-        best: dict[str, TTFTRow] = {}
-        for round_index, label in runs:
-            before = llm.stats["kv_load_recomputed_tokens"]
-            outputs: list[list[int]] = []
-            ttft = timed_batch(llm, rounds[round_index], args.max_tokens, outputs)[0]
-            if outputs != expected[round_index]:
-                raise RuntimeError(f"{recovery}, {label}: outputs differ from the producer's")
-            recomputed = llm.stats["kv_load_recomputed_tokens"] - before
-            if label not in best or ttft < best[label].ttft_s:
-                best[label] = TTFTRow(recovery, label, ttft, recomputed)
-        rows += best.values()
-        del llm
-        release_memory()
-    return rows
+    return [TTFTRow(*row) for row in time_recovery_rules(
+        model_dir, llm_args, store, rules, runs, rounds, expected, args)]
 
 
 def held_prefix_ttft(model_dir: Path, llm_args: dict, store: Path,

@@ -191,31 +191,46 @@ def recovery_ttft(model_dir: Path, llm_args: dict, args: argparse.Namespace) -> 
         for run_index, (_, label) in enumerate(runs):
             rules += fault_rules(run_index, args.batch, positions[label], groups,
                                  loaded_blocks * BLOCK_SIZE)
-        for recovery in ("block-precise", "from-0 (vLLM)"):
-            llm = LLM(str(model_dir), **llm_args, kv_transfer_config=KVTransferConfig(
-                "FaultInjectionConnector", "kv_consumer", {
-                    "inner_connector": "SharedStorageConnector",
-                    "shared_storage_path": str(store), "faults": rules}))
-            if recovery.startswith("from-0"):
-                llm.engine.scheduler.kv_loads.recovery.__class__ = RecomputeFromZero
-            timed_batch(llm, random_prompts(args.batch, 48, seed=999), 2)  # warm-up, no load
-            best: dict[str, RecoveryRow] = {}
-            for round_index, label in runs:
-                before = llm.stats["kv_load_recomputed_tokens"]
-                outputs: list[list[int]] = []
-                ttft = timed_batch(llm, rounds[round_index], args.max_tokens, outputs)[0]
-                if outputs != expected[round_index]:
-                    raise RuntimeError(f"{recovery}, {label} failed: outputs differ from the "
-                                       f"failure-free run's\n{outputs}\n{expected[round_index]}")
-                recomputed = llm.stats["kv_load_recomputed_tokens"] - before
-                if label not in best or ttft < best[label].ttft_s:
-                    first = positions[label][0] * BLOCK_SIZE if positions[label] else None
-                    best[label] = RecoveryRow(recovery, label, first, ttft, recomputed)
-            rows += best.values()
-            del llm
-            release_memory()
+        for recovery, label, ttft, recomputed in time_recovery_rules(
+                model_dir, llm_args, store, rules, runs, rounds, expected, args):
+            first = positions[label][0] * BLOCK_SIZE if positions[label] else None
+            rows.append(RecoveryRow(recovery, label, first, ttft, recomputed))
     finally:
         shutil.rmtree(store, ignore_errors=True)
+    return rows
+
+
+def time_recovery_rules(model_dir: Path, llm_args: dict, store: Path, rules: list[dict],
+                        runs: list[tuple[int, str]], rounds: list[list[list[int]]],
+                        expected: list[list[list[int]]], args: argparse.Namespace,
+                        ) -> list[tuple[str, str, float, int]]:
+    """(recovery, scenario, best TTFT s, tokens recomputed) for block-precise recovery and
+    recompute-from-0, each a consumer of `store` under the fault `rules`, run i loading
+    round `runs[i][0]` (`args.batch` prompts, `args.max_tokens` new); outputs must equal
+    `expected` (the producer's) or it raises."""
+    rows: list[tuple[str, str, float, int]] = []
+    for recovery in ("block-precise", "from-0 (vLLM)"):
+        llm = LLM(str(model_dir), **llm_args, kv_transfer_config=KVTransferConfig(
+            "FaultInjectionConnector", "kv_consumer", {
+                "inner_connector": "SharedStorageConnector",
+                "shared_storage_path": str(store), "faults": rules}))
+        if recovery.startswith("from-0"):
+            llm.engine.scheduler.kv_loads.recovery.__class__ = RecomputeFromZero
+        timed_batch(llm, random_prompts(args.batch, 48, seed=999), 2)  # warm-up, no load
+        best: dict[str, tuple[str, str, float, int]] = {}
+        for round_index, label in runs:
+            before = llm.stats["kv_load_recomputed_tokens"]
+            outputs: list[list[int]] = []
+            ttft = timed_batch(llm, rounds[round_index], args.max_tokens, outputs)[0]
+            if outputs != expected[round_index]:
+                raise RuntimeError(f"{recovery}, {label} failed: outputs differ from the "
+                                   f"failure-free run's\n{outputs}\n{expected[round_index]}")
+            recomputed = llm.stats["kv_load_recomputed_tokens"] - before
+            if label not in best or ttft < best[label][2]:
+                best[label] = (recovery, label, ttft, recomputed)
+        rows += best.values()
+        del llm
+        release_memory()
     return rows
 
 
