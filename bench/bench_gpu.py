@@ -62,8 +62,7 @@ def time_kvrecover(model_dir: Path, batch: int, prompt_len: int, new_tokens: int
     shape = ModelShape.of(model_dir)
     # Room for the whole batch's KV (bf16) with a margin, at least 12 GB: a cache that
     # cannot hold the batch preempts, and the figures would time recomputation.
-    kv_bytes = (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 2
-                * batch * (prompt_len + new_tokens + 16))
+    kv_bytes = shape.kv_bytes_per_token * batch * (prompt_len + new_tokens + 16)
     llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + new_tokens + 16,
               enable_prefix_caching=False, kv_cache_memory_gb=max(12.0, 1.25 * kv_bytes / 1e9),
               max_num_seqs=max(batch, 16), **llm_args)
@@ -310,10 +309,9 @@ def rooflines(ceilings: dict, shape: ModelShape, batch: int, prompt_len: int,
     copy bandwidth; prefill: FLOPs at the matmul rate; both for `shape`."""
     layers, hidden = shape.num_hidden_layers, shape.hidden_size
     q_size = shape.num_attention_heads * shape.head_dim
-    kv_size = shape.num_key_value_heads * shape.head_dim
     layer_params = shape.layer_params
     weight_bytes = 2 * (layers * layer_params + shape.vocab_size * hidden)
-    kv_bytes_per_token = 2 * 2 * layers * kv_size
+    kv_bytes_per_token = shape.kv_bytes_per_token
     mean_context = prompt_len + new_tokens / 2
     step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
     flops_per_token = 2 * layers * layer_params + 4 * layers * q_size * prompt_len / 2

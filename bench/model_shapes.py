@@ -87,6 +87,11 @@ class ModelShape:
         return (self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
                 + 3 * self.hidden_size * self.intermediate_size)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's keys and values over all layers, in bf16."""
+        return 2 * 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
 
 def default_model_dir(shape: str) -> Path:
     """Where a benchmark writes the random checkpoint of `shape` when given no folder."""
