@@ -20,7 +20,6 @@ from kvrecover.ops.cpu.row_ops import DTYPE_CODES as ROW_DTYPES
 from kvrecover.ops.cpu.row_ops import MAX_HIDDEN, NativeRowOps, native_row_ops
 from kvrecover.ops.cpu.tiled_linear import LARGE_TILE_ROWS, TILE_ROWS, TiledLinears
 from kvrecover.ops.interface import ExpertWeights, RotaryTables
-from kvrecover.ops.reference.moe import expert_runner, grouped_moe
 from kvrecover.ops.reference.torch_ops import TorchOps
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -39,9 +38,6 @@ class InvariantCpuOps(TorchOps):
         self.native_kernels = native_kernels  # whether the C row kernels may be built
         self._rows: NativeRowOps | None = None  # the C row kernels, loaded at first half call
         self._rows_loaded = False
-        # Per experts module (by id, the module kept alive here): its gate_up and down
-        # linears, one per expert, packed and proven with the model's own.
-        self._experts: dict[int, tuple[ExpertWeights, list[nn.Linear], list[nn.Linear]]] = {}
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once after loading: split each experts module into per-expert linears,
@@ -51,27 +47,23 @@ class InvariantCpuOps(TorchOps):
             if isinstance(module, ExpertWeights):
                 experts: ExpertWeights = module
                 gate_up, down = experts.as_linears()
-                self._experts[id(experts)] = (experts, gate_up, down)
+                self._expert_linears[id(experts)] = (experts, gate_up, down)
                 expert_linears += gate_up + down
         self.linears.prepare_weights(nn.ModuleList([model, *expert_linears]))
-        for prepared, _, _ in self._experts.values():
+        for prepared, _, _ in self._expert_linears.values():
             # The packed copies replace the stacked weights (their views keep what the
             # linears still read when nothing could be packed).
             for param in (prepared.gate_up_proj, prepared.down_proj):
                 param.data = param.data.new_empty(0)
 
-    def moe(
+    def _stacked_moe(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         experts: ExpertWeights,
     ) -> torch.Tensor:
-        """`MoEKernels.moe`, each expert's rows through its own fixed-tile linears."""
-        entry = self._experts.get(id(experts))
-        if entry is None:
-            raise ValueError("the experts' weights were not prepared: the model runner calls "
-                             "KernelBackend.prepare_weights once after loading")
-        _, gate_up, down = entry
-        run_expert = expert_runner(experts, gate_up, down, self.linears.linear, self.silu_mul)
-        return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
+        """Never: every expert must run the fixed-tile linears `prepare_weights` proved
+        (`moe` runs each expert's rows through them, via `linear`)."""
+        raise ValueError("the experts' weights were not prepared: the model runner calls "
+                         "KernelBackend.prepare_weights once after loading")
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`x @ layer.weight.T + layer.bias`, one fixed-shape call per row tile."""

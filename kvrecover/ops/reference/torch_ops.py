@@ -24,8 +24,9 @@ class TorchOps:
     """Linears, RMSNorm, rotary, SwiGLU and the experts' feed-forward as plain torch ops."""
 
     def __init__(self) -> None:
-        # Per experts module (by id, the module kept alive here): its packed linears.
-        self._packed_experts: dict[
+        # Per experts module (by id, the module kept alive here): one gate_up and one
+        # down linear per expert, prepared (packed) by the backend's `prepare_weights`.
+        self._expert_linears: dict[
             int, tuple[ExpertWeights, list[nn.Linear], list[nn.Linear]]] = {}
 
     def prepare_weights(self, model: nn.Module) -> None:
@@ -36,7 +37,7 @@ class TorchOps:
             if isinstance(module, ExpertWeights):
                 packed = pack_expert_weights(module)
                 if packed is not None:
-                    self._packed_experts[id(module)] = (module, *packed)
+                    self._expert_linears[id(module)] = (module, *packed)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`x @ layer.weight.T + layer.bias`; through oneDNN when the weight was
@@ -101,13 +102,20 @@ class TorchOps:
         experts: ExpertWeights,
     ) -> torch.Tensor:
         """The experts' feed-forward (`MoEKernels.moe`): one matmul pair per active expert,
-        through its packed linears where `prepare_weights` packed them."""
-        packed = self._packed_experts.get(id(experts))
-        if packed is None:
-            return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)
-        _, gate_up, down = packed
-        run_expert = expert_runner(experts, gate_up, down, packed_linear, self.silu_mul)
+        through `linear` over its per-expert linears where `prepare_weights` made them."""
+        entry = self._expert_linears.get(id(experts))
+        if entry is None:
+            return self._stacked_moe(x, topk_weights, topk_ids, experts)
+        _, gate_up, down = entry
+        run_expert = expert_runner(experts, gate_up, down, self.linear, self.silu_mul)
         return grouped_moe(x, topk_weights, topk_ids, len(gate_up), run_expert)
+
+    def _stacked_moe(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """`moe` over the stacked weights (experts `prepare_weights` did not split)."""
+        return reference_moe(x, topk_weights, topk_ids, experts, self.silu_mul)
 
     def causal_conv1d(self, x: torch.Tensor, conv_state: torch.Tensor,
                       weight: torch.Tensor) -> torch.Tensor:
