@@ -370,6 +370,7 @@ def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
             batch_invariant=args.batch_invariant, attention_backend=config.attention_backend,
             native_kernels=args.native_kernels,
             num_state_checkpoints=num_state_checkpoints(config),
+            max_num_seqs=config.scheduler_config.max_num_seqs,
         )
     return TensorParallelRunner(RankSpec(
         config.model_config, config.model_dir, config.device, config.dtype,

@@ -23,7 +23,7 @@ from kvrecover.kv_transfer.base import KVConnectorBase
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.loader import load_weights, skip_weight_init
 from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup, shard_heads
-from kvrecover.models.recurrent_state import delta_chunk_size
+from kvrecover.models.recurrent_state import StateSpec, delta_chunk_size
 from kvrecover.models.registry import build_model, model_class
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.interface import StepInputs, StepInputSpec
@@ -38,7 +38,11 @@ from kvrecover.worker.prompt_logprobs import (
     add_logprobs,
     score_prompt_tokens,
 )
-from kvrecover.worker.recurrent_states import RecurrentStates
+from kvrecover.worker.recurrent_states import (
+    INITIAL_SLOTS,
+    RecurrentStates,
+    request_state_bytes,
+)
 from kvrecover.worker.sampler import SampledRows, Sampler
 
 if TYPE_CHECKING:
@@ -80,6 +84,7 @@ class ModelRunner:
         native_kernels: bool | None = None,
         tp: TensorParallelGroup = SINGLE_RANK,
         num_state_checkpoints: int = 0,
+        max_num_seqs: int | None = None,
     ) -> None:
         features = model_class(model_config.architecture).required_features(model_config)
         self.backend = select_backend(
@@ -112,9 +117,8 @@ class ModelRunner:
         self.layer_caches: list[torch.Tensor] = []
         # A hybrid model's per-request recurrent states (its linear-attention layers).
         specs = self.model.recurrent_state_specs(delta_chunk_size(layout.block_size))
-        self.recurrent_states = (RecurrentStates(specs, dtype, device,
-                                                 delta_chunk_size(layout.block_size),
-                                                 num_state_checkpoints)
+        self.recurrent_states = (_recurrent_states(specs, dtype, device, layout.block_size,
+                                                   num_state_checkpoints, max_num_seqs)
                                  if specs else None)
         self.sampler = Sampler(device)
         self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
@@ -375,3 +379,21 @@ class ModelRunner:
             return False  # a prompt row's logits are needed (prompt logprobs): run eagerly
         connector = self.kv_connector
         return connector is None or not connector.needs_layer_hooks(scheduler_output)
+
+
+def _recurrent_states(specs: dict[int, list[StateSpec]], dtype: torch.dtype, device: torch.device,
+                      block_size: int, num_checkpoints: int,
+                      max_num_seqs: int | None) -> RecurrentStates:
+    """The recurrent-state pool. On a GPU it holds a slot for each of `max_num_seqs`
+    requests from the start: the KV cache takes the memory left after it, and a pool
+    that doubled in the middle of a run would find that memory gone."""
+    slots = max_num_seqs if device.type == "cuda" and max_num_seqs else INITIAL_SLOTS
+    try:
+        return RecurrentStates(specs, dtype, device, delta_chunk_size(block_size),
+                               num_checkpoints, initial_slots=slots)
+    except torch.cuda.OutOfMemoryError as error:
+        need = slots * request_state_bytes(specs, dtype) / 2**30
+        raise ValueError(
+            f"the recurrent states of max_num_seqs={slots} requests need {need:.2f} GiB, "
+            f"which does not fit on {device} beside the weights: lower max_num_seqs"
+        ) from error

@@ -7,8 +7,10 @@ first, or a recomputation from scratch after a preemption) zeroes its slot; one
 with `restore_checkpoint` (a prefix-cache hit) starts from that checkpoint; any
 other step must continue exactly where the slot's state stands, else the step
 is refused (`RecurrentStateError`) rather than computed on a state of another
-position. The pool grows by doubling when every slot is taken; memory per
-request is `bytes_per_request`.
+position. The pool starts with `initial_slots` slots and grows by doubling when
+every slot is taken; memory per request is `bytes_per_request`. On a GPU the
+model runner asks for every sequence slot up front (`max_num_seqs`), so the KV
+cache is sized around the states and no step ever grows the pool.
 
 Checkpoints (`num_checkpoints` slots, which boundary goes where being the
 scheduler's decision, `engine/state_checkpoints.py`) hold the checkpointed
@@ -29,6 +31,12 @@ from kvrecover.step_messages import ScheduledRequest
 INITIAL_SLOTS = 4
 
 
+def request_state_bytes(specs: dict[int, list[StateSpec]], dtype: torch.dtype) -> int:
+    """Bytes of one request's states over every recurrent layer of `specs`."""
+    return sum(math.prod(spec.shape) * (spec.dtype or dtype).itemsize
+               for layer_specs in specs.values() for spec in layer_specs)
+
+
 class RecurrentStateError(RuntimeError):
     """A step asked for a request's state at a position its slot does not hold."""
 
@@ -37,19 +45,22 @@ class RecurrentStates:
     """The per-request state tensors of every recurrent layer, and who holds which slot."""
 
     def __init__(self, specs: dict[int, list[StateSpec]], dtype: torch.dtype,
-                 device: torch.device, chunk_size: int, num_checkpoints: int = 0) -> None:
+                 device: torch.device, chunk_size: int, num_checkpoints: int = 0,
+                 initial_slots: int = INITIAL_SLOTS) -> None:
+        if initial_slots < 1:
+            raise ValueError(f"initial_slots must be >= 1, got {initial_slots}")
         self.specs = specs
         self.dtype = dtype
         self.device = device
         self.chunk_size = chunk_size
         self.tensors: dict[int, dict[str, torch.Tensor]] = {
-            layer: {spec.name: self._zeros(spec, INITIAL_SLOTS) for spec in layer_specs}
+            layer: {spec.name: self._zeros(spec, initial_slots) for spec in layer_specs}
             for layer, layer_specs in specs.items()
         }
-        self.num_slots = INITIAL_SLOTS
+        self.num_slots = initial_slots
         self.slots: dict[str, int] = {}
-        self.free: list[int] = list(range(INITIAL_SLOTS - 1, -1, -1))
-        self.positions: list[int] = [0] * INITIAL_SLOTS  # tokens each slot's state has seen
+        self.free: list[int] = list(range(initial_slots - 1, -1, -1))
+        self.positions: list[int] = [0] * initial_slots  # tokens each slot's state has seen
         self.checkpoints: dict[int, dict[str, torch.Tensor]] = {
             layer: {spec.name: self._zeros(spec, num_checkpoints)
                     for spec in layer_specs if spec.checkpointed}
@@ -66,8 +77,7 @@ class RecurrentStates:
     @property
     def bytes_per_request(self) -> int:
         """Bytes of one request's states over every recurrent layer."""
-        return sum(tensor[0].nbytes for layer in self.tensors.values()
-                   for tensor in layer.values())
+        return request_state_bytes(self.specs, self.dtype)
 
     @property
     def state_signature(self) -> str:

@@ -45,3 +45,18 @@ def test_bf16_invariant_tokens_do_not_depend_on_chunking_or_prefix_reuse(qwen3_n
     assert token_ids(whole) == expected  # the second pass resumes from checkpoints
     assert whole.stats["prefix_cache_hit_tokens"] > 0
     assert token_ids(engine(7)) == expected
+
+
+def test_the_gpu_holds_a_state_slot_for_every_sequence_before_sizing_the_kv_cache(
+        qwen3_next_dir):
+    llm = LLM(str(qwen3_next_dir), device="cuda:0", dtype="bfloat16", block_size=16,
+              max_num_seqs=6, batch_invariant=True)
+    pool = llm.engine.model_runner.recurrent_states
+    assert pool.num_slots == 6
+    tensors = [t for layer in pool.tensors.values() for t in layer.values()]
+    addresses = [t.data_ptr() for t in tensors]
+    many = [{"prompt_token_ids": p} for p in PROMPTS * 3]  # more requests than slots
+    outputs = llm.generate(many, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs[: len(PROMPTS)]] == token_ids(llm)
+    assert pool.num_slots == 6  # never grown: the pool the KV cache was sized around
+    assert [t.data_ptr() for layer in pool.tensors.values() for t in layer.values()] == addresses

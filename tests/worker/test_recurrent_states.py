@@ -88,3 +88,15 @@ def test_a_restore_starts_from_the_checkpoint_and_saves_are_passed_to_the_layers
     assert steps[0].requests[0].checkpoints == ((12, 0),)
     assert steps[2].checkpoints["conv"] is pool.checkpoints[2]["conv"]
     pool.step([item("a", 13, 1)])  # continues where the restored state stands
+
+
+def test_a_pool_can_start_with_every_slot_it_will_need():
+    pool = RecurrentStates(SPECS, torch.bfloat16, torch.device("cpu"), chunk_size=4,
+                           initial_slots=7)
+    assert pool.num_slots == 7 and len(pool.free) == 7
+    assert pool.tensors[0]["state"].shape[0] == 7
+    assert pool.bytes_per_request == 3 * 2 * 2 + 2 * 2 * 4 + 3 * 2 * 2
+    pool.step([item(str(i), 0, 1) for i in range(7)])
+    assert pool.num_slots == 7
+    with pytest.raises(ValueError, match="initial_slots"):
+        RecurrentStates(SPECS, torch.bfloat16, torch.device("cpu"), chunk_size=4, initial_slots=0)
