@@ -11,6 +11,8 @@ TLS options travel in the query, as redis-py reads them from a `rediss://` URL (
 redis-py parses the whole URL itself): `?ssl_ca_certs=/path/ca.crt&ssl_certfile=...
 &ssl_keyfile=...&ssl_cert_reqs=required`. A cluster URL's query is parsed by the same
 redis-py function and may carry these options only (`TLS_OPTIONS`), on a TLS scheme.
+A server URL's query may not set what the store's own settings bound
+(`SETTINGS_OPTIONS`): redis-py would let it override them without a word.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ SERVER_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster")
 URL_SCHEMES = SERVER_SCHEMES + CLUSTER_SCHEMES
 # What a cluster URL's query may set: redis-py's TLS options of its cluster client.
+# What the store's settings decide (timeout_s, max_connections): not for a URL's query.
+SETTINGS_OPTIONS = ("socket_timeout", "socket_connect_timeout", "timeout", "max_connections")
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
                "ssl_check_hostname", "ssl_ciphers")
 
@@ -115,4 +119,10 @@ def url_problem(url: str) -> str | None:
                     "(rediss+cluster:// for TLS, whose query may set only "
                     f"{', '.join(TLS_OPTIONS)})")
         return None
-    return None if scheme in SERVER_SCHEMES else "a URL"
+    if scheme not in SERVER_SCHEMES:
+        return "a URL"
+    owned = sorted(set(parse_qs(urlsplit(url).query)) & set(SETTINGS_OPTIONS))
+    if owned:
+        return (f"a URL whose query does not set {', '.join(owned)} (set timeout_s and "
+                "max_connections in kv_connector_extra_config instead)")
+    return None

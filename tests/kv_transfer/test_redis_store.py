@@ -147,3 +147,15 @@ def test_settings_repr_hides_the_password():
     settings = RedisSettings(url="redis://:secret@host:1/0", password="secret")
     assert "secret" not in repr(settings)
     assert "secret" not in repr(RedisBlockStore(LAYOUT, settings))
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=60", "max_connections=1",
+                                   "socket_connect_timeout=9&ssl_cert_reqs=none", "timeout=3"])
+def test_a_url_query_may_not_override_the_store_bounds(query):
+    with pytest.raises(ValueError, match="kv_connector_extra_config"):
+        RedisSettings(url=f"rediss://host:6379/0?{query}")
+
+
+def test_a_url_query_may_carry_tls_options():
+    settings = RedisSettings(url="rediss://host:6379/0?ssl_cert_reqs=none&ssl_ca_certs=/ca.crt")
+    assert settings.url.endswith("ssl_ca_certs=/ca.crt")
