@@ -7,11 +7,12 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.config import EngineArgs
+from kvrecover.config import EngineArgs, SchedulerConfig
 from kvrecover.distributed.errors import RankFailedError
 from kvrecover.engine.inputs import check_request, logits_spec, prompt_tokens
 from kvrecover.engine.kv_cache_manager import KVCacheManager
@@ -68,6 +69,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         torch.manual_seed(args.seed)
         self.model_runner: ModelRunner | TensorParallelRunner = _model_runner(config)
+        self.scheduler_config = _fit_state_slots(self.scheduler_config, self.model_runner)
         # After the weights: a GPU's budget is what they left free.
         self.model_runner.allocate_kv_cache(config.kv_sizing.num_blocks(self.device))
         self.num_blocks = self.model_runner.kv_caches[0].shape[1]
@@ -360,6 +362,19 @@ def num_state_checkpoints(config: ResolvedConfig) -> int:
     return args.num_state_checkpoints
 
 
+def _fit_state_slots(scheduler_config: SchedulerConfig,
+                     runner: ModelRunner | TensorParallelRunner) -> SchedulerConfig:
+    """The scheduler's config with `max_num_seqs` cut to the recurrent-state slots a
+    GPU's model runner could hold (a hybrid model with the device's default)."""
+    pool = getattr(runner, "recurrent_states", None)
+    if pool is None or pool.device.type != "cuda" or pool.num_slots >= scheduler_config.max_num_seqs:
+        return scheduler_config
+    logger.info("max_num_seqs %d -> %d: the recurrent states of %d requests take %.2f GiB",
+                scheduler_config.max_num_seqs, pool.num_slots, pool.num_slots,
+                pool.num_slots * pool.bytes_per_request / 2**30)
+    return replace(scheduler_config, max_num_seqs=pool.num_slots)
+
+
 def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
     """The model runner: this process's alone, or rank 0's of a tensor-parallel group."""
     args = config.args
@@ -371,6 +386,7 @@ def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
             native_kernels=args.native_kernels,
             num_state_checkpoints=num_state_checkpoints(config),
             max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_seqs_fixed=args.max_num_seqs is not None,
         )
     return TensorParallelRunner(RankSpec(
         config.model_config, config.model_dir, config.device, config.dtype,

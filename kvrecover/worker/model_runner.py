@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from kvrecover.worker.cuda_graphs import DecodeGraphs
     from kvrecover.worker.overlap import PendingDecode, TokenBuffers
 
+# At most this share of a GPU's free memory (after the weights) goes to the running
+# requests' recurrent states when max_num_seqs is the device's default.
+STATE_MEMORY_SHARE = 0.25
 logger = logging.getLogger(__name__)
 
 
@@ -85,6 +88,7 @@ class ModelRunner:
         tp: TensorParallelGroup = SINGLE_RANK,
         num_state_checkpoints: int = 0,
         max_num_seqs: int | None = None,
+        max_num_seqs_fixed: bool = False,
     ) -> None:
         features = model_class(model_config.architecture).required_features(model_config)
         self.backend = select_backend(
@@ -118,7 +122,8 @@ class ModelRunner:
         # A hybrid model's per-request recurrent states (its linear-attention layers).
         specs = self.model.recurrent_state_specs(delta_chunk_size(layout.block_size))
         self.recurrent_states = (_recurrent_states(specs, dtype, device, layout.block_size,
-                                                   num_state_checkpoints, max_num_seqs)
+                                                   num_state_checkpoints, max_num_seqs,
+                                                   max_num_seqs_fixed)
                                  if specs else None)
         self.sampler = Sampler(device)
         self.grammar_bitmask = TokenBitmask(device)  # structured outputs' masks, see _sample
@@ -382,17 +387,26 @@ class ModelRunner:
 
 
 def _recurrent_states(specs: dict[int, list[StateSpec]], dtype: torch.dtype, device: torch.device,
-                      block_size: int, num_checkpoints: int,
-                      max_num_seqs: int | None) -> RecurrentStates:
+                      block_size: int, num_checkpoints: int, max_num_seqs: int | None,
+                      seqs_fixed: bool) -> RecurrentStates:
     """The recurrent-state pool. On a GPU it holds a slot for each of `max_num_seqs`
     requests from the start: the KV cache takes the memory left after it, and a pool
-    that doubled in the middle of a run would find that memory gone."""
-    slots = max_num_seqs if device.type == "cuda" and max_num_seqs else INITIAL_SLOTS
+    that doubled in the middle of a run would find that memory gone. Unless the user
+    fixed `max_num_seqs` (`seqs_fixed`), the slots take at most `STATE_MEMORY_SHARE`
+    of the free memory; the engine then runs no more requests at once than there are
+    slots."""
+    slots = INITIAL_SLOTS
+    per_request = request_state_bytes(specs, dtype)
+    if device.type == "cuda" and max_num_seqs:
+        slots = max_num_seqs
+        if not seqs_fixed:
+            free = torch.cuda.mem_get_info(device)[0]
+            slots = max(1, min(slots, int(free * STATE_MEMORY_SHARE) // per_request))
     try:
         return RecurrentStates(specs, dtype, device, delta_chunk_size(block_size),
                                num_checkpoints, initial_slots=slots)
     except torch.cuda.OutOfMemoryError as error:
-        need = slots * request_state_bytes(specs, dtype) / 2**30
+        need = slots * per_request / 2**30
         raise ValueError(
             f"the recurrent states of max_num_seqs={slots} requests need {need:.2f} GiB, "
             f"which does not fit on {device} beside the weights: lower max_num_seqs"

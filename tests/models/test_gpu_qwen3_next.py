@@ -60,3 +60,20 @@ def test_the_gpu_holds_a_state_slot_for_every_sequence_before_sizing_the_kv_cach
     assert [o.outputs[0].token_ids for o in outputs[: len(PROMPTS)]] == token_ids(llm)
     assert pool.num_slots == 6  # never grown: the pool the KV cache was sized around
     assert [t.data_ptr() for layer in pool.tensors.values() for t in layer.values()] == addresses
+
+
+def test_a_default_max_num_seqs_is_cut_to_the_state_slots_that_fit(qwen3_next_dir, monkeypatch):
+    from kvrecover.worker import model_runner
+
+    probe = LLM(str(qwen3_next_dir), device="cuda:0", dtype="bfloat16", block_size=16,
+                max_num_seqs=1, batch_invariant=True)
+    per_request = probe.engine.model_runner.recurrent_states.bytes_per_request
+    expected = token_ids(probe)
+    probe.close()
+    free = torch.cuda.mem_get_info()[0]
+    monkeypatch.setattr(model_runner, "STATE_MEMORY_SHARE", 2.5 * per_request / free)
+    llm = LLM(str(qwen3_next_dir), device="cuda:0", dtype="bfloat16", block_size=16,
+              batch_invariant=True)  # max_num_seqs: the device's default
+    assert llm.engine.model_runner.recurrent_states.num_slots == 2
+    assert llm.engine.scheduler_config.max_num_seqs == 2
+    assert token_ids(llm) == expected  # 4 prompts through 2 slots
