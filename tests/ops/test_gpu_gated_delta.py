@@ -14,10 +14,10 @@ import os
 
 import pytest
 import torch
-from triton_interpreter import patch_scalar_index
 
 from kvrecover.models.recurrent_state import RequestRows
 from kvrecover.ops.interface import DeltaRuleState
+from kvrecover.ops.triton.interpreter_compat import patch_scalar_index
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -44,6 +44,7 @@ class StepPlan:
     snapshot_position: torch.Tensor  # [max(N, 1)] boundary positions, by request then position
     snapshot_slot: torch.Tensor  # [max(N, 1)] checkpoint slots
     max_rows: int  # the most rows any request brings
+    num_snapshots: int  # checkpoint entries over all requests
 
 
 def build_plan(requests: Sequence[RecurrentRequestRows], device: torch.device) -> StepPlan:
@@ -69,7 +70,7 @@ def build_plan(requests: Sequence[RecurrentRequestRows], device: torch.device) -
     meta, rest = packed[: 4 * num].view(4, num), packed[4 * num :]
     width = max(entries, 1)
     return StepPlan(requests, meta, rest[: num + 1], rest[num + 1 : num + 1 + width],
-                    rest[num + 1 + width :], max(counts, default=0))
+                    rest[num + 1 + width :], max(counts, default=0), entries)
 
 
 @triton.jit
@@ -225,6 +226,9 @@ def gated_delta_rule_batch(
     num_requests = len(plan.requests)
     if num_requests == 0 or rows == 0:
         return out
+    if plan.num_snapshots and (checkpoints is None or not checkpoints.numel()):
+        raise ValueError("the step's requests ask for state checkpoints, but no checkpoint "
+                         "pool was given (num_state_checkpoints > 0 allocates one)")
     block_v = min(MAX_VALUE_BLOCK, max(16, triton.next_power_of_2(value_dim)))
     checkpoint_pool = checkpoints if checkpoints is not None and checkpoints.numel() else out
     grid = (num_requests, num_v_heads, triton.cdiv(value_dim, block_v))

@@ -2,7 +2,8 @@
 scalars as 1-element arrays and turns one into a loop bound with `int(array)`, which
 NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"), so
 every loop with a runtime bound fails. `patch_scalar_index` makes that conversion take
-the one element; tests of kernels with such loops call it (a no-op without Triton)."""
+the one element. Tests and benches that run kernels with such loops on the CPU call it
+(a no-op without Triton; this module imports Triton only inside it)."""
 
 from __future__ import annotations
 
