@@ -152,7 +152,9 @@ def _gated_delta_kernel(
                                 other=0.0).to(tl.float32))
 
         cum = tl.cumsum(g, axis=0)
-        pairwise = tl.where(causal, tl.exp(cum[:, None] - cum[None, :]), 0.0)
+        # exp only of the causal differences (<= 0): the others would overflow to inf.
+        pairwise = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)),
+                            0.0)
         k_beta = k * beta[:, None]
         system = tl.where(strictly_lower,
                           tl.dot(k_beta, tl.trans(k), input_precision="ieee") * pairwise, 0.0)
