@@ -12,7 +12,6 @@ import torch
 from test_qwen3_next_vs_hf import FAMILIES, PROMPTS, build_hybrid
 
 from kvrecover import LLM, SamplingParams
-from kvrecover.ops.triton.interpreter_compat import patch_scalar_index
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,8 +19,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
 ]
-if INTERPRET:
-    patch_scalar_index()
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 

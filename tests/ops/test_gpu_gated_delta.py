@@ -17,7 +17,6 @@ import torch
 
 from kvrecover.models.recurrent_state import RequestRows
 from kvrecover.ops.interface import DeltaRuleState
-from kvrecover.ops.triton.interpreter_compat import patch_scalar_index
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -27,8 +26,6 @@ pytestmark = [
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
 ]
 needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes: only on a real GPU")
-if INTERPRET:
-    patch_scalar_index()
 
 CHUNK = 16
 SLOTS = 6
