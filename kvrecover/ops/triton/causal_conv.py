@@ -34,7 +34,8 @@ def _tap_inputs(x_ptr, state_ptr, first_row, slot, relative, rows_mask, channels
     return tl.where(from_state[:, None], old, x)
 
 
-@triton.jit
+# Not specialised on the batch size: one compiled kernel (one set of bits) for every batch.
+@triton.jit(do_not_specialize=["num_requests"])
 def _conv_kernel(x_ptr, state_ptr, weight_ptr, out_ptr, meta_ptr, num_requests, x_stride,
                  D: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     request = tl.program_id(0)
@@ -56,7 +57,8 @@ def _conv_kernel(x_ptr, state_ptr, weight_ptr, out_ptr, meta_ptr, num_requests, 
              out.to(out_ptr.dtype.element_ty), mask=rows_mask[:, None] & channel_mask[None, :])
 
 
-@triton.jit
+# Not specialised on the batch size: one compiled kernel (one set of bits) for every batch.
+@triton.jit(do_not_specialize=["num_requests"])
 def _conv_state_kernel(x_ptr, state_ptr, meta_ptr, num_requests, x_stride, D: tl.constexpr,
                        K: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     request = tl.program_id(0)

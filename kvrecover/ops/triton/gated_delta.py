@@ -84,7 +84,8 @@ def _load_rows(new_ptr, tail_ptr, new_rows, tail_rows, new_stride, tail_stride, 
     return new, tail
 
 
-@triton.jit
+# Not specialised on the batch size: one compiled kernel (one set of bits) for every batch.
+@triton.jit(do_not_specialize=["num_requests"])
 def _gated_delta_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr,
     state_ptr, q_tail_ptr, k_tail_ptr, v_tail_ptr, g_tail_ptr, b_tail_ptr, checkpoint_ptr,
