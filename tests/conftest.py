@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -15,6 +16,11 @@ import torch
 
 if TYPE_CHECKING:
     from redis_helpers import RedisServer
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # kernels with runtime loop bounds, NumPy 2.4
+    from kvrecover.ops.triton.interpreter_compat import patch_scalar_index
+
+    patch_scalar_index()
 
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. hello, my name is kv. "

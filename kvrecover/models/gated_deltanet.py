@@ -7,7 +7,8 @@ conv state, the gated delta rule (decay `g = -exp(A_log) * softplus(a + dt_bias)
 `beta = sigmoid(b)`, q and k l2-normalised) over the recurrent state, an RMSNorm
 gated by `silu(z)`, and `out_proj`. The per-request states live in the worker's
 slots (`models/recurrent_state.py`); the kernels are the backend's
-(`ops.interface.LinearAttentionKernels`), computed per request.
+(`ops.interface.LinearAttentionKernels`), each called once for all the step's
+requests (`*_batch`).
 """
 
 from __future__ import annotations
@@ -107,24 +108,19 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(hidden)
         decay, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel_size)
-        out = torch.empty(hidden.shape[0], self.num_v_heads, self.head_v_dim, dtype=hidden.dtype,
-                          device=hidden.device)
-        tensors, checkpoints = step.tensors, step.checkpoints
+        tensors, checkpoints, rows = step.tensors, step.checkpoints, hidden.shape[0]
         for request in step.requests:
-            rows, slot = slice(request.start_row, request.end_row), request.slot
             if request.checkpoints:
-                _checkpoint_conv(request, tensors["conv"][slot], mixed[rows], checkpoints["conv"])
-            conv = ops.causal_conv1d(mixed[rows], tensors["conv"][slot], weight)
-            query, key, value = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim],
-                                            dim=-1)
-            count = conv.shape[0]
-            state = DeltaRuleState(*(tensors[name][slot] for name in (
-                "state", "query_tail", "key_tail", "value_tail", "decay_tail", "beta_tail")))
-            out[rows] = ops.gated_delta_rule(
-                query.reshape(count, self.num_k_heads, -1), key.reshape(count, self.num_k_heads, -1),
-                value.reshape(count, self.num_v_heads, -1), decay[rows], beta[rows], state,
-                request.position, step.chunk_size,
-                [(position, checkpoints["state"][c]) for position, c in request.checkpoints])
+                _checkpoint_conv(request, tensors["conv"][request.slot],
+                                 mixed[request.start_row : request.end_row], checkpoints["conv"])
+        conv = ops.causal_conv1d_batch(mixed, tensors["conv"], weight, step.requests)
+        query, key, value = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        states = DeltaRuleState(*(tensors[name] for name in (
+            "state", "query_tail", "key_tail", "value_tail", "decay_tail", "beta_tail")))
+        out = ops.gated_delta_rule_batch(
+            query.reshape(rows, self.num_k_heads, -1), key.reshape(rows, self.num_k_heads, -1),
+            value.reshape(rows, self.num_v_heads, -1), decay, beta, states, step.requests,
+            step.chunk_size, checkpoints.get("state")).to(hidden.dtype)
         normed = ops.gated_rms_norm(out.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
                                     self.norm.weight, self.eps)
         return ops.linear(normed.view(hidden.shape[0], self.value_dim), self.out_proj)

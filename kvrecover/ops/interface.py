@@ -200,8 +200,35 @@ class DeltaRuleState:
     beta_tail: torch.Tensor  # [C, Hv] float32
 
 
+class RecurrentRequestRows(Protocol):
+    """What a batched linear-attention kernel reads of one request of the step (the
+    model's `models.recurrent_state.RequestRows` is one)."""
+
+    @property
+    def start_row(self) -> int:  # its first row of the step's flat batch
+        ...
+
+    @property
+    def end_row(self) -> int:  # one past its last row
+        ...
+
+    @property
+    def position(self) -> int:  # the absolute position of its first row
+        ...
+
+    @property
+    def slot(self) -> int:  # its slot in the state pools
+        ...
+
+    @property
+    def checkpoints(self) -> Sequence[tuple[int, int]]:
+        """(chunk-boundary position, checkpoint slot) inside its rows, by position."""
+        ...
+
+
 class LinearAttentionKernels(Protocol):
-    """The per-request kernels of a Gated DeltaNet layer (`models/gated_deltanet.py`); each
+    """The kernels of a Gated DeltaNet layer (`models/gated_deltanet.py` calls the `*_batch`
+    ones, once per layer for the whole step); each
     row's bits do not depend on how many tokens the step holds or where it was split
     (`ops/reference/gated_delta.py` says how)."""
 
@@ -219,6 +246,29 @@ class LinearAttentionKernels(Protocol):
         """One request's outputs [T, Hv, Dv] (float32) for positions [start, start + T),
         advancing its `DeltaRuleState` in place, in chunks aligned to absolute positions;
         the recurrent state at each chunk boundary of `snapshots` is copied into its tensor."""
+        ...
+
+    def causal_conv1d_batch(self, x: torch.Tensor, conv_states: torch.Tensor,
+                            weight: torch.Tensor,
+                            requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+        """`causal_conv1d` for every request of a step at once: `x` [T, D] the step's rows,
+        `conv_states` [slots, D, K - 1] the pool (each request's slot advanced in place);
+        each row's bits are those of the per-request call."""
+        ...
+
+    def gated_delta_rule_batch(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        decay: torch.Tensor, beta: torch.Tensor, states: DeltaRuleState,
+        requests: Sequence[RecurrentRequestRows], chunk_size: int,
+        checkpoints: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`gated_delta_rule` for every request of a step at once: the inputs hold the
+        step's rows ([T, H, D], [T, Hv]), `states` the pools (each tensor with a leading
+        slot dim; each request's slot advanced in place), and the recurrent state at each
+        of a request's `checkpoints` goes into that slot of `checkpoints` [slots, Hv, Dk,
+        Dv]. Returns [T, Hv, Dv] float32. Each (request, value head, aligned chunk) is one
+        fixed-shape computation, so a row's bits and the state at a chunk boundary do not
+        depend on the batch's other requests, the chunking or decode vs prefill."""
         ...
 
     def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,

@@ -101,3 +101,52 @@ def test_snapshots_at_boundaries_equal_the_state_of_a_prompt_ending_there():
     for position, snapshot in snapshots.items():
         _, prefix_state = run_split([x[:position] for x in tensors], position, position)
         assert torch.equal(snapshot, prefix_state.state), position
+
+
+def test_batched_calls_equal_the_per_request_calls_bit_for_bit():
+    """`gated_delta_rule_batch` / `causal_conv1d_batch` of the reference: each request's
+    rows and slot exactly as its own per-request call (the CPU path is unchanged)."""
+    from kvrecover.models.recurrent_state import RequestRows
+    from kvrecover.ops.reference.gated_delta import causal_conv1d_batch, gated_delta_rule_batch
+
+    lengths, starts = [3, 40, 17], [5, 0, 16]
+    seqs = [inputs(torch.float32, start + length, seed=i)
+            for i, (start, length) in enumerate(zip(starts, lengths))]
+    singles = [fresh_state() for _ in lengths]
+    pools = DeltaRuleState(*(torch.stack([getattr(s, f) for s in singles])
+                             for f in ("state", "query_tail", "key_tail", "value_tail",
+                                       "decay_tail", "beta_tail")))
+    for tensors, state, start in zip(seqs, singles, starts):  # bring each to its start
+        if start:
+            gated_delta_rule(*[x[:start] for x in tensors], state, 0, CHUNK)
+    for index, single in enumerate(singles):
+        for name in ("state", "query_tail", "key_tail", "value_tail", "decay_tail", "beta_tail"):
+            getattr(pools, name)[index].copy_(getattr(single, name))
+    checkpoints = torch.zeros(2, HV, DK, DV)
+    requests, row = [], 0
+    for index, (start, length) in enumerate(zip(starts, lengths)):
+        marks = ((32, 1),) if index == 1 else ()
+        requests.append(RequestRows(row, row + length, start, index, marks))
+        row += length
+    step = [torch.cat([x[start:] for x, start in zip(parts, starts)]) for parts in zip(*seqs)]
+    batched = gated_delta_rule_batch(*step, pools, requests, CHUNK, checkpoints)
+    snapshot = torch.empty(HV, DK, DV)
+    for index, (tensors, state, start) in enumerate(zip(seqs, singles, starts)):
+        wanted = [(32, snapshot)] if index == 1 else []
+        alone = gated_delta_rule(*[x[start:] for x in tensors], state, start, CHUNK, wanted)
+        rows = slice(requests[index].start_row, requests[index].end_row)
+        assert torch.equal(batched[rows], alone)
+        for name in ("state", "query_tail", "key_tail", "value_tail", "decay_tail", "beta_tail"):
+            assert torch.equal(getattr(pools, name)[index], getattr(state, name)), name
+    assert torch.equal(checkpoints[1], snapshot)
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(row, 12, generator=generator)
+    weight = torch.randn(12, 4, generator=generator)
+    conv_pool = torch.randn(3, 12, 3, generator=generator)
+    conv_singles = [conv_pool[i].clone() for i in range(3)]
+    conv = causal_conv1d_batch(x, conv_pool, weight, requests)
+    for request, conv_state in zip(requests, conv_singles):
+        rows = slice(request.start_row, request.end_row)
+        assert torch.equal(conv[rows], causal_conv1d(x[rows], conv_state, weight))
+        assert torch.equal(conv_pool[request.slot], conv_state)

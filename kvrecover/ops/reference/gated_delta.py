@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrecover.ops.interface import DeltaRuleState
+from kvrecover.ops.interface import DeltaRuleState, RecurrentRequestRows
 
 L2_NORM_EPS = 1e-6  # Hugging Face's (and the FLA kernels') `l2norm` epsilon
 SOFTPLUS_THRESHOLD = 20.0  # torch's: above it softplus(x) is x
@@ -99,6 +99,27 @@ def gated_delta_rule(
     return torch.cat(outputs)
 
 
+def gated_delta_rule_batch(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+    beta: torch.Tensor, states: DeltaRuleState, requests: Sequence[RecurrentRequestRows],
+    chunk_size: int, checkpoints: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gated_delta_rule` over a step's requests (`LinearAttentionKernels.
+    gated_delta_rule_batch`): one call per request on its rows and its slot of the
+    pools `states`, so every bit is the per-request call's."""
+    out = torch.empty(value.shape, dtype=torch.float32, device=value.device)
+    for request in requests:
+        rows, slot = slice(request.start_row, request.end_row), request.slot
+        state = DeltaRuleState(*(pool[slot] for pool in (
+            states.state, states.query_tail, states.key_tail, states.value_tail,
+            states.decay_tail, states.beta_tail)))
+        snapshots = ([(position, checkpoints[c]) for position, c in request.checkpoints]
+                     if checkpoints is not None else [])
+        out[rows] = gated_delta_rule(query[rows], key[rows], value[rows], decay[rows],
+                                     beta[rows], state, request.position, chunk_size, snapshots)
+    return out
+
+
 def _padded(x: torch.Tensor, size: int) -> torch.Tensor:
     """`x` [rows, ...] with zero rows appended up to `size` (a fresh tensor)."""
     padded = x.new_zeros((size, *x.shape[1:]))
@@ -149,6 +170,17 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
         acc.add_(extended[tap : tap + rows].float() * weight32[:, tap])
     conv_state.copy_(extended[rows:].transpose(0, 1))
     return silu(acc).to(x.dtype)
+
+
+def causal_conv1d_batch(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                        requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+    """`causal_conv1d` over a step's requests: one call per request on its rows and its
+    slot of `conv_states` [slots, D, K - 1], so every bit is the per-request call's."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for request in requests:
+        rows = slice(request.start_row, request.end_row)
+        out[rows] = causal_conv1d(x[rows], conv_states[request.slot], weight)
+    return out
 
 
 def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,

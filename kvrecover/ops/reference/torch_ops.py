@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrecover.ops.cpu.onednn import pack_expert_weights, pack_linear_weights, packed_linear
-from kvrecover.ops.interface import DeltaRuleState, ExpertWeights, RotaryTables
+from kvrecover.ops.interface import (
+    DeltaRuleState,
+    ExpertWeights,
+    RecurrentRequestRows,
+    RotaryTables,
+)
 from kvrecover.ops.reference import gated_delta
 from kvrecover.ops.reference.moe import expert_runner, grouped_moe, reference_moe
 from kvrecover.ops.reference.rotary import reference_rotary
@@ -130,6 +135,22 @@ class TorchOps:
         """The gated delta rule in absolute-aligned chunks (`LinearAttentionKernels`)."""
         return gated_delta.gated_delta_rule(query, key, value, decay, beta, state, start,
                                             chunk_size, snapshots)
+
+    def causal_conv1d_batch(self, x: torch.Tensor, conv_states: torch.Tensor,
+                            weight: torch.Tensor,
+                            requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+        """The convolution of a step's requests, one per-request call each."""
+        return gated_delta.causal_conv1d_batch(x, conv_states, weight, requests)
+
+    def gated_delta_rule_batch(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        decay: torch.Tensor, beta: torch.Tensor, states: DeltaRuleState,
+        requests: Sequence[RecurrentRequestRows], chunk_size: int,
+        checkpoints: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The delta rule of a step's requests, one per-request call each."""
+        return gated_delta.gated_delta_rule_batch(query, key, value, decay, beta, states,
+                                                  requests, chunk_size, checkpoints)
 
     def delta_gates(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

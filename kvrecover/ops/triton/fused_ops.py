@@ -18,6 +18,7 @@ from triton.language.extra import libdevice
 from kvrecover.ops.interface import ExpertWeights, RotaryTables
 from kvrecover.ops.reference.torch_ops import TorchOps
 from kvrecover.ops.triton.batch_invariant_matmul import linear as batch_invariant_linear
+from kvrecover.ops.triton.linear_attention import TritonLinearAttention
 from kvrecover.ops.triton.moe import fused_moe
 from kvrecover.ops.triton.rounding import round_to as _round
 
@@ -237,10 +238,11 @@ def silu_mul(gate_up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
     return out
 
 
-class TritonOps(TorchOps):
+class TritonOps(TritonLinearAttention, TorchOps):
     """The model's small ops as the fused Triton kernels above (each op is the launcher
     of its name; `rotary` is `rotary_`, in place); linears stay on cuBLAS; the experts
-    of a MoE layer run the fused Triton MoE (`ops.triton.moe`)."""
+    of a MoE layer run the fused Triton MoE (`ops.triton.moe`); a Gated DeltaNet layer's
+    convolution and delta rule run batched over the step (`ops.triton.linear_attention`)."""
 
     moe_batch_invariant = False  # fixed MoE tiles whatever the step's size
 

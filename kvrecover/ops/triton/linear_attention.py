@@ -1,0 +1,51 @@
+"""The Triton backend's linear-attention ops: the batched causal convolution and gated
+delta rule of `ops.triton.causal_conv` and `ops.triton.gated_delta`, behind the
+`LinearAttentionKernels` names. The per-request names stay the reference's.
+
+The step's index tensors (`StepPlan`) are built by the first layer that sees the
+step's request list and reused by the others (the worker hands every layer the same
+list object; the plan keeps it alive, so its identity cannot be reused).
+Import only where Triton exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrecover.ops.interface import DeltaRuleState, RecurrentRequestRows
+from kvrecover.ops.triton import causal_conv, gated_delta
+from kvrecover.ops.triton.gated_delta import StepPlan, build_plan
+
+
+class TritonLinearAttention:
+    """`causal_conv1d_batch` and `gated_delta_rule_batch` as one launch (two for the
+    convolution) per layer over every request of the step."""
+
+    _plan: StepPlan | None = None
+
+    def _plan_for(self, requests: Sequence[RecurrentRequestRows],
+                  device: torch.device) -> StepPlan:
+        plan = self._plan
+        if plan is None or plan.requests is not requests or plan.meta.device != device:
+            plan = self._plan = build_plan(requests, device)
+        return plan
+
+    def causal_conv1d_batch(self, x: torch.Tensor, conv_states: torch.Tensor,
+                            weight: torch.Tensor,
+                            requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+        """The step's convolution in one output launch and one state launch."""
+        return causal_conv.causal_conv1d_batch(x, conv_states, weight,
+                                               self._plan_for(requests, x.device))
+
+    def gated_delta_rule_batch(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        decay: torch.Tensor, beta: torch.Tensor, states: DeltaRuleState,
+        requests: Sequence[RecurrentRequestRows], chunk_size: int,
+        checkpoints: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step's delta rule in one launch."""
+        return gated_delta.gated_delta_rule_batch(
+            query, key, value, decay, beta, states, self._plan_for(requests, query.device),
+            chunk_size, checkpoints)
