@@ -25,7 +25,8 @@ p50, the server's CPU seconds, the 1-minute load average when the turn ended), t
 N the range over rounds of each engine's figures and of the paired kvrecover / vLLM
 ratios, and how many completions had the same text on both. `--profile-dir` runs py-spy
 (`--py-spy`, default the tools venv's) on kvrecover's server during its turns and keeps
-one speedscope profile per turn (all threads, idle samples included). The servers and
+one speedscope profile per turn (all threads, idle samples included), printing where the
+engine and HTTP threads spent the turn (`spy_breakdown.py`). The servers and
 any guidellm still running are stopped on every exit: an error, Ctrl-C, SIGTERM or
 SIGHUP.
 """
@@ -45,6 +46,7 @@ from pathlib import Path
 
 from bench_serve import Prompts, warm_up
 from serve_servers import Server, engine_env, kvrecover_argv, vllm_argv, vllm_env
+from spy_breakdown import format_breakdown
 
 PEER_DIR = Path.home() / ".cache" / "kvrecover-peer"
 MODEL_NAME = "bench-model"
@@ -141,7 +143,7 @@ def turn(args: argparse.Namespace, name: str, server: Server, concurrency: int, 
     out = workdir / f"{name}-{concurrency}-{round_}.json"
     seed = 1000 * concurrency + round_
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    spy = None
+    spy = profile = None
     if args.profile_dir and name == "kvrecover":
         profile = args.profile_dir / f"kvrecover-c{concurrency}-r{round_}.json"
         spy = subprocess.Popen([args.py_spy, "record", "--pid", str(server.proc.pid),
@@ -153,9 +155,10 @@ def turn(args: argparse.Namespace, name: str, server: Server, concurrency: int, 
         code = run_bounded(guidellm_argv(args, server.url, concurrency, seed, out),
                            workdir / "guidellm.log", args.max_seconds + 180, env)
     finally:
-        if spy is not None:
+        if spy is not None and profile is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
             spy.wait(timeout=60)
+            print(format_breakdown(profile), flush=True)
     cpu_after = server.cpu_seconds()
     if code != 0 or not out.exists():
         tail = (workdir / "guidellm.log").read_text(errors="replace")[-3000:]

@@ -34,6 +34,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.argv = argv
         with open(log, "wb") as handle:
             self.proc = subprocess.Popen([*argv, "--port", str(self.port)], stdout=handle,
                                          stderr=subprocess.STDOUT, env=env)
@@ -44,7 +45,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.proc.args[:4]} exited with {self.proc.returncode}:"
+                raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode}:"
                                    f"\n{tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -52,7 +53,7 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"{self.proc.args[:4]} did not start in {timeout}s")
+        raise RuntimeError(f"{self.argv[:4]} did not start in {timeout}s")
 
     def pids(self) -> set[int]:
         """This process and its descendants now (Linux; empty where /proc is missing)."""
