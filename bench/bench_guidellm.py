@@ -155,11 +155,16 @@ def turn(args: argparse.Namespace, name: str, server: Server, concurrency: int, 
         code = run_bounded(guidellm_argv(args, server.url, concurrency, seed, out),
                            workdir / "guidellm.log", args.max_seconds + 180, env)
     finally:
-        if spy is not None and profile is not None:
+        if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
-            spy.wait(timeout=60)
-            print(format_breakdown(profile), flush=True)
+            try:
+                spy.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
     cpu_after = server.cpu_seconds()
+    if profile is not None and profile.exists():
+        print(format_breakdown(profile), flush=True)
     if code != 0 or not out.exists():
         tail = (workdir / "guidellm.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"guidellm against {name} at {concurrency} failed ({code}):\n{tail}")
