@@ -24,7 +24,9 @@ Printed: one row per turn (guidellm's output tok/s and requests/s, TTFT p50/p99,
 p50, the server's CPU seconds, the 1-minute load average when the turn ended), then per
 N the range over rounds of each engine's figures and of the paired kvrecover / vLLM
 ratios, and how many completions had the same text on both. `--profile-dir` runs py-spy
-(`--py-spy`, default the tools venv's) on kvrecover's server during its turns and keeps
+(`--py-spy`, default `~/.cache/kvrecover-peer/tools-venv/bin/py-spy`, made once with
+`python3 -m venv ~/.cache/kvrecover-peer/tools-venv && ~/.cache/kvrecover-peer/tools-venv/bin/pip
+install py-spy`) on kvrecover's server during its turns and keeps
 one speedscope profile per turn (all threads, idle samples included), printing where the
 engine and HTTP threads spent the turn (`spy_breakdown.py`). The servers and
 any guidellm still running are stopped on every exit: an error, Ctrl-C, SIGTERM or
