@@ -24,7 +24,8 @@ every request's entries as one batch of rows, each request a run of its own (a
 failure cuts its own run only), one install for the step; at the deadline a
 CPU load keeps the blocks it had finished (`_salvage`). A step's async loads are
 another such batch (`batched_async_reads`) in one leased staging buffer: each request
-lands as soon as its own run is read, and every load that landed by one `get_finished`
+is ready as soon as its own run is read, the batch lands together (`store_base`), and
+every load that landed by one `get_finished`
 is installed at once (`PagedBlocks.install_groups`: on a GPU one check, one host sync). `io_threads` threads read a
 load's entries (`staged_io`): its reader and helpers from a pool that every load of
 the connector shares (`helper_pool`). A sync load on the CPU reads each entry into a small bounce row and
@@ -106,7 +107,7 @@ class SharedStorageConnector(StoreConnectorBase):
 
     settings_class = SharedStorageSettings
     batched_sync_reads = True  # a step's sync loads read as one staged batch
-    batched_async_reads = True  # and its async loads as another, each landing as it ends
+    batched_async_reads = True  # and its async loads as another
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)

@@ -5,9 +5,9 @@ Every load reads on a reader thread and waits for it only until its deadline
 (`reader_threads`), so a store that trickles or hangs costs a load at most
 `load_timeout_s`, and a sync load never blocks the engine longer. A connector may read
 a step's sync loads as one batch on one thread (`batched_sync_reads`), and its async
-loads as another (`batched_async_reads`: each load still lands on its own, as soon as
-its blocks are read); every async load that finished by a `get_finished` is installed
-by one `_install_step` call.
+loads as another (`batched_async_reads`: each load ready as soon as its blocks are
+read, the batch landing together unless one of it is slow); every async load that
+finished by a `get_finished` is installed by one `_install_step` call.
 
 Both the folder connector (`shared_storage`, one file per block, one system call
 each way) and the batched connector over any store (`store_connector`: Redis, tiers) build on
@@ -74,6 +74,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
+# How much of its deadline window a finished async load waits for the rest of its batch.
+BATCH_HOLD_FRACTION = 0.25
 # A sync load's read of some transfers: (transfers, cancelled) -> one result per transfer.
 SyncRead = Callable[[list["BlockTransfer"], ReadCancel], list[Any]]
 
@@ -179,7 +181,8 @@ class StoreConnectorBase(KVConnectorBase):
     # each on its own reader thread.
     batched_sync_reads = False
     # A step's async loads are read as one group too, on one reader thread
-    # (`_read_async_batch`), each landing as soon as its own blocks are read.
+    # (`_read_async_batch`), each ready as soon as its own blocks are read; a batch
+    # lands together (`_landable`).
     batched_async_reads = False
     # Per KV cache group: a block id spans the layers of one group (the registered
     # tensors), so only the scheduler role's choice of blocks and keys knows groups.
@@ -591,8 +594,8 @@ class StoreConnectorBase(KVConnectorBase):
         if load.thread is None:
             return
         load.future.add_done_callback(self._drop_abandoned)
-        if any(other.cancelled is load.cancelled for other in self._async_loads.values()
-               if other is not load):
+        if any(other.cancelled is load.cancelled and not other.future.done()
+               for other in self._async_loads.values() if other is not load):
             return
         self._readers.abandon(StoreRead(load.future, load.cancelled, load.thread))
 
@@ -617,13 +620,12 @@ class StoreConnectorBase(KVConnectorBase):
         """Report the async loads that ended; every one that finished is installed by ONE
         `_install_step` (one batched install) per round."""
         done: set[str] = set()
-        landed: list[AsyncLoad] = []
         now = time.monotonic()
         for request_id, load in list(self._async_loads.items()):
             if request_id in finished_req_ids:  # aborted: nothing will read these blocks
                 self._abandon(load)
             elif load.future.done():
-                landed.append(load)
+                continue  # lands below, with the rest of its batch
             elif now >= load.deadline:
                 logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
                                request_id, self.load_timeout_s)
@@ -633,13 +635,28 @@ class StoreConnectorBase(KVConnectorBase):
                 continue
             del self._async_loads[request_id]
             done.add(request_id)
-        self._land(landed)
         # Installing takes time (a copy; on a GPU an upload): a load that finished
         # meanwhile is reported now, not a whole step later.
-        while more := [rid for rid, load in self._async_loads.items() if load.future.done()]:
-            self._land([self._async_loads.pop(request_id) for request_id in more])
-            done.update(more)
+        while landed := self._landable(time.monotonic()):
+            self._land(landed)
+            done.update(load.transfer.request_id for load in landed)
         return None, done or None
+
+    def _landable(self, now: float) -> list[AsyncLoad]:
+        """The finished async loads, taken out of the in-flight ones, except those whose
+        batch (loads sharing one read) still reads for another member: a step's loads
+        land together, as a sync step's would (one install, and one forward for them
+        all rather than a first one for the earliest that the others then wait for).
+        A member that is slow or hangs holds the others for the first
+        BATCH_HOLD_FRACTION of their deadline window at most (the engine's own deadline
+        on them ends later)."""
+        reading = {id(load.cancelled) for load in self._async_loads.values()
+                   if not load.future.done()}
+        hold_until = (1.0 - BATCH_HOLD_FRACTION) * self.load_timeout_s
+        ready = [request_id for request_id, load in self._async_loads.items()
+                 if load.future.done() and (id(load.cancelled) not in reading
+                                            or now >= load.deadline - hold_until)]
+        return [self._async_loads.pop(request_id) for request_id in ready]
 
     def _read_async_load(self, transfer: BlockTransfer, cancelled: ReadCancel) -> Any:
         """An async load's blocks (`_read_async`), with its state (blocks, state) when it
