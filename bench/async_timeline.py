@@ -50,7 +50,9 @@ class Timeline:
 def instrument(current: list[Timeline]) -> None:
     """Wrap the methods that mark the events into `current[0]`."""
     def wrap(owner, name, before=None, after=None):
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
+        if original is None:  # (an older tree: that path does not exist there)
+            return
 
         def wrapped(self, *args):
             if before:
@@ -67,6 +69,14 @@ def instrument(current: list[Timeline]) -> None:
          after=lambda s, r, tr, c: t[0].mark(tr.request_id, "read"))
     wrap(SharedStorageConnector, "_install",
          after=lambda s, r, tr, b: t[0].mark(tr.request_id, "installed"))
+    # A step's async loads read as one batch: started together, each read as its run ends
+    # (`_with_state`), installed together (`_install_step`).
+    wrap(StoreConnectorBase, "_start_async_batch",
+         lambda s, trs: [t[0].mark(tr.request_id, "started") for tr in trs])
+    wrap(StoreConnectorBase, "_with_state",
+         after=lambda s, r, tr, b, c: t[0].mark(tr.request_id, "read"))
+    wrap(SharedStorageConnector, "_install_step",
+         after=lambda s, r, trs, res: [t[0].mark(tr.request_id, "installed") for tr in trs])
     wrap(StoreConnectorBase, "get_finished",
          after=lambda s, r, ids: [t[0].mark(i, "reported") for i in r[1] or ()])
     wrap(KVLoads, "finish_loads",

@@ -83,11 +83,16 @@ def instrument(spans: Spans) -> None:
     paged_blocks.PagedBlocks._copy_row = staticmethod(spans.wrap(  # type: ignore[method-assign]
         "bounce copy into cache", paged_blocks.PagedBlocks._copy_row))
     threading.Thread.start = spans.wrap("Thread.start", threading.Thread.start)  # type: ignore
-    for name in ("install", "install_each"):
-        setattr(paged_blocks.PagedBlocks, name, spans.wrap(
-            f"PagedBlocks.{name}", getattr(paged_blocks.PagedBlocks, name)))
+    for name in ("install", "install_each", "install_rows", "install_groups"):
+        if hasattr(paged_blocks.PagedBlocks, name):  # (older trees lack some)
+            setattr(paged_blocks.PagedBlocks, name, spans.wrap(
+                f"PagedBlocks.{name}", getattr(paged_blocks.PagedBlocks, name)))
     connector = shared_storage.SharedStorageConnector
+    # An async load's install: `_install` each (older trees), or one `_install_step` for
+    # every load a poll lands; the engine thread runs them, serially.
     connector._install = spans.wrap("connector._install", connector._install)  # type: ignore
+    connector._install_step = spans.wrap(  # type: ignore[method-assign]
+        "connector._install_step", connector._install_step)
 
 
 def layout_of(shape: str) -> KVCacheLayout:

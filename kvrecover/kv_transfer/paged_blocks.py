@@ -59,20 +59,63 @@ DIRECT_CHUNK_BYTES = 4 << 20
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size integer views
 
 
+class StagingLease:
+    """A staging buffer whose runs of rows (one per request of a batch of async loads)
+    are installed at different times: it goes back to the pool once its read has ended
+    (`finish_read`, with the event after its last upload) and every holder of rows in
+    it let go (`hold`, `drop`). Any thread may call it."""
+
+    def __init__(self, paged: PagedBlocks, host: torch.Tensor) -> None:
+        self._paged, self._host = paged, host
+        self._holders = 1  # the read itself
+        self._ready: Any = None
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._paged.release(self._host, self._ready)
+
+    def finish_read(self, ready: Any) -> None:
+        with self._lock:
+            self._ready = ready
+        self.drop()
+
+
 @dataclass
 class StagedRows:
     """A staged load's rows: on the host, and on a GPU also uploaded (`device`, ready
-    for the compute stream once `uploaded` has fired)."""
+    for the compute stream once `uploaded` has fired); `lease` where the buffer is
+    shared by runs installed at different times."""
 
     host: torch.Tensor
     device: torch.Tensor | None = None
     uploaded: Any = None  # a torch.cuda.Event
+    lease: StagingLease | None = None
 
     def device_rows(self) -> torch.Tensor:
         """The uploaded copy of the rows (staged for a GPU cache only)."""
         if self.device is None:
             raise RuntimeError("these rows were staged for a CPU cache: nothing was uploaded")
         return self.device
+
+
+@dataclass
+class RowGroup:
+    """Rows of one staging buffer to install: row `positions[i]` into cache block
+    `block_ids[i]`, checked against `checksums[i]` (None: no check; a None entry: a row
+    that failed to read)."""
+
+    block_ids: list[int]
+    positions: Sequence[int]
+    staged: StagedRows
+    checksums: Sequence[int | None] | None
 
 
 class PagedBlocks:
@@ -136,6 +179,14 @@ class PagedBlocks:
                     buffer.numel() for buffer, _ in self._free_staging) > MAX_FREE_STAGING_BYTES:
                 del self._free_staging[0]
 
+    def let_go(self, staged: StagedRows) -> None:
+        """Nothing more is installed from `staged`: its buffer goes back to the pool
+        (through its lease, if shared)."""
+        if staged.lease is not None:
+            staged.lease.drop()
+        else:
+            self.release(staged.host, staged.uploaded)
+
     def _bounce_row(self) -> memoryview:
         """A one-block row for a direct load to read into (`_give_back` it once read and
         copied: only the thread that read into it may, so no late read ever lands in a
@@ -196,15 +247,20 @@ class PagedBlocks:
     def stage(self, count: int, read_row: Callable[[int, memoryview], int],
               cancelled: threading.Event, threads: int, every_row: bool = False,
               segments: Sequence[int] | None = None,
+              on_run: Callable[[int, StagedRows, list[RowResult]], None] | None = None,
               ) -> tuple[StagedRows, list[RowResult]]:
         """Read `count` entries into staging rows, `read_row(position, row)` each (it
         returns the entry's checksum or raises), on up to `threads` threads; on a GPU
         each chunk goes up as soon as it is read. Results as `staged_io.read_rows`
-        (`every_row` and `segments` too)."""
+        (`every_row` and `segments` too). With `on_run`, `on_run(run, rows, results)`
+        is called as each run (segment) ends, with rows ready to install that run's
+        (their own upload event) while the others are read; the buffer is then leased:
+        the caller holds the lease for each run it will install and calls
+        `lease.finish_read(staged.uploaded)` once it has handed out what it returns."""
         host = self.staging(count)
         rows = byte_view(host)
         nbytes = self.block_nbytes
-        staged = StagedRows(host)
+        staged = StagedRows(host, lease=None if on_run is None else StagingLease(self, host))
         after_chunk = None
         if self.on_gpu:
             with torch.cuda.stream(self._upload_stream):  # allocated for that stream
@@ -218,10 +274,20 @@ class PagedBlocks:
                 with torch.inference_mode(inference), torch.cuda.stream(self._upload_stream):
                     device_rows[start:end].copy_(host[start:end], non_blocking=True)
 
-        results = read_rows(
+        results: list[RowResult] = [None] * count
+        after_run = None
+        if on_run is not None:
+            def after_run(run: int) -> None:
+                part = StagedRows(host, staged.device, lease=staged.lease)
+                if self.on_gpu:  # after every chunk of the run was queued
+                    part.uploaded = torch.cuda.Event()
+                    part.uploaded.record(self._upload_stream)
+                on_run(run, part, results)
+
+        read_rows(
             count, lambda position: read_row(position, rows[position * nbytes : (position + 1) * nbytes]),
             cancelled, threads, chunk_rows(nbytes), after_chunk, every_row, segments,
-            pool=self._helpers)
+            results=results, pool=self._helpers, after_run=after_run)
         if self.on_gpu:  # every chunk's copy was queued before read_rows returned
             staged.uploaded = torch.cuda.Event()
             staged.uploaded.record(self._upload_stream)
@@ -229,37 +295,78 @@ class PagedBlocks:
 
     def install_rows(self, block_ids: list[int], positions: Sequence[int], staged: StagedRows,
                      checksums: Sequence[int | None] | None) -> list[bool]:
-        """Copy staged row `positions[i]` into cache block `block_ids[i]`, for every i (on a
-        GPU one indexed copy per layer for them all: a batched step's every request at
-        once) and give the staging buffer back. With `checksums` (the stored ones; None
-        for a row that failed to read), check every block in the cache afterwards (see
-        the module docstring); returns, per block, whether it holds its stored bytes
-        (all True without a check)."""
-        count = len(block_ids)
+        """Copy staged row `positions[i]` into cache block `block_ids[i]`, for every i, and
+        let go of the staging buffer (`install_groups` of one group)."""
+        return self.install_groups([RowGroup(block_ids, positions, staged, checksums)])[0]
+
+    def install_groups(self, groups: Sequence[RowGroup]) -> list[list[bool]]:
+        """Install every group's rows (`RowGroup`) and let go of their staging buffers:
+        on a GPU one indexed copy per layer for all the groups of one buffer (a batched
+        step's every request at once) and one check with ONE host sync for all of them
+        (see the module docstring). Returns, per group and block, whether it holds its
+        stored bytes (all True without a check)."""
         if self.direct:
-            host_rows, nbytes = byte_view(staged.host), self.block_nbytes
-            passed = []
-            for position, block_id, checksum in zip(positions, block_ids, checksums or [None] * count):
-                parts = self.parts(block_id)
-                self._copy_row(host_rows[position * nbytes : (position + 1) * nbytes], parts)
-                passed.append(checksums is None or (
-                    checksum is not None and parts_checksum(parts) == checksum))
-            self.release(staged.host)
-            return passed
-        rows = self._scatter(block_ids, positions, staged)
-        self.release(staged.host, staged.uploaded)
-        if checksums is None:
-            return [True] * count
-        if not self.on_gpu:
-            return [c is not None and a == c for a, c in zip(self.checksums(block_ids), checksums)]
+            return [self._install_direct(group) for group in groups]
+        # Groups of one buffer (runs of one batch landing together) scatter as one.
+        merged: dict[int, list[int]] = {}
+        for index, group in enumerate(groups):
+            merged.setdefault(id(group.staged.host), []).append(index)
+        passed: list[list[bool]] = [[True] * len(group.block_ids) for group in groups]
+        checks: list[tuple[list[tuple[int, int]], list[int | None], torch.Tensor]] = []
+        for members in merged.values():
+            block_ids = [b for i in members for b in groups[i].block_ids]
+            positions = [p for i in members for p in groups[i].positions]
+            rows = self._scatter(block_ids, positions, [groups[i].staged for i in members])
+            for i in members:
+                self.let_go(groups[i].staged)
+            checked = [i for i in members if groups[i].checksums is not None]
+            if not checked or not block_ids:
+                continue
+            where = [(i, k) for i in members for k in range(len(groups[i].block_ids))]
+            sums = [None if (sums_i := groups[i].checksums) is None else sums_i[k]
+                    for i, k in where]
+            if not self.on_gpu:
+                actual = self.checksums(block_ids)
+                for (i, k), a, c in zip(where, actual, sums):
+                    if groups[i].checksums is not None:
+                        passed[i][k] = c is not None and a == c
+                continue
+            checks.append((where, sums, self._mismatched(block_ids, rows)))
+        if checks:
+            bad = torch.cat([mismatched for _, _, mismatched in checks]).tolist()  # the one host sync
+            offset = 0
+            for where, sums, _ in checks:
+                for (i, k), c, b in zip(where, sums, bad[offset : offset + len(where)]):
+                    if groups[i].checksums is not None:
+                        passed[i][k] = c is not None and not b
+                offset += len(where)
+        return passed
+
+    def _install_direct(self, group: RowGroup) -> list[bool]:
+        """A group's rows copied block by block into a direct (CPU) cache, each block
+        hashed right after its copy when checked."""
+        host_rows, nbytes = byte_view(group.staged.host), self.block_nbytes
+        checksums = group.checksums
+        passed = []
+        for position, block_id, checksum in zip(group.positions, group.block_ids,
+                                                checksums or [None] * len(group.block_ids)):
+            parts = self.parts(block_id)
+            self._copy_row(host_rows[position * nbytes : (position + 1) * nbytes], parts)
+            passed.append(checksums is None or (
+                checksum is not None and parts_checksum(parts) == checksum))
+        self.let_go(group.staged)
+        return passed
+
+    def _mismatched(self, block_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Per block (on the device), whether the cache differs from its uploaded row."""
+        count = len(block_ids)
         index = torch.tensor(block_ids, device=self.device)
         mismatched = torch.zeros(count, dtype=torch.bool, device=self.device)
         bits = _BITS[rows.element_size()]  # bit patterns: a NaN must equal itself
         for layer, cache in enumerate(self.caches):
             back = cache.index_select(1, index).transpose(0, 1).view(bits)
             mismatched |= (back != rows[:, layer].view(bits)).reshape(count, -1).any(dim=1)
-        bad = mismatched.tolist()  # the one host sync of a checked load
-        return [c is not None and not b for b, c in zip(bad, checksums)]
+        return mismatched
 
     def install_each(self, block_ids: list[int], staged: StagedRows,
                      checksums: list[int | None]) -> list[bool]:
@@ -284,9 +391,11 @@ class PagedBlocks:
         return staged.device_rows()[:count].view(self.dtype).view(count, *self.block_shape)
 
     def _scatter(self, block_ids: list[int], positions: Sequence[int],
-                 staged: StagedRows) -> torch.Tensor:
-        """Copy staged row `positions[i]` into cache block `block_ids[i]`; returns the rows
-        copied, as blocks (on the cache's device)."""
+                 parts: Sequence[StagedRows]) -> torch.Tensor:
+        """Copy staged row `positions[i]` into cache block `block_ids[i]` (rows of one
+        buffer, staged as `parts`: one per run, each with its own upload event); returns
+        the rows copied, as blocks (on the cache's device)."""
+        staged = parts[0]
         count = len(block_ids)
         in_order = list(positions) == list(range(count))
         if not self.on_gpu:
@@ -294,7 +403,8 @@ class PagedBlocks:
             self._scatter_host(block_ids, host)
             return host[:count].view(self.dtype).view(count, *self.block_shape)
         stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(staged.uploaded)  # the compute stream waits, not the host
+        for part in parts:
+            stream.wait_event(part.uploaded)  # the compute stream waits, not the host
         staged.device_rows().record_stream(stream)
         rows = self._device_blocks(staged, max(positions, default=-1) + 1)
         if not in_order:

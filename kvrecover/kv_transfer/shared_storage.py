@@ -22,7 +22,11 @@ into cache blocks later, when they may belong to someone else; its thread is
 abandoned (bounded in number). A step's sync loads are one read (`batched_sync_reads`):
 every request's entries as one batch of rows, each request a run of its own (a
 failure cuts its own run only), one install for the step; at the deadline a
-CPU load keeps the blocks it had finished (`_salvage`). `io_threads` threads read a
+CPU load keeps the blocks it had finished (`_salvage`). A step's async loads are
+another such batch (`batched_async_reads`) in one leased staging buffer: each request
+is ready as soon as its own run is read, the batch lands together (`store_base`), and
+every load that landed by one `get_finished`
+is installed at once (`PagedBlocks.install_groups`: on a GPU one check, one host sync). `io_threads` threads read a
 load's entries (`staged_io`): its reader and helpers from a pool that every load of
 the connector shares (`helper_pool`). A sync load on the CPU reads each entry into a small bounce row and
 copies it into its block under the load's write fence, hashing it there, so its
@@ -41,7 +45,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +55,7 @@ from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore, byte_view
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
+from kvrecover.kv_transfer.paged_blocks import PagedBlocks, RowGroup, StagedRows
 from kvrecover.kv_transfer.reader_threads import ReadCancel, ReadTimedOut
 from kvrecover.kv_transfer.staged_io import RowResult, write_rows
 from kvrecover.kv_transfer.store_base import (
@@ -103,6 +107,7 @@ class SharedStorageConnector(StoreConnectorBase):
 
     settings_class = SharedStorageSettings
     batched_sync_reads = True  # a step's sync loads read as one staged batch
+    batched_async_reads = True  # and its async loads as another
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -157,12 +162,27 @@ class SharedStorageConnector(StoreConnectorBase):
         # Staged: an async load must not write the cache before the worker confirms it.
         return self._read_batch([transfer], cancelled, into_cache=False)[0]
 
+    def _read_async_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
+                          ready: Callable[[int, Any], None]) -> list[list[LoadedBlock | None]]:
+        # Staged (an async load must not write the cache before the worker confirms it),
+        # one staging buffer and one set of `io_threads` threads for the step's loads,
+        # each handed to `ready` as soon as its own run of rows is read.
+        return self._read_batch(transfers, cancelled, into_cache=False, ready=ready)
+
+    def _drop_async_result(self, result: list[LoadedBlock | None]) -> None:
+        staging = next((block.staging for block in result if block is not None), None)
+        if staging is not None and staging.lease is not None:
+            staging.lease.drop()
+
     def _read_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
-                    into_cache: bool) -> list[list[LoadedBlock | None]]:
+                    into_cache: bool, ready: Callable[[int, Any], None] | None = None,
+                    ) -> list[list[LoadedBlock | None]]:
         """Read and verify the transfers' blocks (on a reader thread) as one batch of rows,
         each transfer a run of its own (a failure cuts its own run only), into staging
         rows or `into_cache` (a direct cache, `PagedBlocks.load_direct`); per transfer,
-        its blocks (None from its first failure on, or each failed one with `_each_block`)."""
+        its blocks (None from its first failure on, or each failed one with `_each_block`).
+        With `ready` (staged only), `ready(i, blocks)` as soon as transfer i's run ends;
+        each transfer with blocks then holds the staging buffer's lease until installed."""
         paged = self._paged_blocks()
         rows = [(transfer, position) for transfer in transfers
                 for position in range(len(transfer.block_ids))]
@@ -174,12 +194,41 @@ class SharedStorageConnector(StoreConnectorBase):
                                     check_payload=not into_cache)
 
         staged: StagedRows | None = None
+        starts = [0, *ends[:-1]]
+        handed: set[int] = set()  # runs given to `ready` while the others were read
+
+        def run_ended(run: int, part: StagedRows, results: list[RowResult]) -> None:
+            blocks = self._loaded_blocks([transfers[run]], results[starts[run] : ends[run]],
+                                         part, first_row=starts[run])[0]
+            if any(blocks) and part.lease is not None:
+                part.lease.hold()
+            handed.add(run)
+            if ready is not None:
+                ready(run, blocks)
+
         if into_cache:
             results: list[RowResult] = [None] * len(rows)
             cancelled.progress = results  # kept by `_salvage` if the deadline gives up
             paged.load_direct([block_id for transfer in transfers for block_id in transfer.block_ids],
                               read_row, cancelled, self.io_threads, every_row=self._each_block,
                               segments=ends, results=results)
+        elif ready is not None:
+            staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
+                                          every_row=self._each_block, segments=ends,
+                                          on_run=run_ended)
+            loads: list[list[LoadedBlock | None]] = []
+            for run, transfer in enumerate(transfers):
+                # Rows of their own per transfer: each lets go of its share when installed.
+                part = StagedRows(staged.host, staged.device, staged.uploaded, staged.lease)
+                blocks = [] if run in handed else self._loaded_blocks(
+                    [transfer], results[starts[run] : ends[run]], part,
+                    first_row=starts[run])[0]
+                if any(blocks) and staged.lease is not None:
+                    staged.lease.hold()
+                loads.append(blocks)
+            if staged.lease is not None:
+                staged.lease.finish_read(staged.uploaded)
+            return loads
         else:
             staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
                                           every_row=self._each_block, segments=ends)
@@ -189,8 +238,10 @@ class SharedStorageConnector(StoreConnectorBase):
         return loads
 
     def _loaded_blocks(self, transfers: list[BlockTransfer], results: Sequence[RowResult],
-                       staged: StagedRows | None) -> list[list[LoadedBlock | None]]:
-        """Per transfer, its blocks from a batch's row results (failures logged)."""
+                       staged: StagedRows | None, first_row: int = 0,
+                       ) -> list[list[LoadedBlock | None]]:
+        """Per transfer, its blocks from a batch's row results (failures logged); the
+        results start at row `first_row` of the staging buffer."""
         loads: list[list[LoadedBlock | None]] = []
         offset = 0
         for transfer in transfers:
@@ -203,7 +254,7 @@ class SharedStorageConnector(StoreConnectorBase):
                         break
                     blocks.append(None)  # each block stands on its own
                     continue
-                blocks.append(LoadedBlock(result, staged, offset + position))
+                blocks.append(LoadedBlock(result, staged, first_row + offset + position))
             loads.append(blocks + [None] * (len(transfer.block_ids) - len(blocks)))
             offset += len(transfer.block_ids)
         return loads
@@ -254,8 +305,9 @@ class SharedStorageConnector(StoreConnectorBase):
     def _install_batch(self, transfers: list[BlockTransfer],
                        results: Sequence[list[LoadedBlock | None] | None]) -> None:
         """Copy the loads' verified blocks into the cache unless they were loaded there
-        (one `PagedBlocks.install_rows` for them all: on a GPU one indexed copy per
-        layer and one check for the whole step); report, per transfer, every block from
+        (one `PagedBlocks.install_groups` for them all, whatever staging buffers they
+        came in: on a GPU one indexed copy per layer and buffer and one check with one
+        host sync for the whole step); report, per transfer, every block from
         its first bad one on as invalid (with `_each_block`, every verified block is
         installed and only the bad ones are invalid). None: already reported."""
         chosen: list[tuple[int, int, LoadedBlock]] = []  # (transfer, position, block)
@@ -265,17 +317,21 @@ class SharedStorageConnector(StoreConnectorBase):
             usable = blocks if self._each_block else prefix_before_none(blocks)
             chosen += [(index, position, block) for position, block in enumerate(usable)
                        if block is not None]
-        stagings = {id(block.staging) for _, _, block in chosen if block.staging is not None}
-        if len(stagings) > 1:
-            raise RuntimeError("one install covers the rows of one staging buffer only")
-        staging = next((block.staging for _, _, block in chosen if block.staging is not None),
-                       None)
         passed = [True] * len(chosen)  # loaded into a direct cache: checked there
-        if staging is not None:
-            passed = self._paged_blocks().install_rows(
-                [transfers[index].block_ids[position] for index, position, _ in chosen],
-                [block.position for _, _, block in chosen], staging,
-                [block.checksum for _, _, block in chosen] if self.verify_after_load else None)
+        by_staging: dict[int, tuple[StagedRows, list[int]]] = {}  # rows -> indices into `chosen`
+        for number, (_, _, block) in enumerate(chosen):
+            if block.staging is not None:
+                by_staging.setdefault(id(block.staging), (block.staging, []))[1].append(number)
+        if by_staging:
+            groups = [RowGroup(
+                [transfers[chosen[n][0]].block_ids[chosen[n][1]] for n in numbers],
+                [chosen[n][2].position for n in numbers], staging,
+                [chosen[n][2].checksum for n in numbers] if self.verify_after_load else None)
+                for staging, numbers in by_staging.values()]
+            for (_, numbers), group_passed in zip(by_staging.values(),
+                                                  self._paged_blocks().install_groups(groups)):
+                for n, ok in zip(numbers, group_passed):
+                    passed[n] = ok
         good = {(index, position) for (index, position, _), ok in zip(chosen, passed) if ok}
         for (index, position, _), ok in zip(chosen, passed):
             if not ok:

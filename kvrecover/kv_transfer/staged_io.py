@@ -37,7 +37,8 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
               after_chunk: Callable[[int, int], None] | None = None,
               every_row: bool = False, segments: Sequence[int] | None = None,
               results: list[RowResult] | None = None,
-              pool: HelperPool | None = None) -> list[RowResult]:
+              pool: HelperPool | None = None,
+              after_run: Callable[[int], None] | None = None) -> list[RowResult]:
     """Run `read_row(position)` for positions 0..count-1 (it returns the row's checksum
     or raises) on up to `threads` threads, the calling one included; stops early
     when `cancelled` is set, and after a row fails unless `every_row` (rows that do not
@@ -46,7 +47,11 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
     bounds what a failure stops: the rest of its own run only. One result per row (see
     `RowResult`), written into `results` as rows end when it is given (a list of
     `count` Nones: what a caller that gave up waiting may still use). The helpers run
-    on `pool`'s threads when it is given, else on threads started for this call."""
+    on `pool`'s threads when it is given, else on threads started for this call.
+    `after_run(run)` runs once per run whose rows all ended (read, failed or cut by a
+    failure; its `after_chunk` calls returned), on the thread that ended it, so a
+    caller can use one run (one request's rows) while the others are still read; a
+    run that `cancelled` cut short gets no call."""
     results = [None] * count if results is None else results
     ends = [count] if segments is None else list(segments)
     if (ends and ends[-1] != count) or any(b < a for a, b in zip([0, *ends], ends)):
@@ -58,6 +63,19 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
     claims = iter(chunks)  # next() on it is atomic under the GIL
     first_failure = list(ends)  # per run, its lowest failed position so far
     lock = threading.Lock()
+    chunks_left = [0] * len(ends)  # per run, its chunks not ended yet
+    for _, _, run in chunks:
+        chunks_left[run] += 1
+
+    def chunk_ended(run: int) -> None:
+        with lock:
+            chunks_left[run] -= 1
+            ended = chunks_left[run] == 0
+        if ended and after_run is not None:
+            try:
+                after_run(run)
+            except Exception:  # the run's rows stay in `results`: the caller uses them at the end
+                pass
 
     def work() -> None:
         while not cancelled.is_set():
@@ -65,6 +83,7 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
             if run < 0:
                 return
             if start > first_failure[run]:
+                chunk_ended(run)
                 continue
             done = start
             while done < end and not cancelled.is_set() and done < first_failure[run]:
@@ -82,6 +101,7 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
                     fail(start, run, error)
             if cancelled.is_set():
                 return
+            chunk_ended(run)
 
     def fail(position: int, run: int, error: Exception) -> None:
         results[position] = error

@@ -1,9 +1,13 @@
 """What every connector over a block store shares: its options, the scheduler role,
 the bookkeeping of async loads, and shutdown.
 
-Every load reads on a thread of its own and waits for it only until its deadline
+Every load reads on a reader thread and waits for it only until its deadline
 (`reader_threads`), so a store that trickles or hangs costs a load at most
-`load_timeout_s`, and a sync load never blocks the engine longer.
+`load_timeout_s`, and a sync load never blocks the engine longer. A connector may read
+a step's sync loads as one batch on one thread (`batched_sync_reads`), and its async
+loads as another (`batched_async_reads`: each load ready as soon as its blocks are
+read, the batch landing together unless one of it is slow); every async load that
+finished by a `get_finished` is installed by one `_install_step` call.
 
 Both the folder connector (`shared_storage`, one file per block, one system call
 each way) and the batched connector over any store (`store_connector`: Redis, tiers) build on
@@ -70,6 +74,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_S = 5.0  # how long `shutdown` waits for loader threads, in all
+# How much of its deadline window a finished async load waits for the rest of its batch.
+BATCH_HOLD_FRACTION = 0.25
 # A sync load's read of some transfers: (transfers, cancelled) -> one result per transfer.
 SyncRead = Callable[[list["BlockTransfer"], ReadCancel], list[Any]]
 
@@ -174,6 +180,10 @@ class StoreConnectorBase(KVConnectorBase):
     # A step's sync loads are read as one group (one batched store read) rather than
     # each on its own reader thread.
     batched_sync_reads = False
+    # A step's async loads are read as one group too, on one reader thread
+    # (`_read_async_batch`), each ready as soon as its own blocks are read; a batch
+    # lands together (`_landable`).
+    batched_async_reads = False
     # Per KV cache group: a block id spans the layers of one group (the registered
     # tensors), so only the scheduler role's choice of blocks and keys knows groups.
     supports_kv_groups = True
@@ -349,12 +359,13 @@ class StoreConnectorBase(KVConnectorBase):
         """Start the step's async loads on their threads; read its sync loads now
         (`_read_now`, under one deadline) and install what they read (and their states)."""
         metadata = self._get_metadata_of(StorageConnectorMetadata)
-        synchronous = []
-        for transfer in metadata.loads:
-            if transfer.is_async:
+        asynchronous = [transfer for transfer in metadata.loads if transfer.is_async]
+        if asynchronous and self.batched_async_reads:
+            self._start_async_batch(asynchronous)
+        else:
+            for transfer in asynchronous:
                 self._start_async(transfer)
-            else:
-                synchronous.append(transfer)
+        synchronous = [transfer for transfer in metadata.loads if not transfer.is_async]
         if not synchronous:
             return
         results = self._read_now(synchronous, self._read_sync, batched=self.batched_sync_reads)
@@ -432,8 +443,8 @@ class StoreConnectorBase(KVConnectorBase):
 
     def _install_step(self, transfers: list[BlockTransfer], results: list[Any]) -> None:
         """Install a step's sync loads (`_read_now`'s results: None where every block was
-        already reported invalid); one `_install` each unless the subclass installs a
-        batch at once."""
+        already reported invalid), or the async loads that one `get_finished` lands; one
+        `_install` each unless the subclass installs a batch at once."""
         for transfer, blocks in zip(transfers, results):
             if blocks is not None:
                 self._install(transfer, blocks)
@@ -448,6 +459,20 @@ class StoreConnectorBase(KVConnectorBase):
         """Read and verify one async load's blocks on its thread, off the cache; the
         result goes to `_install` once the worker reports the load finished."""
         raise NotImplementedError(f"{type(self).__name__} does not load asynchronously")
+
+    def _read_async_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
+                          ready: Callable[[int, Any], None]) -> list[Any]:
+        """Read and verify a step's async loads as one batch on one reader thread, off
+        the cache (`batched_async_reads`): `ready(i, result)` as soon as transfer i's
+        blocks are read (any thread may call it; what `_read_async` returns), and one
+        result per transfer returned at the end (those already handed to `ready` are
+        ignored)."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch async loads")
+
+    def _drop_async_result(self, result: Any) -> None:
+        """An async load's `_read_async` result that will never be installed (its
+        request was aborted or gave up): let go of what it holds. The default holds
+        nothing."""
 
     def _install(self, transfer: BlockTransfer, blocks: Any) -> None:
         """Put a load's verified blocks into the cache; report the rest as invalid."""
@@ -466,6 +491,50 @@ class StoreConnectorBase(KVConnectorBase):
             return
         self._async_loads[transfer.request_id] = AsyncLoad(
             transfer, task.future, deadline, task.cancelled, task.thread)
+
+    def _start_async_batch(self, transfers: list[BlockTransfer]) -> None:
+        """Start a step's async loads as one batch on one reader thread: each load's
+        future resolves as soon as its own blocks (and state) are read."""
+        deadline = time.monotonic() + self.load_timeout_s
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future()
+                                                    for _ in transfers]
+
+        def read(cancelled: ReadCancel) -> None:
+            ended = [False] * len(transfers)
+
+            def ready(index: int, blocks: Any) -> None:
+                if ended[index]:
+                    return
+                ended[index] = True
+                try:
+                    result = self._with_state(transfers[index], blocks, cancelled)
+                except BaseException as error:  # reads catch their own errors; be safe
+                    futures[index].set_exception(error)
+                    return
+                futures[index].set_result(result)
+
+            try:
+                for index, blocks in enumerate(self._read_async_batch(transfers, cancelled,
+                                                                      ready)):
+                    ready(index, blocks)
+            except BaseException as error:
+                for index, future in enumerate(futures):
+                    if not ended[index]:
+                        ended[index] = True
+                        future.set_exception(error)
+                raise
+
+        try:
+            task = self._readers.start(f"kv-load-{transfers[0].request_id}", read)
+        except StoreStuck as error:  # fails at once: reported finished, blocks invalid
+            for transfer, future in zip(transfers, futures):
+                future.set_exception(error)
+                self._async_loads[transfer.request_id] = AsyncLoad(
+                    transfer, future, deadline, ReadCancel(), None)
+            return
+        for transfer, future in zip(transfers, futures):
+            self._async_loads[transfer.request_id] = AsyncLoad(
+                transfer, future, deadline, task.cancelled, task.thread)
 
     def _read_now(self, transfers: list[BlockTransfer], read: SyncRead,
                   batched: bool) -> list[Any]:
@@ -519,10 +588,21 @@ class StoreConnectorBase(KVConnectorBase):
         return [None] * len(transfers)
 
     def _abandon(self, load: AsyncLoad) -> None:
-        """Nobody waits for this async load any more; its thread may run on (counted)."""
+        """Nobody waits for this async load any more; its thread may run on (counted).
+        A load that shares its read with others of its batch still in flight leaves
+        the read running for them; its result is dropped when it comes."""
         if load.thread is None:
             return
+        load.future.add_done_callback(self._drop_abandoned)
+        if any(other.cancelled is load.cancelled and not other.future.done()
+               for other in self._async_loads.values() if other is not load):
+            return
         self._readers.abandon(StoreRead(load.future, load.cancelled, load.thread))
+
+    def _drop_abandoned(self, future: concurrent.futures.Future) -> None:
+        if future.exception() is None:
+            result = future.result()
+            self._drop_async_result(result[0] if isinstance(result, tuple) else result)
 
     def set_read_filter(self, read_filter: ReadFilter | None,
                         filtered_block: FilteredBlock | None = None) -> bool:
@@ -537,13 +617,15 @@ class StoreConnectorBase(KVConnectorBase):
         self._discarded_saves |= request_ids
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report the async loads that ended; every one that finished is installed by ONE
+        `_install_step` (one batched install) per round."""
         done: set[str] = set()
         now = time.monotonic()
         for request_id, load in list(self._async_loads.items()):
             if request_id in finished_req_ids:  # aborted: nothing will read these blocks
                 self._abandon(load)
             elif load.future.done():
-                self._land(load)
+                continue  # lands below, with the rest of its batch
             elif now >= load.deadline:
                 logger.warning("request %s: KV load exceeded %.1fs; its blocks are invalid",
                                request_id, self.load_timeout_s)
@@ -555,34 +637,59 @@ class StoreConnectorBase(KVConnectorBase):
             done.add(request_id)
         # Installing takes time (a copy; on a GPU an upload): a load that finished
         # meanwhile is reported now, not a whole step later.
-        while landed := [rid for rid, load in self._async_loads.items() if load.future.done()]:
-            for request_id in landed:
-                self._land(self._async_loads.pop(request_id))
-                done.add(request_id)
+        while landed := self._landable(time.monotonic()):
+            self._land(landed)
+            done.update(load.transfer.request_id for load in landed)
         return None, done or None
+
+    def _landable(self, now: float) -> list[AsyncLoad]:
+        """The finished async loads, taken out of the in-flight ones, except those whose
+        batch (loads sharing one read) still reads for another member: a step's loads
+        land together, as a sync step's would (one install, and one forward for them
+        all rather than a first one for the earliest that the others then wait for).
+        A member that is slow or hangs holds the others for the first
+        BATCH_HOLD_FRACTION of their deadline window at most (the engine's own deadline
+        on them ends later)."""
+        reading = {id(load.cancelled) for load in self._async_loads.values()
+                   if not load.future.done()}
+        hold_until = (1.0 - BATCH_HOLD_FRACTION) * self.load_timeout_s
+        ready = [request_id for request_id, load in self._async_loads.items()
+                 if load.future.done() and (id(load.cancelled) not in reading
+                                            or now >= load.deadline - hold_until)]
+        return [self._async_loads.pop(request_id) for request_id in ready]
 
     def _read_async_load(self, transfer: BlockTransfer, cancelled: ReadCancel) -> Any:
         """An async load's blocks (`_read_async`), with its state (blocks, state) when it
         carries one."""
-        blocks = self._read_async(transfer, cancelled)
+        return self._with_state(transfer, self._read_async(transfer, cancelled), cancelled)
+
+    def _with_state(self, transfer: BlockTransfer, blocks: Any, cancelled: ReadCancel) -> Any:
+        """`blocks`, or (blocks, state) with its state read when the load carries one."""
         if transfer.state_hash is None:
             return blocks
         return blocks, self._read_states([transfer], cancelled)[0]
 
-    def _land(self, load: AsyncLoad) -> None:
-        """Install a finished load's blocks, or mark them invalid if its read crashed."""
-        error = load.future.exception()
-        if error is None:
-            result = load.future.result()
-            if load.transfer.state_hash is None:
-                self._install(load.transfer, result)
-            else:
-                self._install(load.transfer, result[0])
-                self._install_state(load.transfer, result[1])
-        else:
-            logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
-                           load.transfer.request_id, error)
-            self._invalid_block_ids.update(load.transfer.block_ids)
+    def _land(self, loads: list[AsyncLoad]) -> None:
+        """Install finished loads' blocks (one `_install_step` for them all) and states,
+        or mark a load's blocks invalid if its read crashed."""
+        transfers: list[BlockTransfer] = []
+        results: list[Any] = []
+        for load in loads:
+            error = load.future.exception()
+            if error is not None:
+                logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
+                               load.transfer.request_id, error)
+                self._invalid_block_ids.update(load.transfer.block_ids)
+                continue
+            transfers.append(load.transfer)
+            results.append(load.future.result())
+        if not transfers:
+            return
+        self._install_step(transfers, [result if transfer.state_hash is None else result[0]
+                                       for transfer, result in zip(transfers, results)])
+        for transfer, result in zip(transfers, results):
+            if transfer.state_hash is not None:
+                self._install_state(transfer, result[1])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

@@ -85,12 +85,10 @@ class Counted:
     def __init__(self, monkeypatch) -> None:
         self.readers = 0
         self.batches: list[int] = []  # rows per load_direct / stage call
-        self.installs: list[int] = []  # blocks per install_rows call
+        self.installs: list[int] = []  # blocks per install call (of every group in it)
         start, load_direct = ReaderThreads.start, PagedBlocks.load_direct
         stage = PagedBlocks.stage
-        # (Before batching there was no install_rows: count the per-load install instead.)
-        install_name = "install_rows" if hasattr(PagedBlocks, "install_rows") else "install"
-        install_rows = getattr(PagedBlocks, install_name)
+        install_groups = PagedBlocks.install_groups
 
         def counted_start(readers, name, read):
             self.readers += 1
@@ -104,14 +102,14 @@ class Counted:
             self.batches.append(count)
             return stage(paged, count, *args, **kwargs)
 
-        def counted_install(paged, block_ids, *args, **kwargs):
-            self.installs.append(len(block_ids))
-            return install_rows(paged, block_ids, *args, **kwargs)
+        def counted_install(paged, groups):
+            self.installs.append(sum(len(group.block_ids) for group in groups))
+            return install_groups(paged, groups)
 
         monkeypatch.setattr(ReaderThreads, "start", counted_start)
         monkeypatch.setattr(PagedBlocks, "load_direct", counted_load_direct)
         monkeypatch.setattr(PagedBlocks, "stage", counted_stage)
-        monkeypatch.setattr(PagedBlocks, install_name, counted_install)
+        monkeypatch.setattr(PagedBlocks, "install_groups", counted_install)
 
 
 def load_step(worker, caches) -> set[int]:

@@ -137,11 +137,15 @@ def load(worker: SharedStorageConnector, caches, block_ids, block_keys, is_async
     worker.start_load_kv(caches)
     worker.clear_connector_metadata()
     if is_async:
+        reader = worker._async_loads["r"].thread
         for _ in range(500):  # bounded: a local load of a few blocks finishes at once
             _, done = worker.get_finished(set())
             if done:
                 break
             worker._async_loads["r"].future.result(timeout=10)
+        # A load lands as soon as its rows are read; its staging buffer goes back to the
+        # pool once the batch's reader has ended too.
+        reader.join(timeout=10)
     return worker.get_block_ids_with_load_errors()
 
 
