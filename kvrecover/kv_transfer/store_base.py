@@ -133,8 +133,11 @@ class StoreConnectorBase(KVConnectorBase):
     # tensors), so only the scheduler role's choice of blocks and keys knows groups.
     supports_kv_groups = True
     # A hybrid model's recurrent states travel as entries of the same store
-    # (`state_entries`): one at the last loadable boundary of each saved prompt.
+    # (`state_entries`): at the last loadable boundary of each saved prompt and every
+    # `state_interval_blocks`-th one before it (`store_states`).
     supports_recurrent_states = True
+    # A failed load keeps the stored state it can resume from (`store_states`).
+    keeps_resume_states = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -151,7 +154,8 @@ class StoreConnectorBase(KVConnectorBase):
         # Layers in no KV cache group are recurrent (linear attention): claims need states.
         self._stateful = layout.num_layers > sum(len(g.layer_indices) for g in layout.kv_groups)
         # A hybrid's states (`store_states`), stored beside its KV.
-        self._states = StoreStates(self.store, layout.block_size) if self._stateful else None
+        self._states = (StoreStates(self.store, layout.block_size, config.state_interval_blocks)
+                        if self._stateful else None)
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         self._filtered_block: FilteredBlock | None = None
         # Scheduler role state.
@@ -221,9 +225,8 @@ class StoreConnectorBase(KVConnectorBase):
         else:
             load = self._new_load(request, block_ids[first : first + count],
                                   keys[first : first + count])
-        if self._stateful:
-            load.state_hash = keys[first + count - 1]
-            load.state_position = (first + count) * self.block_size
+        if self._states is not None:
+            self._states.plan_load(load, request, first, first + count)
         self._pending_loads.append(load)
 
     def _group_blocks(self, request: KVRequestView, tables: Sequence[Sequence[int]],
@@ -302,6 +305,7 @@ class StoreConnectorBase(KVConnectorBase):
             payloads = self._read_now(stateful, self._read_states, batched=True)
             for transfer, payload in zip(stateful, payloads):
                 self._install_state(transfer, payload)
+            self._keep_resume_states(stateful)
 
     def _read_states(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
                      ) -> list[bytes | None]:
@@ -320,6 +324,16 @@ class StoreConnectorBase(KVConnectorBase):
         if payload is None and transfer.block_ids:
             self._invalid_block_ids.add(transfer.block_ids[-1])
             self._failed_requests.add(transfer.request_id)
+
+    def _keep_resume_states(self, transfers: list[BlockTransfer]) -> None:
+        """After the transfers' installs: where one failed, keep the stored state it can
+        resume from (`StoreStates.keep_resume_state`, each read bounded like a sync load)."""
+        if self._states is None:
+            return
+        for transfer in transfers:
+            self._invalid_block_ids |= self._states.keep_resume_state(
+                transfer, self._invalid_block_ids,
+                lambda t: self._read_now([t], self._read_states, batched=True)[0])
 
     def _save_states(self, metadata: StorageConnectorMetadata, skipped: set[str]) -> None:
         """Store the step's checkpointed states (`wait_for_save` calls it), unless their
@@ -477,6 +491,7 @@ class StoreConnectorBase(KVConnectorBase):
             else:
                 self._install(load.transfer, result[0])
                 self._install_state(load.transfer, result[1])
+                self._keep_resume_states([load.transfer])
         else:
             logger.warning("request %s: KV load crashed (%r); its blocks are invalid",
                            load.transfer.request_id, error)

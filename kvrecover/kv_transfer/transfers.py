@@ -22,6 +22,11 @@ class BlockTransfer:
     # recurrent state's name, `state_entries`), and that position.
     state_hash: bytes | None = None
     state_position: int = 0
+    # And where a failed load resumes (`store_states.StoreStates.keep_resume_state`): the
+    # block index of each of `block_ids`, and (position, chain hash of the block ending
+    # there) of every stored-state boundary strictly inside the load, in order.
+    block_positions: list[int] = field(default_factory=list)
+    resume_points: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 @dataclass
