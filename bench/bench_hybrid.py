@@ -1,7 +1,7 @@
 """Hybrid (Qwen3-Next) benchmark, CPU part of issue 23: recovery TTFT and bytes stored.
 
     PYTHONPATH=. python bench/bench_hybrid.py [--batch 4] [--prompt-tokens 512] [--repeats 2]
-        [--held-prefix 256] [--state-checkpoints N]
+        [--held-prefix 256] [--state-checkpoints N] [--state-interval K]
 
 Two random float32 checkpoints of equal dims (hidden 256, 4 layers): a Qwen3-Next hybrid
 (3 linear-attention layers + 1 full, 4 experts) and a Qwen3 whose 4 layers are all full
@@ -10,8 +10,10 @@ attention (same heads, KV heads and head_dim).
 1. Time to first token of a batch whose KV and recurrent states a producer stored
    (`SharedStorageConnector`), loaded through a `FaultInjectionConnector` that fails
    0 / 10 / 100 % of each request's loaded KV blocks ("missing", seeded positions), its
-   last loaded block, or only its state entry; block-precise recovery (rule 8: back to
-   the last boundary whose KV and state are held) against recompute-from-0 (vLLM's rule,
+   middle or last loaded block, or only its state entry; block-precise recovery (rule 8:
+   back to the last boundary whose KV and state are to be had: the producer stored a
+   state every `--state-interval` K blocks, `state_interval_blocks`, and a failed load
+   keeps the stored one at or before its first failed block) against recompute-from-0 (vLLM's rule,
    bench_windowed's `RecomputeFromZero`). Every run has fresh prompts, so the consumer holds no state
    checkpoint of them from an earlier run. Outputs must equal the producer's token for
    token.
@@ -20,12 +22,14 @@ attention (same heads, KV heads and head_dim).
    state failed: rule 8 rolls back to a state checkpoint the consumer still holds
    (`num_state_checkpoints` slots, LRU, one per block boundary computed), from-0 to 0.
 2. Bytes stored per prompt token (the store folder's size; state chunks found by their
-   keys) for the same prompts, hybrid against the all-full model.
+   keys) for the same prompts, hybrid (states every K blocks and at the last loadable
+   boundary) against the all-full model.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import shutil
 import tempfile
@@ -53,7 +57,8 @@ BLOCK_SIZE = 16
 # Share of each request's loaded KV blocks that fail (seeded positions); None: the last
 # loaded block only; "state": the state entry only, every KV block loads.
 SCENARIOS: dict[str, float | str | None] = {"0%": 0.0, "10%": 0.1, "100%": 1.0,
-                                            "last block": None, "state only": "state"}
+                                            "middle block": "middle", "last block": None,
+                                            "state only": "state"}
 DIMS = dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
@@ -126,18 +131,18 @@ def fault_rules(run_index: int, batch: int, positions: list[int] | None) -> list
 
 
 def state_files(store: Path, prompt: list[int]) -> list[Path]:
-    """The stored chunks of `prompt`'s state (at its last loadable boundary): chunk i is
-    keyed by the boundary's chain hash and STATE_KEY_GROUP + i."""
+    """The stored chunks of `prompt`'s states (at any block boundary): chunk i of the
+    state at a boundary is keyed by its chain hash and STATE_KEY_GROUP + i."""
     block_hash = None
+    files: list[Path] = []
     for start in range(0, (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE):
         block_hash = hash_block_tokens(block_hash, prompt[start:start + BLOCK_SIZE])
-    files: list[Path] = []
-    while block_hash is not None:
-        key = group_block_key(block_hash, STATE_KEY_GROUP + len(files))
-        found = list(store.rglob(f"{key.hex()}{SUFFIX}"))
-        if not found:
-            break
-        files += found
+        for index in itertools.count():
+            key = group_block_key(block_hash, STATE_KEY_GROUP + index)
+            found = list(store.rglob(f"{key.hex()}{SUFFIX}"))
+            if not found:
+                break
+            files += found
     return files
 
 
@@ -148,9 +153,11 @@ def stored_bytes(store: Path, prompts: list[list[int]]) -> tuple[int, int]:
 
 
 def produce(model_dir: Path, llm_args: dict, store: Path, rounds: list[list[list[int]]],
-            params: SamplingParams) -> list[list[list[int]]]:
+            params: SamplingParams, interval: int) -> list[list[list[int]]]:
     """Prefill every round into `store`; the generated ids per round."""
-    producer = LLM(str(model_dir), **llm_args, kv_transfer_config=storage("kv_producer", store))
+    transfer = storage("kv_producer", store)
+    transfer.state_interval_blocks = interval
+    producer = LLM(str(model_dir), **llm_args, kv_transfer_config=transfer)
     outputs = [[o.outputs[0].token_ids for o in producer.generate(
         [{"prompt_token_ids": p} for p in prompts], params)] for prompts in rounds]
     del producer
@@ -162,14 +169,15 @@ def recovery_ttft(model_dir: Path, llm_args: dict, store: Path, rounds: list[lis
                   expected: list[list[list[int]]], args: argparse.Namespace) -> list[TTFTRow]:
     """Part 1: both recovery rules, run i on stored round i (scenario, repeat)."""
     loaded_blocks = (args.prompt_tokens - 1) // BLOCK_SIZE  # the last token is computed
-    positions = {label: None if share == "state" else failed_positions(share, loaded_blocks,
-                                                                       args.seed)
+    positions = {label: None if share == "state" else [loaded_blocks // 2]
+                 if share == "middle" else failed_positions(share, loaded_blocks, args.seed)
                  for label, share in SCENARIOS.items()}
     runs = list(enumerate(label for _ in range(args.repeats) for label in SCENARIOS))
     rules = [rule for index, label in runs
              for rule in fault_rules(index, args.batch, positions[label])]
     return [TTFTRow(*row) for row in time_recovery_rules(
-        model_dir, llm_args, store, rules, runs, rounds, expected, args)]
+        model_dir, llm_args, store, rules, runs, rounds, expected, args,
+        state_interval_blocks=args.state_interval)]
 
 
 def held_prefix_ttft(model_dir: Path, llm_args: dict, store: Path,
@@ -188,7 +196,8 @@ def held_prefix_ttft(model_dir: Path, llm_args: dict, store: Path,
                           "FaultInjectionConnector", "kv_consumer", {
                               "inner_connector": "SharedStorageConnector",
                               "shared_storage_path": str(store),
-                              "faults": [{"requests": "all", "kind": "missing", **rule}]}))
+                              "faults": [{"requests": "all", "kind": "missing", **rule}]},
+                          state_interval_blocks=args.state_interval))
             if recovery.startswith("from-0"):
                 llm.engine.scheduler.kv_loads.recovery.__class__ = RecomputeFromZero
             best = None
@@ -238,6 +247,10 @@ def main() -> None:
                         help="part 1b: tokens the consumer computes itself first")
     parser.add_argument("--state-checkpoints", type=int, default=None,
                         help="num_state_checkpoints of the consumers (the engine's default)")
+    parser.add_argument("--state-interval", type=int, default=8,
+                        help="state_interval_blocks K of producer and consumers (8: 128 "
+                             "tokens; the engine's default, 1024, stores none inside a "
+                             "512-token prompt)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-hybrid"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -257,10 +270,12 @@ def main() -> None:
     for name, model_dir in (("qwen3-next hybrid", hybrid), ("full", full)):
         store = Path(tempfile.mkdtemp(prefix="kvrecover_hybrid_"))
         try:
-            expected = produce(model_dir, llm_args, store, rounds[:1], params)
+            expected = produce(model_dir, llm_args, store, rounds[:1], params,
+                               args.state_interval)
             stored.append(BytesRow(name, prompt_tokens, *stored_bytes(store, rounds[0])))
             if model_dir == hybrid:
-                expected += produce(model_dir, llm_args, store, rounds[1:], params)
+                expected += produce(model_dir, llm_args, store, rounds[1:], params,
+                                    args.state_interval)
                 ttft = recovery_ttft(model_dir, llm_args, store, rounds, expected, args)
                 ttft += held_prefix_ttft(model_dir, llm_args, store, rounds, expected, args)
         finally:
@@ -268,7 +283,8 @@ def main() -> None:
     print(f"\nQwen3-Next hybrid (hidden 256, 3 linear + 1 full layers, 4 experts), cpu float32, "
           f"block {BLOCK_SIZE}, chunk {args.chunk_tokens}; {args.batch} x {args.prompt_tokens} "
           f"tokens, {args.max_tokens} new, best of {args.repeats}, held prefix {args.held_prefix}, "
-          f"state checkpoints {args.state_checkpoints or 'default'}")
+          f"state checkpoints {args.state_checkpoints or 'default'}, states every "
+          f"{args.state_interval} blocks")
     print_tables(ttft, stored)
 
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_gpu import _rates, _time_graph_replays, device_ceilings
@@ -203,17 +204,18 @@ def recovery_ttft(model_dir: Path, llm_args: dict, args: argparse.Namespace) -> 
 def time_recovery_rules(model_dir: Path, llm_args: dict, store: Path, rules: list[dict],
                         runs: list[tuple[int, str]], rounds: list[list[list[int]]],
                         expected: list[list[list[int]]], args: argparse.Namespace,
-                        ) -> list[tuple[str, str, float, int]]:
+                        **transfer_options: Any) -> list[tuple[str, str, float, int]]:
     """(recovery, scenario, best TTFT s, tokens recomputed) for block-precise recovery and
     recompute-from-0, each a consumer of `store` under the fault `rules`, run i loading
     round `runs[i][0]` (`args.batch` prompts, `args.max_tokens` new); outputs must equal
-    `expected` (the producer's) or it raises."""
+    `expected` (the producer's) or it raises. `transfer_options`: more KVTransferConfig
+    fields of the consumers."""
     rows: list[tuple[str, str, float, int]] = []
     for recovery in ("block-precise", "from-0 (vLLM)"):
         llm = LLM(str(model_dir), **llm_args, kv_transfer_config=KVTransferConfig(
             "FaultInjectionConnector", "kv_consumer", {
                 "inner_connector": "SharedStorageConnector",
-                "shared_storage_path": str(store), "faults": rules}))
+                "shared_storage_path": str(store), "faults": rules}, **transfer_options))
         if recovery.startswith("from-0"):
             llm.engine.scheduler.kv_loads.recovery.__class__ = RecomputeFromZero
         timed_batch(llm, random_prompts(args.batch, 48, seed=999), 2)  # warm-up, no load

@@ -83,7 +83,7 @@ class Engine:
             connector = plan.create(KVConnectorRole.SCHEDULER, self.layout)
             self.model_runner.attach_connector(plan.create(KVConnectorRole.WORKER, self.layout))
         transfer = plan.transfer if plan is not None else None
-        checkpoints = (StateCheckpoints(num_state_checkpoints(config), args.block_size)
+        checkpoints = (hybrid_checkpoints(config)
                        if self.model_config.recurrent_layers() else None)
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, self.stats, connector, transfer,
                                    state_checkpoints=checkpoints)
@@ -373,6 +373,21 @@ def _fit_state_slots(scheduler_config: SchedulerConfig,
                 scheduler_config.max_num_seqs, pool.num_slots, pool.num_slots,
                 pool.num_slots * pool.bytes_per_request / 2**30)
     return replace(scheduler_config, max_num_seqs=pool.num_slots)
+
+
+def hybrid_checkpoints(config: ResolvedConfig) -> StateCheckpoints:
+    """A hybrid model's scheduler-side state checkpoints; with a connector, the boundaries
+    every `state_interval_blocks` that it stores (producer) and, if it keeps a failed
+    load's resume state (`keeps_resume_states`), resumes from (consumer)."""
+    plan = config.connector
+    transfer = None if plan is None else plan.transfer
+    interval = None if transfer is None else transfer.state_interval_blocks
+    resumes = plan is not None and plan.connector_class.resume_states_kept(plan.transfer)
+    return StateCheckpoints(
+        num_state_checkpoints(config), config.args.block_size,
+        store_interval=interval if transfer is not None and transfer.is_producer else None,
+        load_interval=interval if resumes and transfer is not None and transfer.is_consumer
+        else None)
 
 
 def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:

@@ -55,7 +55,7 @@ class KVLoads:
         transfer: KVTransferConfig | None,
         end_with_error: Callable[[Request, str], None],
         clock: Callable[[], float] = time.monotonic,
-        recurrent_state_at: Callable[[Request, int], bool] | None = None,
+        recurrent_state_at: Callable[[Request, int, int], bool] | None = None,
     ) -> None:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size

@@ -86,11 +86,12 @@ class KVLoadRecovery:
     def __init__(self, block_size: int, policy: str = "recompute", retry_limit: int = 1,
                  groups: Sequence[KVCacheGroup] = (KVCacheGroup(None, ()),),
                  recompute: str = "prefix",
-                 recurrent_state_at: Callable[[Request, int], bool] | None = None) -> None:
+                 recurrent_state_at: Callable[[Request, int, int], bool] | None = None) -> None:
         self.block_size = block_size
         self.groups = tuple(groups)
         # A hybrid model's linear-attention layers resume at P only from their state at P:
-        # whether one is held for the request there (the scheduler's state checkpoints).
+        # whether it is to be had for the request there, given where its first invalid
+        # block starts (the scheduler's `StateCheckpoints.can_resume`).
         self.recurrent_state_at = recurrent_state_at
         self.policy = policy
         self.retry_limit = retry_limit
@@ -203,7 +204,8 @@ class KVLoadRecovery:
         its window reads from P on (`KVCacheGroup.can_resume_at`). P is block-aligned
         unless it is num_computed_tokens itself (nothing to redo); 0 always qualifies.
         A model with recurrent layers also needs their state at exactly P
-        (`recurrent_state_at`; the request holds it at num_computed_tokens).
+        (`recurrent_state_at(request, P, start of the first invalid block)`; the request
+        holds it at num_computed_tokens).
         """
         block_size = self.block_size
         computed = request.num_computed_tokens
@@ -223,7 +225,8 @@ class KVLoadRecovery:
         for position in candidates:
             if position > limit:
                 continue
-            if state_at is not None and 0 < position < computed and not state_at(request, position):
+            if (state_at is not None and 0 < position < computed
+                    and not state_at(request, position, limit)):
                 continue
             if all(group.can_resume_at(position, block_size, table, invalid, NULL_BLOCK_ID)
                    for group, table in windowed):

@@ -59,7 +59,7 @@ class Scheduler:
         self.kv_loads = KVLoads(kv_manager, stats, connector, kv_transfer_config,
                                 self._end_with_error, clock,
                                 recurrent_state_at=None if state_checkpoints is None
-                                else state_checkpoints.holds)
+                                else state_checkpoints.can_resume)
         self.recovery = self.kv_loads.recovery
         self.loads = self.kv_loads.tracker
         # A hybrid model's recurrent-state checkpoints: a prefix is reused only with its state.

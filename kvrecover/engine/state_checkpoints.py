@@ -9,6 +9,14 @@ block that ends there (the prefix's identity, as for KV blocks), the least
 recently used checkpoint giving way. A prefix-cache hit is cut back to the
 longest prefix whose boundary has a checkpoint (`usable_prefix`), and the
 request's first slice starts from it (`ScheduledRequest.restore_checkpoint`).
+
+With a store connector (`KVTransferConfig.state_interval_blocks` K) two more things:
+a producer gives the boundaries its connector stores (every K-th block boundary and the
+prompt's last loadable one) their slots first; and a consumer's load that fails at
+block b has the worker keep the stored state at the latest multiple of K blocks inside
+the load at or before b (`loaded_resume_point`, the same rule the connector's worker
+role follows, `kv_transfer/store_states.py`), which a rollback there resumes from
+(a *resume state*: the worker's, used by the request's next slice that starts there).
 """
 
 from __future__ import annotations
@@ -24,9 +32,16 @@ from kvrecover.step_messages import ScheduledRequest
 class StateCheckpoints:
     """The scheduler's map of checkpointed block boundaries (block hash -> slot, LRU)."""
 
-    def __init__(self, num_slots: int, block_size: int) -> None:
+    def __init__(self, num_slots: int, block_size: int, store_interval: int | None = None,
+                 load_interval: int | None = None) -> None:
         self.block_size = block_size
         self.num_slots = num_slots
+        # K of the boundaries a producer's connector stores (they get slots first), and
+        # of those a consumer's failed load resumes from; None: not a producer / consumer.
+        self.store_interval = store_interval
+        self.load_interval = load_interval
+        # request id -> position of the resume state the worker keeps for it.
+        self._resume_states: dict[str, int] = {}
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # oldest first
         self._free = list(range(num_slots - 1, -1, -1))
         # request id -> (slot, position) its next slice starts from, if it starts there.
@@ -55,14 +70,38 @@ class StateCheckpoints:
         return (position % self.block_size == 0 and 0 < num_blocks <= len(request.block_hashes)
                 and request.block_hashes[num_blocks - 1] in self._slots)
 
+    def can_resume(self, request: Request, position: int, first_invalid: int) -> bool:
+        """Whether the request's state at block boundary `position` is to be had after a
+        failure whose first invalid block starts at `first_invalid` (recovery's rule 8):
+        a kept checkpoint, the worker's resume state, or the one the failed load keeps."""
+        return (self.holds(request, position)
+                or self._resume_states.get(request.request_id) == position
+                or self.loaded_resume_point(request, first_invalid) == position)
+
+    def loaded_resume_point(self, request: Request, first_invalid: int) -> int | None:
+        """Where the worker keeps a resume state when the request's pending load fails
+        from `first_invalid` on: the latest multiple of K blocks strictly inside the
+        load, at or before it (the connector read it; had that read failed, it would
+        have reported the block ending there invalid, so `first_invalid` is before it)."""
+        interval, pending = self.load_interval, request.pending_external
+        if interval is None or pending is None:
+            return None
+        step = interval * self.block_size
+        start, end = pending
+        latest = min(first_invalid, end - 1) // step * step
+        return latest if latest > start else None
+
     def restore_at(self, request: Request, position: int) -> None:
-        """The request was rolled back to `position`: its next slice starts from the
-        checkpoint there (if one is kept; position 0 starts from zeros)."""
+        """The request was rolled back to `position` (`can_resume` said its state is to
+        be had there): its next slice starts from the checkpoint there, if one is kept,
+        else from the worker's resume state (position 0 starts from zeros)."""
         self._restores.pop(request.request_id, None)
         if self.holds(request, position):
             block_hash = request.block_hashes[position // self.block_size - 1]
             self._slots.move_to_end(block_hash)
             self._restores[request.request_id] = (self._slots[block_hash], position)
+        elif position > 0:
+            self._resume_states[request.request_id] = position
 
     def plan(self, request: Request, item: ScheduledRequest) -> None:
         """Fill `item`'s checkpoint fields: the restore remembered by `usable_prefix` (if
@@ -71,6 +110,8 @@ class StateCheckpoints:
         the state of the prompt's last loadable boundary from its slot)."""
         remembered = self._restores.pop(request.request_id, None)
         start = item.num_computed_tokens
+        if start in (0, self._resume_states.get(request.request_id)):
+            self._resume_states.pop(request.request_id, None)  # the worker's is used up
         restore = None
         if remembered is not None and start > 0 and remembered[1] == start:
             restore = item.restore_checkpoint = remembered[0]
@@ -81,7 +122,7 @@ class StateCheckpoints:
         update_block_hashes(request.block_hashes, request.token_ids[:end], self.block_size)
         # A restore still to come keeps its slot (a rollback's or an admission's).
         pinned = {restore} | {slot for slot, _ in self._restores.values()}
-        for boundary in range(last, first - 1, -1):
+        for boundary in self._by_priority(request, first, last):
             block_hash = request.block_hashes[boundary - 1]
             if block_hash in self._slots:  # the same prefix's state, bit for bit (point 2)
                 self._slots.move_to_end(block_hash)
@@ -95,6 +136,20 @@ class StateCheckpoints:
         item.save_checkpoints.sort()  # the layers write them in position order
         for position, _ in item.save_checkpoints:  # the latest boundary most recently used
             self._slots.move_to_end(request.block_hashes[position // self.block_size - 1])
+
+    def _by_priority(self, request: Request, first: int, last: int) -> list[int]:
+        """Block boundaries first..last in the order they get slots: the latest first,
+        except that a producer's stored ones (the prompt's last loadable boundary, then
+        every `store_interval`-th) come before the others."""
+        boundaries = list(range(last, first - 1, -1))
+        if self.store_interval is None:
+            return boundaries
+        last_loadable = (request.num_prompt_tokens - 1) // self.block_size
+        stored = [b for b in boundaries if b == last_loadable
+                  or (b < last_loadable and b % self.store_interval == 0)]
+        stored.sort(key=lambda b: b != last_loadable)
+        taken = set(stored)
+        return stored + [b for b in boundaries if b not in taken]
 
     def _take_slot(self, pinned: set[int | None]) -> int | None:
         """A free slot, else the least recently used one not `pinned` (read or written
@@ -117,5 +172,7 @@ class StateCheckpoints:
                 self._free.append(slot)
 
     def forget(self, request_id: str) -> None:
-        """Drop a restore planned for a request that ended before its slice ran."""
+        """Drop a restore planned for a request that ended before its slice ran (and its
+        resume state: the worker frees it with the request's slot)."""
         self._restores.pop(request_id, None)
+        self._resume_states.pop(request_id, None)

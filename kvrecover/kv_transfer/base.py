@@ -126,6 +126,13 @@ class KVConnectorBase:
     # its worker role installs that state (`register_recurrent_states`). A model with
     # linear-attention layers refuses, at start-up, a connector that does not declare it.
     supports_recurrent_states: ClassVar[bool] = False
+    # Whether, besides, a failed load of such a model leaves the request the stored state
+    # at the latest multiple of `state_interval_blocks` blocks strictly inside the load at
+    # or before its first failed block (`RecurrentStateAccess.keep_resume_state`), else
+    # reports the block ending there invalid (rule 8, `store_states.py`): recovery resumes
+    # a failed load there only from a connector that declares it, else from a checkpoint
+    # the engine holds or 0.
+    keeps_resume_states: ClassVar[bool] = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.config = config
@@ -155,6 +162,12 @@ class KVConnectorBase:
         """Whether this class, configured so, stores recurrent states (default:
         `supports_recurrent_states`; a wrapper asks the connector it wraps too)."""
         return cls.supports_recurrent_states
+
+    @classmethod
+    def resume_states_kept(cls, config: KVTransferConfig) -> bool:
+        """Whether this class, configured so, keeps a failed load's resume state (default:
+        `keeps_resume_states`; a wrapper asks the connector it wraps too)."""
+        return cls.keeps_resume_states
 
     @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:

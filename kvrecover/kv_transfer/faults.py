@@ -214,6 +214,14 @@ class FaultInjectionConnector(KVConnectorBase):
         return inner.recurrent_states_supported(config)
 
     @classmethod
+    def resume_states_kept(cls, config: KVTransferConfig) -> bool:
+        """Keeps resume states exactly when the connector it wraps does."""
+        from kvrecover.kv_transfer.registry import connector_class
+
+        inner = connector_class(KVTransferConfig(_inner_name(config), config.kv_role))
+        return inner.resume_states_kept(config)
+
+    @classmethod
     def accepted_settings(cls, config: KVTransferConfig) -> list[str] | None:
         """Its own settings and those of the inner connector (None: it takes any)."""
         from kvrecover.kv_transfer.registry import connector_class
@@ -243,6 +251,7 @@ class FaultInjectionConnector(KVConnectorBase):
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_load_retry_limit=config.kv_load_retry_limit,
             kv_load_recompute=config.kv_load_recompute,
+            state_interval_blocks=config.state_interval_blocks,
         )
         try:
             self.inner = create_connector(inner_config, role, layout)

@@ -2,7 +2,9 @@
 
 A connector that declares `supports_recurrent_states` stores, with a prompt's KV,
 the conv and recurrent states of every linear-attention layer at the prompt's last
-loadable block boundary (the one a consumer's claim ends at). The state travels in
+loadable block boundary (the one a consumer's claim ends at) and at every
+`KVTransferConfig.state_interval_blocks`-th block boundary before it (where a failed
+load resumes, `store_states`). The state travels in
 the store's own entry format (`block_store`: header, layout fingerprint, xxh3
 checksums), cut into as many block-sized entries as it needs ("chunks"), chunk i keyed
 by `group_block_key(hash, STATE_KEY_GROUP + i)` of the chain hash of the block that
@@ -58,6 +60,11 @@ class RecurrentStateAccess(Protocol):
     def install(self, request_id: str, position: int, payload: bytes | None) -> None:
         """Make `payload` (None: zeros, for a load that failed) the request's state at
         `position`, so its next slice continues from there."""
+        ...
+
+    def keep_resume_state(self, request_id: str, position: int, payload: bytes) -> None:
+        """Keep `payload` as the request's state at `position` for its next slice, if
+        that starts there (a load that failed after `position`; rule 8)."""
         ...
 
 

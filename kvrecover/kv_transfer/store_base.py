@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -46,7 +46,6 @@ from kvrecover.kv_transfer.base import (
     SETTING_LABEL,
     FilteredBlock,
     KVConnectorBase,
-    KVConnectorMetadata,
     KVConnectorRole,
     ReadFilter,
 )
@@ -57,18 +56,13 @@ from kvrecover.kv_transfer.reader_threads import (
     StoreRead,
     StoreStuck,
 )
-from kvrecover.kv_transfer.state_entries import (
-    STATE_READ_BLOCK_ID,
-    RecurrentStateAccess,
-    decode_state,
-    encode_state,
-    state_key,
-    state_keys,
-)
+from kvrecover.kv_transfer.store_states import StoreStates
+from kvrecover.kv_transfer.transfers import BlockTransfer, StorageConnectorMetadata
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -121,45 +115,6 @@ class StoreSettings:
 
 
 @dataclass
-class BlockTransfer:
-    """Blocks of one request to load or save: cache block ids and their store keys."""
-
-    request_id: str
-    block_ids: list[int]
-    keys: Sequence[bytes]  # slices of the request's block hashes (a tuple)
-    is_async: bool = False
-    # A hybrid model's load: the chain hash of the block that ends where it ends (its
-    # recurrent state's name, `state_entries`), and that position.
-    state_hash: bytes | None = None
-    state_position: int = 0
-
-
-@dataclass
-class StateSave:
-    """A recurrent state to store: the checkpoint slot the step writes it to, and the
-    chain hash of the block that ends at its boundary."""
-
-    request_id: str
-    slot: int
-    block_hash: bytes
-
-
-@dataclass
-class StorageConnectorMetadata(KVConnectorMetadata):
-    """One step's loads and saves."""
-
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
-    state_saves: list[StateSave] = field(default_factory=list)
-
-    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
-        return {t.request_id: (t.block_ids, t.is_async) for t in self.loads}
-
-    def num_save_blocks(self) -> int:
-        return sum(len(t.block_ids) for t in self.saves)
-
-
-@dataclass
 class AsyncLoad:
     """An async load in flight: its thread (None if it was refused at once), the result
     to come, and its deadline."""
@@ -188,8 +143,11 @@ class StoreConnectorBase(KVConnectorBase):
     # tensors), so only the scheduler role's choice of blocks and keys knows groups.
     supports_kv_groups = True
     # A hybrid model's recurrent states travel as entries of the same store
-    # (`state_entries`): one at the last loadable boundary of each saved prompt.
+    # (`state_entries`): at the last loadable boundary of each saved prompt and every
+    # `state_interval_blocks`-th one before it (`store_states`).
     supports_recurrent_states = True
+    # A failed load keeps the stored state it can resume from (`store_states`).
+    keeps_resume_states = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -205,7 +163,9 @@ class StoreConnectorBase(KVConnectorBase):
         self._grouped = layout.kv_groups != single_group(layout.num_layers)
         # Layers in no KV cache group are recurrent (linear attention): claims need states.
         self._stateful = layout.num_layers > sum(len(g.layer_indices) for g in layout.kv_groups)
-        self._states: RecurrentStateAccess | None = None  # worker role, hybrid models
+        # A hybrid's states (`store_states`), stored beside its KV.
+        self._states = (StoreStates(self.store, layout.block_size, config.state_interval_blocks)
+                        if self._stateful else None)
         self._read_filter: ReadFilter | None = None  # see `set_read_filter`
         self._filtered_block: FilteredBlock | None = None
         # Scheduler role state.
@@ -243,19 +203,10 @@ class StoreConnectorBase(KVConnectorBase):
             end = first + self._count_stored_prefix(request, group_keys) // num_groups
         else:
             end = first + self._count_stored_prefix(request, wanted)
-        if self._stateful:
-            end = self._last_state_boundary(keys, first, end)
+        if self._states is not None:
+            end = self._states.last_boundary(keys, first, end)
         num_tokens = max(0, end * self.block_size - num_computed_tokens)
         return num_tokens, self.async_load and num_tokens > 0
-
-    def _last_state_boundary(self, keys: Sequence[bytes], first: int, end: int) -> int:
-        """The last block boundary in (first, end] whose recurrent state is stored, else
-        `first` (a hybrid's claim must end where its state can be supplied)."""
-        if end <= first:
-            return first
-        candidates = list(range(end, first, -1))
-        present = self.store.exists_many([state_key(keys[b - 1]) for b in candidates])
-        return next((b for b, found in zip(candidates, present) if found), first)
 
     def _count_stored_prefix(self, request: KVRequestView, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the store holds (one batched call)."""
@@ -284,9 +235,8 @@ class StoreConnectorBase(KVConnectorBase):
         else:
             load = self._new_load(request, block_ids[first : first + count],
                                   keys[first : first + count])
-        if self._stateful:
-            load.state_hash = keys[first + count - 1]
-            load.state_position = (first + count) * self.block_size
+        if self._states is not None:
+            self._states.plan_load(load, request, first, first + count)
         self._pending_loads.append(load)
 
     def _group_blocks(self, request: KVRequestView, tables: Sequence[Sequence[int]],
@@ -320,8 +270,8 @@ class StoreConnectorBase(KVConnectorBase):
                 continue
             end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
             first, last = item.num_computed_tokens // self.block_size, end // self.block_size
-            if self._stateful:
-                self._plan_state_save(request, item.save_checkpoints, metadata)
+            if self._states is not None:
+                self._states.plan_saves(request, item.save_checkpoints, metadata.state_saves)
             if last <= first:
                 continue
             keys = request.block_hashes
@@ -334,16 +284,6 @@ class StoreConnectorBase(KVConnectorBase):
             ))
         return metadata
 
-    def _plan_state_save(self, request: KVRequestView, checkpoints: list[tuple[int, int]],
-                         metadata: StorageConnectorMetadata) -> None:
-        """Store the state at the prompt's last loadable boundary (where a consumer's claim
-        ends) if this step checkpoints it."""
-        boundary = (request.num_prompt_tokens - 1) // self.block_size
-        for position, slot in checkpoints:
-            if boundary > 0 and position == boundary * self.block_size:
-                metadata.state_saves.append(StateSave(
-                    request.request_id, slot, request.block_hashes[boundary - 1]))
-
     def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._requests.pop(request.request_id, None)
         return False
@@ -353,7 +293,8 @@ class StoreConnectorBase(KVConnectorBase):
         self._kv_caches = kv_caches
 
     def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
-        self._states = states
+        if self._states is not None:
+            self._states.register(states)
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
         """Start the step's async loads on their threads; read its sync loads now
@@ -375,71 +316,42 @@ class StoreConnectorBase(KVConnectorBase):
             payloads = self._read_now(stateful, self._read_states, batched=True)
             for transfer, payload in zip(stateful, payloads):
                 self._install_state(transfer, payload)
-
-    def _state_keys(self, block_hash: bytes, states: RecurrentStateAccess) -> list[bytes]:
-        return state_keys(block_hash, states.bytes_per_checkpoint, self.store.payload_nbytes)
+            self._keep_resume_states(stateful)
 
     def _read_states(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
                      ) -> list[bytes | None]:
-        """Read and verify the transfers' recurrent states (one batched store read, on a
-        reader thread); None for each that failed."""
-        states = self._states
-        if states is None or any(t.state_hash is None for t in transfers):
+        """Read and verify the transfers' recurrent states (`StoreStates.read`)."""
+        if self._states is None:
             return [None] * len(transfers)
-        keys = [self._state_keys(t.state_hash, states) for t in transfers if t.state_hash]
-        raws = self.store.read_many([key for chunk_keys in keys for key in chunk_keys])
-        payloads: list[bytes | None] = []
-        start = 0
-        for transfer, chunk_keys in zip(transfers, keys):
-            chunk_raws = raws[start : start + len(chunk_keys)]
-            start += len(chunk_keys)
-            try:
-                filtered = []
-                for key, raw in zip(chunk_keys, chunk_raws):
-                    if isinstance(raw, Exception):
-                        raise raw
-                    if self._read_filter is not None:
-                        raw = self._read_filter(transfer.request_id, STATE_READ_BLOCK_ID, key,
-                                                raw, cancelled)
-                    filtered.append(raw)
-                payloads.append(decode_state(self.store, chunk_keys, states.state_signature,
-                                             states.bytes_per_checkpoint, filtered))
-            except Exception as error:  # a failing read is a failed load, never a crash
-                logger.warning("recurrent state at %s failed to load: %r",
-                               chunk_keys[0].hex(), error)
-                self._suspect_keys.update(chunk_keys)
-                payloads.append(None)
-        return payloads
+        return self._states.read(transfers, cancelled, self._read_filter, self._suspect_keys)
 
     def _install_state(self, transfer: BlockTransfer, payload: bytes | None) -> None:
         """Give the request its loaded state at the load's end; without one (a failed
         read) zeros there, and the load fails: its last block is reported invalid, so
         recovery rolls the request back to a boundary whose state it holds."""
-        if self._states is None:
+        if self._states is None or self._states.states is None:
             return
-        self._states.install(transfer.request_id, transfer.state_position, payload)
+        self._states.install(transfer, payload)
         if payload is None and transfer.block_ids:
             self._invalid_block_ids.add(transfer.block_ids[-1])
             self._failed_requests.add(transfer.request_id)
 
+    def _keep_resume_states(self, transfers: list[BlockTransfer]) -> None:
+        """After the transfers' installs: where one failed, keep the stored state it can
+        resume from (`StoreStates.keep_resume_state`, each read bounded like a sync load)."""
+        if self._states is None:
+            return
+        for transfer in transfers:
+            self._invalid_block_ids |= self._states.keep_resume_state(
+                transfer, self._invalid_block_ids,
+                lambda t: self._read_now([t], self._read_states, batched=True)[0])
+
     def _save_states(self, metadata: StorageConnectorMetadata, skipped: set[str]) -> None:
         """Store the step's checkpointed states (`wait_for_save` calls it), unless their
         request's load failed or the store holds them already."""
-        states = self._states
-        if states is None or not metadata.state_saves:
-            return
-        todo = [save for save in metadata.state_saves if save.request_id not in skipped]
-        present = self.store.exists_many([state_key(save.block_hash) for save in todo])
-        entries = []
-        for save, found in zip(todo, present):
-            keys = self._state_keys(save.block_hash, states)
-            if found and not self._suspect_keys.intersection(keys):
-                continue
-            self._suspect_keys.difference_update(keys)
-            entries += encode_state(self.store, keys, states.state_signature,
-                                    states.read_checkpoint(save.slot))
-        if entries:
-            self._save_failures += self.store.write_many(entries)
+        if self._states is not None:
+            self._save_failures += self._states.save(metadata.state_saves, skipped,
+                                                     self._suspect_keys)
 
     def _install_step(self, transfers: list[BlockTransfer], results: list[Any]) -> None:
         """Install a step's sync loads (`_read_now`'s results: None where every block was
@@ -690,6 +602,7 @@ class StoreConnectorBase(KVConnectorBase):
         for transfer, result in zip(transfers, results):
             if transfer.state_hash is not None:
                 self._install_state(transfer, result[1])
+        self._keep_resume_states([t for t in transfers if t.state_hash is not None])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

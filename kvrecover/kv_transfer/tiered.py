@@ -132,6 +132,7 @@ class TieredConnector(BlockStoreConnector):
     settings_class = TieredSettings
     # Its loads pick a tier per block; recurrent states are not routed through tiers yet.
     supports_recurrent_states = False
+    keeps_resume_states = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []
@@ -282,6 +283,7 @@ def _tier_config(outer: KVTransferConfig, index: int, entry: TierEntry) -> KVTra
             kv_load_failure_policy=outer.kv_load_failure_policy,
             kv_load_retry_limit=outer.kv_load_retry_limit,
             kv_load_recompute=outer.kv_load_recompute,
+            state_interval_blocks=outer.state_interval_blocks,
         )
     except ValueError as error:
         raise ValueError(f"connectors[{index}]: {error}") from error

@@ -12,6 +12,11 @@ every slot is taken; memory per request is `bytes_per_request`. On a GPU the
 model runner asks for every sequence slot up front (`max_num_seqs`), so the KV
 cache is sized around the states and no step ever grows the pool.
 
+A connector whose load failed may also leave a request a *resume state*: the stored
+state at an earlier block boundary of its load (`keep_resume_state`, rule 8), which
+the request's next slice starting exactly there continues from; any slice starting
+there or at 0 uses it up, and it goes with the request's slot.
+
 Checkpoints (`num_checkpoints` slots, which boundary goes where being the
 scheduler's decision, `engine/state_checkpoints.py`) hold the checkpointed
 states (conv and recurrent, not a partial chunk's inputs) at one block boundary
@@ -61,6 +66,8 @@ class RecurrentStates:
         self.slots: dict[str, int] = {}
         self.free: list[int] = list(range(initial_slots - 1, -1, -1))
         self.positions: list[int] = [0] * initial_slots  # tokens each slot's state has seen
+        # request id -> (position, `read_checkpoint`-form payload) to resume from.
+        self.resume_states: dict[str, tuple[int, bytes]] = {}
         self.checkpoints: dict[int, dict[str, torch.Tensor]] = {
             layer: {spec.name: self._zeros(spec, num_checkpoints)
                     for spec in layer_specs if spec.checkpointed}
@@ -102,14 +109,27 @@ class RecurrentStates:
         """Make `payload` (`read_checkpoint`'s form; None: zeros) the request's state at
         `position`: a connector calls it for a request whose KV it loaded up to there,
         before the request's next slice runs. Takes the request's slot if it has none."""
-        slot = self._slot_of(request_id)
+        self._check_size(payload)
+        self._write(self._slot_of(request_id), position, payload)
+
+    def keep_resume_state(self, request_id: str, position: int, payload: bytes) -> None:
+        """Keep `payload` (`read_checkpoint`'s form) as the request's state at block
+        boundary `position`, for its next slice if that starts there (a connector's load
+        that failed after `position` calls it; the request's slot is left as it is)."""
+        self._check_size(payload)
+        self.resume_states[request_id] = (position, payload)
+
+    def _check_size(self, payload: bytes | None) -> None:
+        if payload is not None and len(payload) != self.bytes_per_checkpoint:
+            raise ValueError(f"a stored state of {len(payload)} bytes, not the "
+                             f"{self.bytes_per_checkpoint} of this model's states")
+
+    def _write(self, slot: int, position: int, payload: bytes | None) -> None:
+        """Zero `slot`'s states, copy `payload`'s checkpointed ones in, set its position."""
         for tensors in self.tensors.values():
             for tensor in tensors.values():
                 tensor[slot].zero_()
         if payload is not None:
-            if len(payload) != self.bytes_per_checkpoint:
-                raise ValueError(f"a stored state of {len(payload)} bytes, not the "
-                                 f"{self.bytes_per_checkpoint} of this model's states")
             offset = 0
             for layer, name in self._checkpointed():
                 target = self.tensors[layer][name][slot]
@@ -126,6 +146,7 @@ class RecurrentStates:
     def release(self, request_ids: Iterable[str]) -> None:
         """Give back the slots of requests that ended or were preempted."""
         for request_id in request_ids:
+            self.resume_states.pop(request_id, None)
             slot = self.slots.pop(request_id, None)
             if slot is not None:
                 self.free.append(slot)
@@ -157,8 +178,13 @@ class RecurrentStates:
         for item in scheduled:
             slot = self._slot_of(item.request_id)
             position, count = item.num_computed_tokens, len(item.token_ids)
+            resume = self.resume_states.get(item.request_id)
+            if resume is not None and position in (0, resume[0]):
+                del self.resume_states[item.request_id]  # used up, or never to be
             if position == 0 or item.restore_checkpoint is not None:
                 self._reset(slot, item.restore_checkpoint)
+            elif self.positions[slot] != position and resume is not None and resume[0] == position:
+                self._write(slot, position, resume[1])
             elif self.positions[slot] != position:
                 raise RecurrentStateError(
                     f"request {item.request_id!r} continues at position {position}, but its "

@@ -124,7 +124,7 @@ def test_hybrid_models_fall_back_to_prefix():
     assert supports_blocks_scope(full) and not supports_blocks_scope(full, recurrent=True)
     assert KVLoadRecovery(BLOCK, groups=full, recompute="blocks").keeps_blocks
     assert not KVLoadRecovery(BLOCK, groups=full, recompute="blocks",
-                              recurrent_state_at=lambda request, position: True).keeps_blocks
+                              recurrent_state_at=lambda request, position, first_invalid: True).keeps_blocks
 
 
 def test_kept_blocks_stay_in_place_and_are_cached_once_passed():

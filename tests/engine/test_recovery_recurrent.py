@@ -16,7 +16,7 @@ from kvrecover.step_messages import ScheduledRequest
 
 
 def states_at(*positions: int):
-    return lambda request, position: position in positions
+    return lambda request, position, first_invalid: position in positions
 
 
 def rollback(held: tuple[int, ...], invalid: set[int], policy: str = "recompute") -> int:
@@ -100,3 +100,48 @@ def test_a_pending_restore_keeps_its_slot():
     update_block_hashes(other.block_hashes, other.token_ids, BLOCK)
     checkpoints.plan(other, slice_of(other, 0, 24))
     assert checkpoints.holds(request, 4)
+
+
+def loading_request(start: int, end: int) -> Request:
+    request = hashed_request(44)
+    request.pending_external = (start, end)
+    return request
+
+
+def test_a_failed_load_resumes_at_the_latest_multiple_of_k_blocks_inside_it():
+    """K = 2 blocks of 4: stored states at 8, 16, 24, 32 of a load of [0, 40)."""
+    checkpoints = StateCheckpoints(num_slots=4, block_size=BLOCK, load_interval=2)
+    request = loading_request(0, 40)
+    assert checkpoints.loaded_resume_point(request, 28) == 24  # block 7 failed
+    assert checkpoints.loaded_resume_point(request, 24) == 24  # block 6: its start
+    assert checkpoints.loaded_resume_point(request, 36) == 32  # the last block
+    assert checkpoints.loaded_resume_point(request, 4) is None  # before the first one
+    assert checkpoints.loaded_resume_point(loading_request(0, 32), 40) == 24  # end excluded
+    assert checkpoints.loaded_resume_point(loading_request(16, 40), 20) is None  # start excluded
+    assert StateCheckpoints(4, BLOCK).loaded_resume_point(request, 28) is None  # no connector
+
+
+def test_recovery_rolls_a_failed_load_back_to_its_resume_point_and_remembers_it():
+    checkpoints = StateCheckpoints(num_slots=4, block_size=BLOCK, load_interval=2)
+    recovery = KVLoadRecovery(BLOCK, recurrent_state_at=checkpoints.can_resume)
+    request = make_request("a", 41, list(range(1, 12)), 41)
+    update_block_hashes(request.block_hashes, request.token_ids, BLOCK)
+    request.pending_external = (0, 40)
+    assert recovery.plan({8}, [request]).requests[0].rollback_to == 24  # block 7 failed
+    checkpoints.restore_at(request, 24)
+    request.pending_external = None  # the load ended; a second one may fail before 24
+    assert checkpoints.can_resume(request, 24, 28)
+    resumed = slice_of(request, 24, 8)
+    checkpoints.plan(request, resumed)
+    assert resumed.restore_checkpoint is None  # the worker's resume state, used up now
+    assert not checkpoints.can_resume(request, 24, 28)
+
+
+def test_a_producer_gives_the_stored_boundaries_slots_first():
+    """Two slots for a 24-token prompt (last loadable boundary 20) with K = 2: 20 and 16
+    get them, not 24."""
+    checkpoints = StateCheckpoints(num_slots=2, block_size=BLOCK, store_interval=2)
+    request = hashed_request(24)
+    item = slice_of(request, 0, 24)
+    checkpoints.plan(request, item)
+    assert [position for position, _ in item.save_checkpoints] == [16, 20]

@@ -100,3 +100,32 @@ def test_a_pool_can_start_with_every_slot_it_will_need():
     assert pool.num_slots == 7
     with pytest.raises(ValueError, match="initial_slots"):
         RecurrentStates(SPECS, torch.bfloat16, torch.device("cpu"), chunk_size=4, initial_slots=0)
+
+
+def payload_of(pool: RecurrentStates, value: float) -> bytes:
+    """A `read_checkpoint`-form payload whose recurrent state is all `value`."""
+    pool.tensors[0]["state"][pool.slots["donor"]].fill_(value)
+    return b"".join(pool.tensors[layer][name][pool.slots["donor"]].contiguous()
+                    .view(torch.uint8).numpy().tobytes() for layer, name in pool._checkpointed())
+
+
+def test_a_resume_state_is_used_by_the_next_slice_that_starts_there_only():
+    """A failed load kept the state at 8: a slice starting at 8 continues from it (the
+    slot stood elsewhere); it is used up then, and a slice elsewhere is still refused."""
+    pool = states()
+    pool.step([item("donor", 0, 1), item("a", 0, 20)])
+    pool.keep_resume_state("a", 8, payload_of(pool, 4.0))
+    with pytest.raises(RecurrentStateError, match="position 12"):
+        pool.step([item("a", 12, 1)])
+    pool.step([item("a", 8, 2)])
+    assert pool.tensors[0]["state"][pool.slots["a"]].eq(4.0).all()
+    assert "a" not in pool.resume_states
+    pool.keep_resume_state("a", 4, payload_of(pool, 5.0))
+    pool.release(["a"])
+    assert "a" not in pool.resume_states
+
+
+def test_a_resume_state_of_another_size_is_refused():
+    pool = states()
+    with pytest.raises(ValueError, match="bytes"):
+        pool.keep_resume_state("a", 8, b"\0" * 3)
