@@ -167,7 +167,12 @@ class RecurrentStates:
                                         tuple(item.save_checkpoints)))
             self.positions[slot] = position + count
             row += count
-        return {layer: RecurrentLayerStep(tensors, requests, self.chunk_size,
+        return self.layer_steps(requests)
+
+    def layer_steps(self, requests: Sequence[RequestRows]) -> dict[int, RecurrentLayerStep]:
+        """Each recurrent layer's record of a step of `requests` (one list for all layers;
+        a graphed step passes its prebuilt plan's list)."""
+        return {layer: RecurrentLayerStep(tensors, requests, self.chunk_size,  # type: ignore[arg-type]
                                           self.checkpoints[layer])
                 for layer, tensors in self.tensors.items()}
 
