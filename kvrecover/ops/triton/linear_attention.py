@@ -2,6 +2,7 @@
 delta rule of `ops.triton.causal_conv` and `ops.triton.gated_delta`, behind the
 `LinearAttentionKernels` names. The per-request names stay the reference's.
 
+`delta_gates` and `gated_rms_norm` are `ops.triton.delta_gates`' single launches.
 The step's index tensors (`StepPlan`) are built by the first layer that sees the
 step's request list and reused by the others (the worker hands every layer the same
 list object; the plan keeps it alive, so its identity cannot be reused). A CUDA-graphed
@@ -18,12 +19,17 @@ import torch
 
 from kvrecover.ops.interface import DeltaRuleState, RecurrentRequestRows
 from kvrecover.ops.triton import causal_conv, gated_delta
+from kvrecover.ops.triton import delta_gates as small_ops
 from kvrecover.ops.triton.step_plan import PlannedRequests, StepPlan, build_plan
 
 
 class TritonLinearAttention:
     """`causal_conv1d_batch` and `gated_delta_rule_batch` as one launch (two for the
-    convolution) per layer over every request of the step."""
+    convolution) per layer over every request of the step; `delta_gates` and
+    `gated_rms_norm` one launch each (`ops.triton.delta_gates`)."""
+
+    delta_gates = staticmethod(small_ops.delta_gates)
+    gated_rms_norm = staticmethod(small_ops.gated_rms_norm)
 
     _plan: StepPlan | None = None
 
