@@ -70,7 +70,8 @@ def test_graphed_decode_gives_the_eager_tokens(hybrid_dir, batch):
     graphed = engine(hybrid_dir, eager=False, enable_prefix_caching=False)
     replays = count_replays(graphed)
     assert token_ids(graphed, prompts) == expected
-    assert len(replays) >= GREEDY.max_tokens - 2  # nearly every decode step replayed
+    # Every pure decode step replays (steps with a prefill chunk run eagerly).
+    assert len(replays) >= GREEDY.max_tokens // 2 and max(replays) == batch
     assert graphed.engine.model_runner.graphs.graphs  # captured, then replayed
     graphed.close()
 
