@@ -8,6 +8,7 @@ CUDA."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,10 @@ def test_a_store_connector_and_a_failed_load_give_the_eager_tokens(hybrid_dir, t
     assert consumer.stats["prompt_tokens_external"] > 0 and replays
     consumer.close()
     for target in ("kv", "state"):
+        copy = tmp_path / f"store-{target}"  # each recovery on a pristine copy
+        shutil.copytree(store, copy)
         recovering = engine(hybrid_dir, eager=False, enable_prefix_caching=False,
-                            kv_transfer_config=faulty(store, target, "corrupt"))
+                            kv_transfer_config=faulty(copy, target, "corrupt"))
         replays = count_replays(recovering)
         assert token_ids(recovering, prompts) == expected, target
         assert recovering.stats["kv_load_recovered_requests"] > 0 and replays
