@@ -366,17 +366,17 @@ class ModelRunner:
 
     def _recurrent_rows(self, scheduled: list[ScheduledRequest]) -> list[Any] | None:
         """A graphed step's recurrent request rows (None for a model without recurrent
-        layers): `RecurrentStates.step` assigns slots and zeroes or restores the states of
-        requests that start at 0 or from a checkpoint, eagerly, before the replay. A pool
-        that grew replaced its tensors: the graphs that read the old ones are dropped."""
+        layers): `RecurrentStates.advance` assigns slots and zeroes or restores the states
+        of requests that start at 0 or from a checkpoint, eagerly, before the replay. A
+        pool that grew replaced its tensors: the graphs that read the old ones are dropped."""
         states = self.recurrent_states
         if states is None:
             return None
-        steps = states.step(scheduled)
+        rows = states.advance(scheduled)
         if states.num_slots != self._graph_slots and self.graphs is not None:
             self.graphs.clear()
             self._graph_slots = states.num_slots
-        return next(iter(steps.values())).requests
+        return rows
 
     def _layer_meta(self, inputs: StepInputs,
                     scheduled: list[ScheduledRequest] | None = None) -> list[Any] | None:
