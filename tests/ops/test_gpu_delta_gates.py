@@ -50,7 +50,7 @@ def test_delta_gates_close_to_the_reference_and_row_invariant(dtype):
     ref_decay, ref_beta = reference.delta_gates(a, b, a_log, dt_bias)
     assert decay.dtype == torch.float32 and beta.dtype == dtype
     torch.testing.assert_close(decay, ref_decay, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(beta, ref_beta, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+    torch.testing.assert_close(beta, ref_beta, rtol=1e-5 if dtype == torch.float32 else 2e-2,
                                atol=1e-6)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(36, 37)):
         part_decay, part_beta = kernels().delta_gates(a[rows], b[rows], a_log, dt_bias)
