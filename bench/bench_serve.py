@@ -45,11 +45,7 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from serve_servers import Server, engine_env, kvrecover_argv, vllm_argv, vllm_env
 
 WORDS = ("the quick brown fox jumps over the lazy dog while the capital of france is paris "
          "and disaggregated serving splits prefill from decode so blocks fail and we "
@@ -107,69 +104,6 @@ class Prompts:
             body = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(self.words))
             prompts.append(self.tokenizer.encode(f"[{tag} {i}] {body}"))
         return prompts
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """One child process listening on a loopback port."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "wb") as handle:
-            self.proc = subprocess.Popen([*argv, "--port", str(self.port)], stdout=handle,
-                                         stderr=subprocess.STDOUT, env=env)
-
-    def wait(self, timeout: float = 900.0) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.proc.args[:4]} exited with {self.proc.returncode}:"
-                                   f"\n{tail}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.proc.args[:4]} did not start in {timeout}s")
-
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU seconds of this process and its descendants so far (Linux)."""
-        try:
-            stats = {}
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                    except OSError:
-                        continue
-                    stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-        except OSError:
-            return None
-        tree, grown = {self.proc.pid}, True
-        while grown:
-            children = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
-            tree |= children
-            grown = bool(children)
-        ticks = sum(stats[pid][1] for pid in tree if pid in stats)
-        return ticks / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def metric(url: str, key: str) -> float:
@@ -269,17 +203,6 @@ def warm_up(server: Server, model: str, prompts: Prompts, max_tokens: int) -> No
     asyncio.run(run_load(server.url, model, warm, NUM_WARMUP, max_tokens))
 
 
-def vllm_argv(args: argparse.Namespace, model_dir: str, model: str, dtype: str) -> list[str]:
-    """How to start vLLM's OpenAI server from `--vllm` (its python or its `vllm` command)."""
-    name = Path(args.vllm).name
-    if name.startswith("python"):
-        argv = [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-    else:
-        argv = [args.vllm, "serve", model_dir]
-    return [*argv, "--host", "127.0.0.1", "--served-model-name", model, "--dtype", dtype,
-            *shlex.split(args.vllm_args)]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=os.environ.get("PEER_MODEL"),
@@ -318,15 +241,9 @@ def main() -> int:
     model_dir = Path(args.model) if args.model else default_model_path()
     prompts = Prompts(model_dir, args.num_prompts, args.prompt_words)
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    engine = [sys.executable, "-m", "kvrecover", "serve", "--device", args.device,
-              "--dtype", dtype]
-    if args.model:
-        engine += ["--model", args.model]
+    env = engine_env(args.threads)
     model = "SmolLM2-135M-Instruct" if not args.model else Path(args.model).name
-    engine += ["--served-model-name", model, *shlex.split(args.server_args)]
+    engine = kvrecover_argv(args.model, model, dtype, args.device, args.server_args)
     rows: list[RunResult] = []
     servers: list[Server] = []
     try:
@@ -353,11 +270,8 @@ def run_plain(args: argparse.Namespace, engine: list[str], env: dict[str, str], 
     """kvrecover without a KV store and, alongside, `vllm serve`: same prompts, alternating."""
     targets = [("kvrecover-plain", Server(engine, workdir / "plain.log", env))]
     if with_vllm:
-        vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
-        if args.threads:
-            vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        targets.append(("vllm", Server(vllm_argv(args, args.model, model, dtype),
-                                       workdir / "vllm.log", vllm_env)))
+        argv = vllm_argv(args.vllm, args.model, model, dtype, args.vllm_args)
+        targets.append(("vllm", Server(argv, workdir / "vllm.log", vllm_env(args.threads))))
     servers += [server for _, server in targets]
     for _, server in targets:
         server.wait()

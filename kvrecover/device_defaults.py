@@ -29,10 +29,19 @@ class DeviceDefault:
         return self.gpu if device_type == "cuda" else self.cpu
 
 
+# `kvrecover serve`'s step budget on the CPU where `--max-num-batched-tokens` is not given:
+# smaller than the engine's (vLLM also gives its server a smaller one than `LLM`). A CPU
+# prefill is compute-bound, so a step of eight 256-token prompts makes all eight wait for
+# all of it; one prompt a step (the decodes riding along) halves the median time to first
+# token at 4-16 clients for the same CPU time, at a longer inter-token latency
+# (bench/NOTES.md, 'Serving under guidellm'). The entrypoint applies it (`cli/serve.py`).
+SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 256
+
 DEVICE_DEFAULTS: dict[str, DeviceDefault] = {
     "dtype": DeviceDefault("bfloat16", "float32", "float16 for a float16 checkpoint on a GPU"),
     "attention_backend": DeviceDefault("triton", "torch"),
-    "max_num_batched_tokens": DeviceDefault(8192, 2048),
+    "max_num_batched_tokens": DeviceDefault(
+        8192, 2048, f"{SERVE_CPU_MAX_NUM_BATCHED_TOKENS} under `kvrecover serve` on the CPU"),
     "max_num_seqs": DeviceDefault(256, 64),
     # GiB. On a GPU the budget is measured once the weights are loaded.
     "kv_cache_memory_gb": DeviceDefault(

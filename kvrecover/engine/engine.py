@@ -393,6 +393,9 @@ def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
         config.max_model_len, config.layout, args.enforce_eager, args.batch_invariant,
         config.attention_backend, args.native_kernels, args.kv_transfer_config, args.seed,
         config.tensor_parallel_size,
+        num_state_checkpoints=num_state_checkpoints(config),
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_seqs_fixed=args.max_num_seqs is not None,
     ))
 
 

@@ -132,8 +132,7 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
     )
     connector = resolve_connector(args.kv_transfer_config)
     if connector is not None and model_config.recurrent_layers():
-        check_connector_states(connector, model_config.architecture, args.num_state_checkpoints,
-                               tp_size)
+        check_connector_states(connector, model_config.architecture, args.num_state_checkpoints)
     if connector is not None and layout.groups:
         check_connector_groups(connector, layout)
     return ResolvedConfig(
@@ -237,11 +236,12 @@ def resolve_kv_sizing(args: EngineArgs, device: torch.device, layout: KVCacheLay
     )
 
 
-def check_connector_states(plan: ConnectorPlan, architecture: str, num_checkpoints: int,
-                           tp_size: int) -> None:
+def check_connector_states(plan: ConnectorPlan, architecture: str,
+                           num_checkpoints: int) -> None:
     """A ValueError, before any weight loads, when a model with linear-attention layers
     meets a connector that cannot carry their recurrent states (`state_entries`), or a
-    setup in which it cannot save them."""
+    setup in which it cannot save them. Any tensor-parallel size: each rank stores its
+    own heads' states under its own layout fingerprint, as its KV."""
     name = f"KV connector {plan.transfer.kv_connector!r} ({plan.connector_class.__name__})"
     if not plan.connector_class.recurrent_states_supported(plan.transfer):
         raise ValueError(
@@ -249,9 +249,6 @@ def check_connector_states(plan: ConnectorPlan, architecture: str, num_checkpoin
             f"{name} does not store their states with the KV (supports_recurrent_states): use "
             "SharedStorageConnector or RedisConnector, or run without "
             "kv_transfer_config")
-    if tp_size > 1:
-        raise ValueError(f"{architecture} with {name}: recurrent states are stored from one "
-                         "rank only; use tensor_parallel_size=1")
     if plan.transfer.is_producer and num_checkpoints < 1:
         raise ValueError(f"{architecture} with {name} as a producer saves each prompt's state "
                          "from a checkpoint slot: set num_state_checkpoints to at least 1")

@@ -9,6 +9,10 @@ gated by `silu(z)`, and `out_proj`. The per-request states live in the worker's
 slots (`models/recurrent_state.py`); the kernels are the backend's
 (`ops.interface.LinearAttentionKernels`), each called once for all the step's
 requests (`*_batch`).
+
+Under tensor parallelism each rank holds Hk / size key heads and their Hv / size value
+heads (projections, conv channels, decay parameters, states); the gated RMSNorm is
+per head, so it stays local, and `out_proj` is row-parallel with an all-reduce.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from kvrecover.models.parallel_layers import (
+    SINGLE_RANK,
+    RowParallelLinear,
+    TensorParallelGroup,
+    attach_row_ranges,
+)
 from kvrecover.models.recurrent_state import RecurrentLayerStep, StateSpec
 from kvrecover.ops.interface import DeltaRuleState
 
@@ -42,10 +52,13 @@ class GatedDeltaNet(nn.Module):
     projections over Qwen3-Next's two grouped ones."""
 
     def __init__(self, config: LinearAttentionShape, ops: ModelOps, *,
-                 split_projections: bool) -> None:
+                 split_projections: bool, tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.ops = ops
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.tp = tp
+        # This rank's heads: Hk / size key heads and the Hv / size value heads that read them.
+        self.num_k_heads = config.linear_num_key_heads // tp.size
+        self.num_v_heads = config.linear_num_value_heads // tp.size
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
@@ -66,8 +79,40 @@ class GatedDeltaNet(nn.Module):
                                 groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = _GateNormWeight(self.head_v_dim)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.norm = _GateNormWeight(self.head_v_dim)  # per head: the same on every rank
+        if tp.size == 1:
+            self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        else:
+            self.out_proj = RowParallelLinear(self.value_dim, hidden,
+                                              tp.rank * self.value_dim)
+            self._read_slices(config)
+
+    def _read_slices(self, config: LinearAttentionShape) -> None:
+        """Make each projection read only this rank's heads from the checkpoint: the
+        conv channels and Qwen3.5's `in_proj_qkv` as three ranges ([q all | k all |
+        v all]), Qwen3-Next's grouped projections as one (they are ordered by key head)."""
+        rank, heads_v = self.tp.rank, self.num_v_heads
+        whole_key = config.linear_num_key_heads * self.head_k_dim
+        whole_value = config.linear_num_value_heads * self.head_v_dim
+        qkv = [(rank * self.key_dim, self.key_dim), (whole_key + rank * self.key_dim, self.key_dim),
+               (2 * whole_key + rank * self.value_dim, self.value_dim)]
+        attach_row_ranges(self.conv1d.weight, qkv, 2 * whole_key + whole_value)
+        per_value_head = [(rank * heads_v, heads_v)]
+        for param in (self.dt_bias, self.A_log):
+            attach_row_ranges(param, per_value_head, config.linear_num_value_heads)
+        if self.split_projections:
+            attach_row_ranges(self.in_proj_qkv.weight, qkv, 2 * whole_key + whole_value)
+            attach_row_ranges(self.in_proj_z.weight, [(rank * self.value_dim, self.value_dim)],
+                              whole_value)
+            for proj in (self.in_proj_b, self.in_proj_a):
+                attach_row_ranges(proj.weight, per_value_head, config.linear_num_value_heads)
+            return
+        qkvz_rows = self.in_proj_qkvz.out_features  # this rank's key heads' groups
+        attach_row_ranges(self.in_proj_qkvz.weight, [(rank * qkvz_rows, qkvz_rows)],
+                          qkvz_rows * self.tp.size)
+        ba_rows = self.in_proj_ba.out_features
+        attach_row_ranges(self.in_proj_ba.weight, [(rank * ba_rows, ba_rows)],
+                          ba_rows * self.tp.size)
 
     def state_specs(self, chunk_size: int) -> list[StateSpec]:
         """The per-request state: the conv inputs before the position (model dtype), the
@@ -120,7 +165,8 @@ class GatedDeltaNet(nn.Module):
             step.chunk_size, checkpoints.get("state")).to(hidden.dtype)
         normed = ops.gated_rms_norm(out.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
                                     self.norm.weight, self.eps)
-        return ops.linear(normed.view(hidden.shape[0], self.value_dim), self.out_proj)
+        out = ops.linear(normed.view(hidden.shape[0], self.value_dim), self.out_proj)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 class _GateNormWeight(nn.Module):

@@ -30,6 +30,7 @@ from kvrecover.models.parallel_layers import (
     RowParallelLinear,
     TensorParallelGroup,
     VocabParallelEmbedding,
+    check_tensor_parallel,
     shard_heads,
 )
 from kvrecover.models.recurrent_state import StateSpec
@@ -195,13 +196,17 @@ class GatedMLP(nn.Module):
                             lambda p, w, shard: load_shard(p, w, *shards[shard]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.partial_sum(x)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The output from this rank's slice of the intermediate dim (the whole output
+        at one rank; the caller all-reduces it under tensor parallelism)."""
         ops = self.ops
         gate_up = ops.linear(x, self.gate_up_proj)
         if self.activation == "silu":
-            out = ops.linear(ops.silu_mul(gate_up), self.down_proj)
-        else:
-            out = ops.linear(ops.gelu_tanh_mul(gate_up), self.down_proj)
-        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+            return ops.linear(ops.silu_mul(gate_up), self.down_proj)
+        return ops.linear(ops.gelu_tanh_mul(gate_up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -270,6 +275,12 @@ class CausalLM(nn.Module, Generic[ConfigT]):
     # Whether the family's layers shard over tensor-parallel ranks (`make_layer` passes
     # `self.tp` to them); a family that does not is refused at tensor_parallel_size > 1.
     tensor_parallel: ClassVar[bool] = False
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, size: int) -> None:
+        """A ValueError naming both numbers when `size` ranks cannot split `config`
+        (a family with more to split extends this); only called for a family that shards."""
+        check_tensor_parallel(config, size)
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:

@@ -57,6 +57,7 @@ class MixtralForCausalLM(CausalLM[MixtralConfig]):
     config_class = MixtralConfig
     checkpoint_renames = expert_renames("block_sparse_moe", {"w1": "gate", "w3": "up",
                                                              "w2": "down"})
+    tensor_parallel = True  # the experts' intermediate_size splits (CausalLM's check)
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -65,8 +66,8 @@ class MixtralForCausalLM(CausalLM[MixtralConfig]):
     def make_layer(self, config: MixtralConfig, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
         self_attn = Attention(config, self.rotary, attention, ops, bias=config.attention_bias,
-                              window=config.layer_windows()[index])
+                              window=config.layer_windows()[index], tp=self.tp)
         mlp = SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_experts,
                              config.num_experts_per_tok, ops, renormalize=True,
-                             round_weights=False)
+                             round_weights=False, tp=self.tp)
         return DecoderLayer(config, self_attn, mlp, ops)

@@ -8,7 +8,9 @@ experts' SwiGLU and sums their weighted outputs in top-k order (gpt-oss routes b
 `route_topk_logits` instead: top-k of the logits, then a softmax over those). Expert weights
 are stacked (`[E, 2I, H]` gate_up, `[E, H, I]` down) and load from the classic
 per-expert checkpoint tensors (`expert_renames`, the families' `checkpoint_renames`)
-or from the fused tensors `transformers` uses in memory.
+or from the fused tensors `transformers` uses in memory. Under tensor parallelism the
+router is replicated and each expert's intermediate dim split (gate/up rows, down
+columns, read alone); the block all-reduces the summed expert outputs once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import torch
 from torch import nn
 
 from kvrecover.models.layers import load_shard
-from kvrecover.models.loader import CheckpointRename, attach_shard_loader
+from kvrecover.models.loader import (
+    CheckpointRename,
+    CheckpointTensor,
+    attach_shard_loader,
+    attach_slice_loader,
+)
+from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup
 
 if TYPE_CHECKING:
     from kvrecover.ops.interface import ClampedSwiGLU, ModelOps
@@ -36,21 +44,65 @@ class ExpertWeights(nn.Module):
     `clamped_swiglu`: `models.gpt_oss.GptOssExperts`).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        # Under tensor parallelism each expert's intermediate dim is split: this rank's
+        # gate/up rows and down columns [start, start + local) of every expert.
+        self.intermediate_size = intermediate_size // tp.size
+        self.intermediate_start = tp.rank * self.intermediate_size
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
         self.clamped_swiglu: ClampedSwiGLU | None = None
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size,
                                                      hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                                  self.intermediate_size))
         experts = range(num_experts)
         attach_shard_loader(self.gate_up_proj, self._load_gate_up,
                             [f"{kind}:{e}" for kind in ("gate", "up") for e in experts])
         attach_shard_loader(self.down_proj, self._load_down, [f"down:{e}" for e in experts])
+        if tp.size > 1:
+            self.whole_intermediate_size = intermediate_size
+            attach_slice_loader(self.gate_up_proj, self._read_gate_up_slice)
+            attach_slice_loader(self.down_proj, self._read_down_slice)
+
+    def _read_gate_up_slice(self, param: nn.Parameter, source: CheckpointTensor,
+                            shard: str | None) -> None:
+        """This rank's rows of one expert's gate or up tensor (or of the fused
+        [E, 2I, H] tensor), read alone."""
+        start, size = self.intermediate_start, self.intermediate_size
+        whole = self.whole_intermediate_size
+        if shard is None:
+            self._check_fused(source, (self.num_experts, 2 * whole, self.hidden_size))
+            param.data[:, :size].copy_(source.file.read_slice(source.name, 1, start, size))
+            param.data[:, size:].copy_(source.file.read_slice(source.name, 1, whole + start,
+                                                              size))
+            return
+        self._check_fused(source, (whole, self.hidden_size))
+        offset = 0 if shard.startswith("gate:") else size
+        param.data[self._expert_index(shard), offset : offset + size].copy_(
+            source.read_rows(start, size))
+
+    def _read_down_slice(self, param: nn.Parameter, source: CheckpointTensor,
+                         shard: str | None) -> None:
+        """This rank's columns of one expert's down tensor (or of the fused [E, H, I])."""
+        start, size = self.intermediate_start, self.intermediate_size
+        if shard is None:
+            self._check_fused(source, (self.num_experts, self.hidden_size,
+                                       self.whole_intermediate_size))
+            param.data.copy_(source.file.read_slice(source.name, 2, start, size))
+            return
+        self._check_fused(source, (self.hidden_size, self.whole_intermediate_size))
+        param.data[self._expert_index(shard)].copy_(source.read_columns(start, size))
+
+    def _check_fused(self, source: CheckpointTensor, expected: tuple[int, ...]) -> None:
+        if tuple(source.shape) != expected:
+            raise ValueError(f"checkpoint tensor {source.name!r} of shape "
+                             f"{tuple(source.shape)} is not the expected {expected}; does "
+                             "config.json's expert count and intermediate size match the weights?")
 
     def _expert_index(self, shard: str) -> int:
         index = int(shard.partition(":")[2])
@@ -117,20 +169,38 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 ops: ModelOps, *, renormalize: bool, round_weights: bool) -> None:
+                 ops: ModelOps, *, renormalize: bool, round_weights: bool,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights = round_weights
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # replicated on every rank
+        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.partial_sum(x)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' output from this rank's slice of their intermediate dims (the
+        whole output at one rank; the caller all-reduces it under tensor parallelism)."""
         logits = self.ops.linear(x, self.gate)
         weights, ids = route_topk(logits, self.top_k, self.renormalize,
                                   logits.dtype if self.round_weights else None)
         return self.ops.moe(x, weights, ids, self.experts)
+
+
+def check_expert_split(config: Any, size: int, fields: tuple[str, ...]) -> None:
+    """A ValueError naming both numbers unless `size` ranks divide each of `config`'s
+    expert intermediate sizes `fields` (each rank holds a slice of every expert)."""
+    for name in fields:
+        value = getattr(config, name)
+        if value % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                             f"{name} {value}; choose a divisor of {value}")
 
 
 def check_routing(model_dir: Path, count_field: str, num_experts: Any, top_k: Any) -> None:

@@ -7,6 +7,10 @@ reads only that slice from the checkpoint (`loader.attach_slice_loader`):
   fused gate/up projection (the intermediate size split);
 - row-parallel (`RowParallelLinear`): o_proj and down_proj; each rank's partial sum
   is all-reduced by the layer that calls it (`TensorParallelGroup.all_reduce`);
+- row ranges (`attach_row_ranges`): a plain linear or parameter that holds several
+  ranges of one checkpoint tensor's rows (the hybrids' projections, conv channels and
+  per-head parameters, `gated_deltanet.py`, `gated_attention.py`); the experts' slices
+  are `moe.ExpertWeights`'s;
 - vocabulary-parallel (`VocabParallelEmbedding`, `ParallelLMHead`): the vocabulary
   split in equal (padded) ranges; lookups outside a rank's range are zeroed and
   all-reduced; the LM head's logits are gathered on rank 0, where sampling runs.
@@ -19,6 +23,7 @@ it over torch.distributed); this module names no transport.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -126,6 +131,25 @@ def _copy_rows(param: torch.Tensor, offset: int, source: CheckpointTensor, start
         param.data[offset : offset + available].copy_(source.read_rows(start, available))
     if available < length:
         param.data[offset + available : offset + length].zero_()
+
+
+def attach_row_ranges(param: torch.Tensor, ranges: Sequence[tuple[int, int]],
+                      whole_rows: int) -> None:
+    """Make `param` this rank's rows of one unfused checkpoint tensor of `whole_rows`
+    rows: the row ranges (first checkpoint row, rows) in order, read range by range
+    (e.g. a rank's q, k and v heads of a projection laid out [q all | k all | v all])."""
+
+    def load(target: nn.Parameter, source: CheckpointTensor, shard: str | None) -> None:
+        if source.dim() != target.dim() or source.shape[0] != whole_rows:
+            raise ValueError(f"checkpoint tensor {source.name!r} of shape "
+                             f"{tuple(source.shape)} does not have the {whole_rows} rows "
+                             "config.json gives it; does config.json match the weights?")
+        offset = 0
+        for start, rows in ranges:
+            _copy_rows(target, offset, source, start, rows)
+            offset += rows
+
+    attach_slice_loader(param, load)
 
 
 class ColumnParallelLinear(nn.Linear):

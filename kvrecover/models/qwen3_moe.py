@@ -18,7 +18,7 @@ from torch import nn
 
 from kvrecover.models.config import ModelConfig
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
-from kvrecover.models.moe import SparseMoeBlock, check_routing, expert_renames
+from kvrecover.models.moe import SparseMoeBlock, check_expert_split, check_routing, expert_renames
 from kvrecover.models.qwen3 import Qwen3Config
 from kvrecover.ops.interface import BackendFeatures
 
@@ -65,6 +65,13 @@ class Qwen3MoeForCausalLM(CausalLM[Qwen3MoeConfig]):
     config_class = Qwen3MoeConfig
     checkpoint_renames = expert_renames("mlp", {"gate_proj": "gate", "up_proj": "up",
                                                 "down_proj": "down"})
+    tensor_parallel = True
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, size: int) -> None:
+        super().check_tensor_parallel(config, size)
+        if isinstance(config, Qwen3MoeConfig):
+            check_expert_split(config, size, ("moe_intermediate_size",))
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -73,12 +80,13 @@ class Qwen3MoeForCausalLM(CausalLM[Qwen3MoeConfig]):
     def make_layer(self, config: Qwen3MoeConfig, index: int, attention: Any,
                    ops: ModelOps) -> nn.Module:
         self_attn = Attention(config, self.rotary, attention, ops, bias=config.attention_bias,
-                              qk_norm=True)
+                              qk_norm=True, tp=self.tp)
         mlp: nn.Module
         if config.is_sparse(index):
             mlp = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size,
                                  config.num_experts, config.num_experts_per_tok, ops,
-                                 renormalize=config.norm_topk_prob, round_weights=True)
+                                 renormalize=config.norm_topk_prob, round_weights=True,
+                                 tp=self.tp)
         else:
-            mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, self.tp)
         return DecoderLayer(config, self_attn, mlp, ops)

@@ -27,7 +27,13 @@ from kvrecover.models.gated_attention import GatedAttention, row_sigmoid
 from kvrecover.models.gated_deltanet import GatedDeltaNet
 from kvrecover.models.layers import CausalLM, DecoderLayer, GatedMLP
 from kvrecover.models.loader import CheckpointRename
-from kvrecover.models.moe import SparseMoeBlock, check_routing, expert_renames
+from kvrecover.models.moe import (
+    SparseMoeBlock,
+    check_expert_split,
+    check_routing,
+    expert_renames,
+)
+from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup
 from kvrecover.models.recurrent_state import StateSpec
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.interface import BackendFeatures
@@ -197,17 +203,20 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     """Routed experts plus a shared expert weighted by `sigmoid(shared_expert_gate(x))`
     (Hugging Face's `Qwen2MoeSparseMoeBlock`)."""
 
-    def __init__(self, config: Qwen3NextConfig, ops: ModelOps) -> None:
+    def __init__(self, config: Qwen3NextConfig, ops: ModelOps,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                          config.num_experts_per_tok, ops, renormalize=config.norm_topk_prob,
-                         round_weights=True)
+                         round_weights=True, tp=tp)
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                      ops)
+                                      ops, tp)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = row_sigmoid(self.ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
-        return super().forward(x) + shared
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        # The gate is per token, so it weights each rank's partial sum alike: one
+        # all-reduce (in `forward`) for the routed and the shared experts together.
+        gate = row_sigmoid(self.ops.linear(x, self.shared_expert_gate))
+        return super().partial_sum(x) + gate * self.shared_expert.partial_sum(x)
 
 
 class Qwen3NextForCausalLM(CausalLM[Qwen3NextConfig]):
@@ -224,6 +233,26 @@ class Qwen3NextForCausalLM(CausalLM[Qwen3NextConfig]):
                           CheckpointRename(r"(layers\.\d+)\.linear_attn\.(.+)", r"\1.self_attn.\2"))
     packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     checkpoint_ignored: tuple[str, ...] = (r"mtp\..*",)  # the multi-token-prediction head (unused, as in HF)
+    tensor_parallel = True
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, size: int) -> None:
+        """The attention heads and MLP split (`CausalLM`'s check), the linear layers' key
+        heads (each rank holds whole key heads and the value heads that read them),
+        no o_proj bias, the routed and shared experts' intermediate sizes."""
+        super().check_tensor_parallel(config, size)
+        if not isinstance(config, Qwen3NextConfig):
+            return
+        if config.linear_num_key_heads % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                             f"linear_num_key_heads {config.linear_num_key_heads}; choose a "
+                             f"divisor of {config.linear_num_key_heads}")
+        if config.attention_bias:
+            raise ValueError("attention_bias (an o_proj bias) runs on one rank only; use "
+                             f"tensor_parallel_size 1 for this model (got {size})")
+        if any(config.is_sparse(index) for index in range(config.num_hidden_layers)):
+            check_expert_split(config, size, ("moe_intermediate_size",
+                                              "shared_expert_intermediate_size"))
 
     @classmethod
     def required_features(cls, config: ModelConfig) -> BackendFeatures:
@@ -241,15 +270,16 @@ class Qwen3NextForCausalLM(CausalLM[Qwen3NextConfig]):
                    ops: ModelOps) -> nn.Module:
         mixer: nn.Module
         if config.layer_types[index] == LINEAR_ATTENTION:
-            mixer = GatedDeltaNet(config, ops, split_projections=self.split_projections)
+            mixer = GatedDeltaNet(config, ops, split_projections=self.split_projections,
+                                  tp=self.tp)
         else:
             mixer = GatedAttention(config, self.partial_rotary, config.rotary_dim, attention, ops,
-                                   bias=config.attention_bias)
+                                   bias=config.attention_bias, tp=self.tp)
         mlp: nn.Module
         if config.is_sparse(index):
-            mlp = SharedExpertMoeBlock(config, ops)
+            mlp = SharedExpertMoeBlock(config, ops, self.tp)
         else:
-            mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, self.tp)
         return DecoderLayer(config, mixer, mlp, ops, norm_plus_one=True)
 
     def recurrent_state_specs(self, chunk_size: int) -> dict[int, list[StateSpec]]:

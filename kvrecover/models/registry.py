@@ -88,6 +88,4 @@ def check_tensor_parallel_family(cls: type[CausalLM[Any]], config: ModelConfig,
     if not cls.tensor_parallel:
         raise ValueError(f"model family {config.architecture} does not support tensor "
                          f"parallelism; use tensor_parallel_size 1 (got {size})")
-    from kvrecover.models.parallel_layers import check_tensor_parallel
-
-    check_tensor_parallel(config, size)
+    cls.check_tensor_parallel(config, size)

@@ -36,6 +36,7 @@ from kvrecover.models.config import ModelConfig
 from kvrecover.models.parallel_layers import TensorParallelGroup
 from kvrecover.step_messages import ModelRunnerOutput, SchedulerOutput
 from kvrecover.worker.model_runner import ModelRunner
+from kvrecover.worker.recurrent_states import RecurrentStates
 
 if TYPE_CHECKING:
     from kvrecover.worker.overlap import PendingDecode
@@ -69,6 +70,12 @@ class RankSpec:
     store_port: int = 0
     start_timeout_s: float = START_TIMEOUT_S
     step_timeout_s: float = STEP_TIMEOUT_S
+    # A hybrid model's recurrent-state pool (`ModelRunner`'s options of the same names):
+    # every rank keeps the slots and checkpoints of its own heads' states, and applies
+    # the step's slot and checkpoint records as rank 0 does.
+    num_state_checkpoints: int = 0
+    max_num_seqs: int | None = None
+    max_num_seqs_fixed: bool = False
 
     def for_rank(self, rank: int, store_port: int) -> RankSpec:
         """The spec of rank `rank` (its layout; on CUDA the GPU `rank` after rank 0's)."""
@@ -85,6 +92,8 @@ class RankSpec:
             self.layout, enforce_eager=self.enforce_eager,
             batch_invariant=self.batch_invariant, attention_backend=self.attention_backend,
             native_kernels=self.native_kernels, tp=tp,
+            num_state_checkpoints=self.num_state_checkpoints, max_num_seqs=self.max_num_seqs,
+            max_num_seqs_fixed=self.max_num_seqs_fixed,
         )
 
 
@@ -128,6 +137,12 @@ class TensorParallelRunner:
     def kv_caches(self) -> list[torch.Tensor]:
         """Rank 0's KV cache tensors."""
         return self.runner.kv_caches
+
+    @property
+    def recurrent_states(self) -> RecurrentStates | None:
+        """Rank 0's recurrent-state pool (a hybrid model's), or None; every rank holds
+        one of the same slots for its own heads."""
+        return self.runner.recurrent_states
 
     @property
     def connector(self) -> KVConnectorBase | None:

@@ -8,14 +8,19 @@ the same name as `LLM(...)` and `kvrecover generate`; the address flags are
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvrecover.device_defaults import SERVE_CPU_MAX_NUM_BATCHED_TOKENS
 from kvrecover.entrypoints.cli.listen import ListenArgs, run_app
 from kvrecover.entrypoints.openai.tool_parsers import PARSERS
 from kvrecover.options import add_record_flags, from_namespace, option, redacted, validate
+
+if TYPE_CHECKING:
+    from kvrecover.config import EngineArgs
 
 API_KEY_ENV = "KVRECOVER_API_KEY"
 
@@ -48,6 +53,19 @@ def add_serve_parser(commands: Any) -> None:
     add_record_flags(serve, EngineArgs, ListenArgs, ServeArgs)
 
 
+def serving_engine_args(engine_args: EngineArgs) -> EngineArgs:
+    """The engine options `serve` runs: the user's, with the server's step budget on the
+    CPU (`SERVE_CPU_MAX_NUM_BATCHED_TOKENS`) where `--max-num-batched-tokens` is unset."""
+    import torch
+
+    on_gpu = engine_args.device.startswith("cuda") or (
+        engine_args.device == "auto" and torch.cuda.is_available())
+    if engine_args.max_num_batched_tokens is not None or on_gpu:
+        return engine_args
+    return dataclasses.replace(engine_args,
+                               max_num_batched_tokens=SERVE_CPU_MAX_NUM_BATCHED_TOKENS)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Start the engine, then serve HTTP until interrupted."""
     from kvrecover import LLM
@@ -56,7 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvrecover.entrypoints.server.app import ServerConfig, build_app
     from kvrecover.entrypoints.server.engine_loop import EngineLoop
 
-    engine_args = engine_args_from_namespace(args)
+    engine_args = serving_engine_args(engine_args_from_namespace(args))
     listen = from_namespace(ListenArgs, args)
     serve = from_namespace(ServeArgs, args)
     loop = EngineLoop(lambda: LLM.from_engine_args(engine_args))

@@ -271,3 +271,27 @@ def test_serve_flags_reach_the_engine_and_the_engine_is_closed(capsys, tiny_llam
     assert llm.engine.closed
     args = llm.engine.args
     assert (args.max_num_seqs, args.max_model_len, args.batch_invariant) == (3, 256, True)
+
+
+@pytest.mark.parametrize("flags, budget", [([], 256), (["--max-num-batched-tokens", "40"], 40)])
+def test_serve_on_the_cpu_computes_one_short_step_at_a_time(tiny_llama, monkeypatch, flags,
+                                                            budget):
+    """Unset, `serve` on the CPU computes 256 tokens a step (offline, the engine takes
+    2048): a prompt's first token waits for its own prefill, not for a step of eight. A
+    given --max-num-batched-tokens wins."""
+    import uvicorn
+
+    from kvrecover import LLM
+
+    built = []
+    real = LLM.from_engine_args
+
+    def spy(args):
+        built.append(real(args))
+        return built[-1]
+
+    monkeypatch.setattr(LLM, "from_engine_args", staticmethod(spy))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    assert main(["serve", "--model", str(tiny_llama), "--device", "cpu", *flags]) == 0
+    (llm,) = built
+    assert llm.engine.scheduler_config.max_num_batched_tokens == budget
