@@ -1,10 +1,11 @@
 """Hybrid (Qwen3-Next) prefill and decode throughput, issue 23's GPU figure: the Gated
 DeltaNet layers on the torch reference (one call per request, Python chunk loop) against
 the batched Triton kernels (`ops/triton/gated_delta.py`, `ops/triton/causal_conv.py`),
-same engine, same random checkpoint, same run.
+eager and with CUDA-graphed decode steps, same engine, same random checkpoint, same run.
 
     PYTHONPATH=. python bench/bench_hybrid_gpu.py --device cuda [--batches 1 16]
         [--prompt-tokens 1024 4096] [--new-tokens 64] [--batch-invariant]
+        [--implementations "torch reference" "triton eager" "triton graphs"]
     PYTHONPATH=.:/work/triton_site TRITON_INTERPRET=1 python bench/bench_hybrid_gpu.py \
         --device cpu --tiny            # proves the script on a CPU (Triton's interpreter)
 
@@ -51,7 +52,8 @@ TINY = dict(**LAYOUT, vocab_size=512, hidden_size=64, intermediate_size=96,
             max_position_embeddings=4096, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-IMPLEMENTATIONS = ("torch reference", "triton")
+# The reference cannot run inside a CUDA graph (its per-request loop is host code): eager.
+IMPLEMENTATIONS = ("torch reference", "triton eager", "triton graphs")
 
 
 @dataclass
@@ -99,7 +101,8 @@ def measure(model_dir: Path, implementation: str, batch: int, prompt_tokens: int
               attention_backend="triton", max_model_len=prompt_tokens + args.new_tokens + 16,
               enable_prefix_caching=False, max_num_seqs=max(batch, 16),
               max_num_batched_tokens=args.chunk_tokens, block_size=args.block_size,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant,
+              enforce_eager=implementation != "triton graphs")
     if implementation == "torch reference":
         use_reference_linear_layers(llm)
     vocab_size = (TINY if args.tiny else QWEN3_NEXT_80B)["vocab_size"]
@@ -114,6 +117,9 @@ def measure(model_dir: Path, implementation: str, batch: int, prompt_tokens: int
         ttft, _, total = timed_batch(llm, prompts, args.new_tokens, produced)
         best_prefill, best_decode = min(best_prefill, ttft), min(best_decode, total - ttft)
         outputs = outputs or produced
+    graphs = llm.engine.model_runner.graphs
+    if implementation == "triton graphs":
+        print(f"decode graphs captured for batch sizes {sorted(graphs.graphs) if graphs else []}")
     llm.close()
     del llm
     release_memory()
@@ -130,12 +136,12 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print("| ---: | ---: | --- | ---: | ---: | --- |")
     for row in rows:
         base = next(r for r in rows if r.batch == row.batch and r.prompt_tokens ==
-                    row.prompt_tokens and r.implementation == IMPLEMENTATIONS[0])
+                    row.prompt_tokens and r.implementation == args.implementations[0])
         print(f"| {row.batch} | {row.prompt_tokens} | {row.implementation} | "
               f"{row.prefill_tok_s:,.0f} | {row.decode_tok_s:,.1f} | "
               f"{row.outputs == base.outputs} |")
         if row is not base:
-            print(f"| | | ratio triton / reference | {row.prefill_tok_s / base.prefill_tok_s:.2f}x"
+            print(f"| | | ratio / {base.implementation} | {row.prefill_tok_s / base.prefill_tok_s:.2f}x"
                   f" | {row.decode_tok_s / base.decode_tok_s:.2f}x | |")
 
 
@@ -152,6 +158,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
+                        default=list(IMPLEMENTATIONS), help="the first is the ratios' base")
     args = parser.parse_args()
     logging.getLogger("kvrecover").setLevel(logging.ERROR)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -162,7 +170,7 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         for prompt_tokens in args.prompt_tokens:
-            for implementation in IMPLEMENTATIONS:
+            for implementation in args.implementations:
                 started = time.perf_counter()
                 rows.append(measure(model_dir, implementation, batch, prompt_tokens, args))
                 print(f"{implementation}, batch {batch} x {prompt_tokens}: "

@@ -28,7 +28,7 @@ from kvrecover.models.parallel_layers import (
     TensorParallelGroup,
     attach_row_ranges,
 )
-from kvrecover.models.recurrent_state import RecurrentLayerStep, RequestRows, StateSpec
+from kvrecover.models.recurrent_state import RecurrentLayerStep, StateSpec
 from kvrecover.ops.interface import DeltaRuleState
 
 if TYPE_CHECKING:
@@ -154,11 +154,8 @@ class GatedDeltaNet(nn.Module):
         decay, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel_size)
         tensors, checkpoints, rows = step.tensors, step.checkpoints, hidden.shape[0]
-        for request in step.requests:
-            if request.checkpoints:
-                _checkpoint_conv(request, tensors["conv"][request.slot],
-                                 mixed[request.start_row : request.end_row], checkpoints["conv"])
-        conv = ops.causal_conv1d_batch(mixed, tensors["conv"], weight, step.requests)
+        conv = ops.causal_conv1d_batch(mixed, tensors["conv"], weight, step.requests,
+                                       checkpoints.get("conv"))
         query, key, value = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         states = DeltaRuleState(*(tensors[name] for name in (
             "state", "query_tail", "key_tail", "value_tail", "decay_tail", "beta_tail")))
@@ -170,17 +167,6 @@ class GatedDeltaNet(nn.Module):
                                     self.norm.weight, self.eps)
         out = ops.linear(normed.view(hidden.shape[0], self.value_dim), self.out_proj)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
-
-
-def _checkpoint_conv(request: RequestRows, conv_state: torch.Tensor, x: torch.Tensor,
-                     checkpoints: torch.Tensor) -> None:
-    """Copy the conv state at each of the request's checkpoint positions (the K - 1
-    inputs before it) into its checkpoint slot; `conv_state` is the state at its first row."""
-    width = conv_state.shape[-1]
-    extended = torch.cat((conv_state.transpose(0, 1).to(x.dtype), x))  # from position - K + 1
-    for position, slot in request.checkpoints:
-        offset = position - request.position
-        checkpoints[slot].copy_(extended[offset : offset + width].transpose(0, 1))
 
 
 class _GateNormWeight(nn.Module):

@@ -249,11 +249,13 @@ class LinearAttentionKernels(Protocol):
         ...
 
     def causal_conv1d_batch(self, x: torch.Tensor, conv_states: torch.Tensor,
-                            weight: torch.Tensor,
-                            requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+                            weight: torch.Tensor, requests: Sequence[RecurrentRequestRows],
+                            checkpoints: torch.Tensor | None = None) -> torch.Tensor:
         """`causal_conv1d` for every request of a step at once: `x` [T, D] the step's rows,
         `conv_states` [slots, D, K - 1] the pool (each request's slot advanced in place);
-        each row's bits are those of the per-request call."""
+        each row's bits are those of the per-request call. The conv state at each of a
+        request's `checkpoints` (the K - 1 inputs before it) goes into that slot of
+        `checkpoints` [checkpoint slots, D, K - 1] (None: nowhere)."""
         ...
 
     def gated_delta_rule_batch(
@@ -384,6 +386,9 @@ class StepInputs:
     # One record per KV cache group (`kv_groups.py`: its own block table and cache
     # slots), group 0's being `attn`; empty for a model of one group.
     group_attn: list[Any] = field(default_factory=list)
+    # A padded (graphed) step's recurrent request list with its prebuilt plan (the
+    # backend's: Triton's `PlannedRequests`), handed to every recurrent layer; else None.
+    recurrent: Any = None
 
 
 @dataclass(frozen=True)
@@ -396,6 +401,7 @@ class StepInputSpec:
     max_model_len: int
     device: torch.device
     num_kv_groups: int = 1  # block tables per request (`kv_groups.py`)
+    recurrent: bool = False  # the model has recurrent layers (their plan in padded steps)
 
 
 class GraphStepInputs(Protocol):
@@ -403,13 +409,16 @@ class GraphStepInputs(Protocol):
 
     `pack(scheduled, pad_to=size)` writes a one-token-per-request step padded to
     `size` dummy-request rows into a host buffer (`input_ids` replaces the tokens,
-    e.g. by rows of a device tensor gathered later); `upload` copies it into a
-    static device buffer and `views` hands the model views of that buffer.
+    e.g. by rows of a device tensor gathered later; `recurrent` the recurrent layers'
+    request rows, for a builder of a `StepInputSpec.recurrent` model); `upload` copies
+    it into a static device buffer and `views` hands the model views of that buffer
+    (`StepInputs.recurrent` then the layers' prebuilt plan).
     """
 
     def pack(
         self, scheduled: Sequence[ScheduledTokens], pad_to: int | None = None,
         input_ids: list[int] | None = None,
+        recurrent: Sequence[RecurrentRequestRows] | None = None,
     ) -> Any: ...
 
     def upload(self, layout: Any, target: torch.Tensor | None = None) -> torch.Tensor: ...

@@ -1,7 +1,8 @@
 """CUDA graphs for decode steps: one captured forward + LM head + argmax per batch-size bucket.
 
 A decode step of B requests replays the graph of the smallest bucket >= B,
-padded with dummy requests that write only into the null block. A bucket's
+padded with dummy requests that write only into the null block (and, in a hybrid
+model's recurrent layers, bring 0 rows, so they write no state). A bucket's
 graph is captured the first time a step of its size runs. Inputs live in one
 static device buffer (the backend's `ops.interface.GraphStepInputs`); the block table's width is read
 by the kernel from that buffer, so one graph serves every context length.
@@ -9,13 +10,13 @@ by the kernel from that buffer, so one graph serves every context length.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.ops.interface import GraphStepInputs, StepInputs
+from kvrecover.ops.interface import GraphStepInputs, RecurrentRequestRows, StepInputs
 from kvrecover.step_messages import ScheduledRequest
 
 if TYPE_CHECKING:
@@ -63,12 +64,14 @@ class DecodeGraphs:
         self,
         scheduled: list[ScheduledRequest],
         token_source: tuple[torch.Tensor, list[int]] | None = None,
+        recurrent: Sequence[RecurrentRequestRows] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay (capturing first if needed) a one-token-per-request step.
 
         With `token_source` = (tokens on the device, row per request), the input
         tokens are gathered on the device instead of taken from `scheduled`: the
-        host need not wait for the step that samples them.
+        host need not wait for the step that samples them. `recurrent`: a hybrid
+        model's request rows of the step (`RecurrentStates.step`), packed with the rest.
         Returns the logits [B, V] and their argmax [B] (views valid until the next replay).
         """
         size = self.bucket(len(scheduled))
@@ -78,7 +81,7 @@ class DecodeGraphs:
         graph = self.graphs.get(size) or self._capture(size)
         buffer = self._step_buffer()
         rows = None if token_source is None else token_source[1]
-        layout = self.builder.pack(scheduled, pad_to=size, input_ids=rows)
+        layout = self.builder.pack(scheduled, pad_to=size, input_ids=rows, recurrent=recurrent)
         self.builder.upload(layout, buffer)
         if token_source is not None:
             start = layout.offsets["ids"]
@@ -95,6 +98,11 @@ class DecodeGraphs:
             extra = BUCKETS[-1] * (self.max_blocks_per_seq - 1) * self.num_kv_groups
             self.buffer = torch.empty(probe.size + extra, dtype=torch.int32, device=self.device)
         return self.buffer
+
+    def clear(self) -> None:
+        """Drop every captured graph (they read tensors that were replaced); the memory
+        pool stays for the next captures."""
+        self.graphs.clear()
 
     def _capture(self, size: int) -> _Graph:
         buffer = self._step_buffer()

@@ -69,7 +69,8 @@ class ModelRunner:
     `enforce_eager`, decode steps on CUDA replay CUDA graphs where the backend's
     step inputs support them. A hybrid model's recurrent states live in
     `recurrent_states` (`worker/recurrent_states.py`, with `num_state_checkpoints`
-    checkpoint slots).
+    checkpoint slots); its decode steps replay graphs too, their recurrent plan (rows,
+    slots, checkpoints) packed into the graph's static inputs.
     """
 
     def __init__(
@@ -140,12 +141,14 @@ class ModelRunner:
                             tp.size, tp.rank)
         self.inputs = self.backend.step_inputs(StepInputSpec(
             layout.block_size, heads.num_heads, heads.num_kv_heads, max_model_len, device,
-            len(layout.kv_groups),
+            len(layout.kv_groups), recurrent=self.recurrent_states is not None,
         ))
         graph_inputs = self.inputs.for_graphs()
+        # The state pool's size the graphs were captured with (they hold its tensors).
+        self._graph_slots = 0 if self.recurrent_states is None else self.recurrent_states.num_slots
         # Graphs and overlap replay one rank's step alone; ranks step together (eagerly).
         if (device.type == "cuda" and not enforce_eager and graph_inputs is not None
-                and tp.size == 1 and self.recurrent_states is None):
+                and tp.size == 1):
             from kvrecover.worker.cuda_graphs import DecodeGraphs
 
             max_blocks = blocks_needed(max_model_len, layout.block_size)
@@ -310,7 +313,7 @@ class ModelRunner:
         """
         scheduled = scheduler_output.scheduled
         if self.graphs is not None and self._can_replay(scheduler_output):
-            logits, greedy = self.graphs.run(scheduled, source)
+            logits, greedy = self.graphs.run(scheduled, source, self._recurrent_rows(scheduled))
             if not all(s.sample for s in scheduled):
                 rows = [i for i, s in enumerate(scheduled) if s.sample]
                 if not rows:
@@ -361,13 +364,34 @@ class ModelRunner:
             raise RuntimeError("a graphed decode step needs the whole vocabulary's logits")
         return self.backend.sampling.upcast_greedy(logits)
 
+    def _recurrent_rows(self, scheduled: list[ScheduledRequest]) -> list[Any] | None:
+        """A graphed step's recurrent request rows (None for a model without recurrent
+        layers): `RecurrentStates.advance` assigns slots and zeroes or restores the states
+        of requests that start at 0 or from a checkpoint, eagerly, before the replay. A
+        pool that grew replaced its tensors: the graphs that read the old ones are dropped."""
+        states = self.recurrent_states
+        if states is None:
+            return None
+        rows = states.advance(scheduled)
+        if states.num_slots != self._graph_slots and self.graphs is not None:
+            self.graphs.clear()
+            self._graph_slots = states.num_slots
+        return rows
+
     def _layer_meta(self, inputs: StepInputs,
                     scheduled: list[ScheduledRequest] | None = None) -> list[Any] | None:
         """Each layer's record: its group's attention record, or a recurrent layer's
-        `RecurrentLayerStep` (for the `scheduled` requests); None for a model of one
+        `RecurrentLayerStep` (for the `scheduled` requests; without them, a graphed
+        step's, from the plan prebuilt in its inputs); None for a model of one
         attention group and no recurrent layer."""
-        if self.recurrent_states is not None and scheduled is not None:
-            steps = self.recurrent_states.step(scheduled)
+        if self.recurrent_states is not None:
+            if scheduled is not None:
+                steps = self.recurrent_states.step(scheduled)
+            elif inputs.recurrent is not None:
+                steps = self.recurrent_states.layer_steps(inputs.recurrent)
+            else:
+                raise RuntimeError("a step of a hybrid model needs its requests or a "
+                                   "prebuilt recurrent plan")
             group_attn = inputs.group_attn or [inputs.attn]
             return [steps[i] if g is None else group_attn[g]
                     for i, g in enumerate(self._layer_groups)]

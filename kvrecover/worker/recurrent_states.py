@@ -171,8 +171,13 @@ class RecurrentStates:
         self.num_slots += added
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> dict[int, RecurrentLayerStep]:
-        """Each recurrent layer's record of this step; advances every slot's position to
-        the end of its request's tokens (the step computes them, or its requests end)."""
+        """Each recurrent layer's record of this step (`advance`'s rows)."""
+        return self.layer_steps(self.advance(scheduled))
+
+    def advance(self, scheduled: Sequence[ScheduledRequest]) -> list[RequestRows]:
+        """The step's request rows: takes slots, zeroes or restores the states of
+        requests that start at 0 or from a checkpoint, and advances every slot's position
+        to the end of its request's tokens (the step computes them, or its requests end)."""
         requests: list[RequestRows] = []
         row = 0
         for item in scheduled:
@@ -193,7 +198,12 @@ class RecurrentStates:
                                         tuple(item.save_checkpoints)))
             self.positions[slot] = position + count
             row += count
-        return {layer: RecurrentLayerStep(tensors, requests, self.chunk_size,
+        return requests
+
+    def layer_steps(self, requests: Sequence[RequestRows]) -> dict[int, RecurrentLayerStep]:
+        """Each recurrent layer's record of a step of `requests` (one list for all layers;
+        a graphed step passes its prebuilt plan's list)."""
+        return {layer: RecurrentLayerStep(tensors, requests, self.chunk_size,  # type: ignore[arg-type]
                                           self.checkpoints[layer])
                 for layer, tensors in self.tensors.items()}
 

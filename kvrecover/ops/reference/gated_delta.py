@@ -173,14 +173,31 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
 
 
 def causal_conv1d_batch(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
-                        requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+                        requests: Sequence[RecurrentRequestRows],
+                        checkpoints: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_conv1d` over a step's requests: one call per request on its rows and its
-    slot of `conv_states` [slots, D, K - 1], so every bit is the per-request call's."""
+    slot of `conv_states` [slots, D, K - 1], so every bit is the per-request call's. The
+    conv state at each of a request's checkpoints (the K - 1 inputs before that position)
+    is copied into that slot of `checkpoints` [checkpoint slots, D, K - 1] (None: not
+    copied)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     for request in requests:
         rows = slice(request.start_row, request.end_row)
+        if request.checkpoints and checkpoints is not None:
+            _checkpoint_conv(request, conv_states[request.slot], x[rows], checkpoints)
         out[rows] = causal_conv1d(x[rows], conv_states[request.slot], weight)
     return out
+
+
+def _checkpoint_conv(request: RecurrentRequestRows, conv_state: torch.Tensor, x: torch.Tensor,
+                     checkpoints: torch.Tensor) -> None:
+    """Copy the conv state at each of the request's checkpoint positions into its
+    checkpoint slot; `conv_state` is the state at its first row, `x` its rows."""
+    width = conv_state.shape[-1]
+    extended = torch.cat((conv_state.transpose(0, 1).to(x.dtype), x))  # from position - K + 1
+    for position, slot in request.checkpoints:
+        offset = position - request.position
+        checkpoints[slot].copy_(extended[offset : offset + width].transpose(0, 1))
 
 
 def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,

@@ -137,10 +137,10 @@ class TorchOps:
                                             chunk_size, snapshots)
 
     def causal_conv1d_batch(self, x: torch.Tensor, conv_states: torch.Tensor,
-                            weight: torch.Tensor,
-                            requests: Sequence[RecurrentRequestRows]) -> torch.Tensor:
+                            weight: torch.Tensor, requests: Sequence[RecurrentRequestRows],
+                            checkpoints: torch.Tensor | None = None) -> torch.Tensor:
         """The convolution of a step's requests, one per-request call each."""
-        return gated_delta.causal_conv1d_batch(x, conv_states, weight, requests)
+        return gated_delta.causal_conv1d_batch(x, conv_states, weight, requests, checkpoints)
 
     def gated_delta_rule_batch(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -460,4 +460,4 @@ def step_input_builder(spec: StepInputSpec) -> StepInputBuilder:
     """The packed step inputs whose query tiles match this kernel's prefill tiles."""
     group = spec.num_attention_heads // spec.num_kv_heads
     return StepInputBuilder(spec.block_size, tile_tokens(group), spec.device, spec.max_model_len,
-                            spec.num_kv_groups)
+                            spec.num_kv_groups, spec.recurrent)

@@ -15,63 +15,25 @@ the UT transform runs as in the reference: the unit lower-triangular system
 flash-linear-attention approach), every matmul in IEEE float32.
 
 The step's requests reach the kernels as index tensors (`StepPlan`: rows, positions,
-slots, checkpoint table), built once per step and shared by every layer.
+slots, checkpoint table; `ops/triton/step_plan.py`), built once per step and shared by
+every layer, or prebuilt in a CUDA graph's static buffer.
 Import only where Triton exists (CUDA machines, or `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kvrecover.ops.interface import DeltaRuleState, RecurrentRequestRows
+from kvrecover.ops.interface import DeltaRuleState
 from kvrecover.ops.reference.gated_delta import L2_NORM_EPS
+from kvrecover.ops.triton.step_plan import StepPlan, build_plan
+
+__all__ = ["StepPlan", "build_plan", "gated_delta_rule_batch"]
 
 MAX_VALUE_BLOCK = 32  # value dims per program (bounds the state tile in registers)
 NUM_WARPS = 8  # with 32 value dims: fastest of 16/32/64 x 1-8 warps on the H200 (NOTES)
-
-
-@dataclass
-class StepPlan:
-    """A step's requests as device index tensors (int32), for every layer's kernels."""
-
-    requests: Sequence[RecurrentRequestRows]  # the list it was built from (identity key)
-    meta: torch.Tensor  # [4, R]: first row, row count, first position, state slot
-    snapshot_begin: torch.Tensor  # [R + 1]: request r's checkpoints are entries [b[r], b[r+1])
-    snapshot_position: torch.Tensor  # [max(N, 1)] boundary positions, by request then position
-    snapshot_slot: torch.Tensor  # [max(N, 1)] checkpoint slots
-    max_rows: int  # the most rows any request brings
-    num_snapshots: int  # checkpoint entries over all requests
-
-
-def build_plan(requests: Sequence[RecurrentRequestRows], device: torch.device) -> StepPlan:
-    """The index tensors of `requests` (one host-to-device copy)."""
-    starts = [r.start_row for r in requests]
-    counts = [r.end_row - r.start_row for r in requests]
-    positions = [r.position for r in requests]
-    slots = [r.slot for r in requests]
-    begin, snap_positions, snap_slots = [0], [], []
-    for request in requests:
-        wanted = sorted(request.checkpoints)
-        if len({p for p, _ in wanted}) != len(wanted):
-            raise ValueError(f"request at row {request.start_row} asks for two checkpoints of "
-                             "one boundary; give each boundary one checkpoint slot")
-        snap_positions += [p for p, _ in wanted]
-        snap_slots += [s for _, s in wanted]
-        begin.append(len(snap_positions))
-    entries = len(snap_positions)
-    flat = starts + counts + positions + slots + begin + (snap_positions or [-1]) + (
-        snap_slots or [0])
-    packed = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
-    num = len(requests)
-    meta, rest = packed[: 4 * num].view(4, num), packed[4 * num :]
-    width = max(entries, 1)
-    return StepPlan(requests, meta, rest[: num + 1], rest[num + 1 : num + 1 + width],
-                    rest[num + 1 + width :], max(counts, default=0), entries)
 
 
 @triton.jit
@@ -199,7 +161,8 @@ def _gated_delta_kernel(
                 tl.store(k_tail_ptr + tail_qk, k, mask=keep & dk_mask[None, :])
                 tl.store(g_tail_ptr + tail_row * HV + head, g, mask=from_new)
                 tl.store(b_tail_ptr + tail_row * HV + head, beta, mask=from_new)
-    tl.store(state_base + state_offsets, state, mask=state_mask)
+    # A padding request (0 rows) of a graphed step writes nothing: its slot may be real.
+    tl.store(state_base + state_offsets, state, mask=state_mask & (count > 0))
 
 
 def _pools_contiguous(states: DeltaRuleState, checkpoints: torch.Tensor | None) -> None:
@@ -227,7 +190,7 @@ def gated_delta_rule_batch(
             raise ValueError(f"{name} must have a contiguous last dim")
     decay, beta = decay.contiguous(), beta.contiguous()
     out = torch.empty((rows, num_v_heads, value_dim), dtype=torch.float32, device=value.device)
-    num_requests = len(plan.requests)
+    num_requests = plan.num_requests
     if num_requests == 0 or rows == 0:
         return out
     if plan.num_snapshots and (checkpoints is None or not checkpoints.numel()):

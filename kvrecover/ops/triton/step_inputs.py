@@ -13,6 +13,11 @@ A model with several KV cache groups (`kv_groups.py`) has one block table and on
 cache-slot segment per group (group 0's are `table` and `slots`, as for one group);
 padded steps then give every table the model's full width, so that the offsets still
 depend on `pad_to` alone (only the last segment, group 0's table, may grow).
+
+A hybrid model's builder (`recurrent`) also packs, into padded steps, the recurrent
+layers' plan (`ops/triton/step_plan.py`: each request's row, position, state slot and
+checkpoint; padding requests of 0 rows), so a graphed step reads it from the same
+static buffer; eager steps' layers build their own.
 """
 
 from __future__ import annotations
@@ -26,24 +31,32 @@ import torch
 
 from kvrecover.ops.interface import (
     GraphStepInputs,
+    RecurrentRequestRows,
     ScheduledTokens,
     StepInputs,
 )
 from kvrecover.ops.triton.metadata import PagedAttentionMetadata
+from kvrecover.ops.triton.step_plan import (
+    decode_plan_lengths,
+    decode_plan_views,
+    pack_decode_plan,
+)
 
 _ALIGN = 32  # int32 elements (128 bytes) between segments, for aligned kernel loads
 _SEGMENTS = ("ids", "positions", "slots", "seq_lens", "query_start", "tile_request",
              "tile_query_start", "sample_rows", "table_stride", "table")
 
 
-def _segments(num_groups: int) -> tuple[str, ...]:
-    """The segment names of a step with `num_groups` block tables, in buffer order."""
+def _segments(num_groups: int, recurrent: bool = False) -> tuple[str, ...]:
+    """The segment names of a step with `num_groups` block tables (and with `recurrent`
+    the recurrent layers' plan, before the tables), in buffer order."""
+    plan = tuple(decode_plan_lengths(0)) if recurrent else ()
     if num_groups == 1:
-        return _SEGMENTS
+        return _SEGMENTS[:-2] + plan + _SEGMENTS[-2:]
     extra = range(1, num_groups)
     return ("ids", "positions", "slots", *(f"slots{g}" for g in extra), "seq_lens",
-            "query_start", "tile_request", "tile_query_start", "sample_rows", "table_stride",
-            *(f"table{g}" for g in extra), "table")
+            "query_start", "tile_request", "tile_query_start", "sample_rows", *plan,
+            "table_stride", *(f"table{g}" for g in extra), "table")
 
 
 def _group_names(num_groups: int) -> list[tuple[str, str]]:
@@ -67,9 +80,10 @@ def _round_up(value: int) -> int:
     return -(-value // _ALIGN) * _ALIGN
 
 
-def _offsets(lengths: dict[str, int], num_groups: int = 1) -> tuple[dict[str, int], int]:
+def _offsets(lengths: dict[str, int], num_groups: int = 1,
+             recurrent: bool = False) -> tuple[dict[str, int], int]:
     offsets, size = {}, 0
-    for name in _segments(num_groups):
+    for name in _segments(num_groups, recurrent):
         offsets[name] = size
         size = _round_up(size + lengths[name])
     return offsets, size
@@ -85,10 +99,11 @@ class StepInputBuilder:
 
     def __init__(
         self, block_size: int, tile_tokens: int, device: torch.device, max_model_len: int = 0,
-        num_kv_groups: int = 1,
+        num_kv_groups: int = 1, recurrent: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_kv_groups = num_kv_groups
+        self.recurrent = recurrent  # padded steps carry the recurrent layers' plan
         self._groups = _group_names(num_kv_groups)
         # Padded steps of several groups give every table this width (see the module doc).
         self._graph_width = max(1, -(-max_model_len // block_size))
@@ -118,14 +133,17 @@ class StepInputBuilder:
         scheduled: Sequence[ScheduledTokens],
         pad_to: int | None = None,
         input_ids: list[int] | None = None,
+        recurrent: Sequence[RecurrentRequestRows] | None = None,
     ) -> StepLayout:
         """Write the step into the host buffer; returns its layout.
 
         With `pad_to` every request must have exactly one new token (a decode step),
-        and `input_ids` may replace those tokens in the buffer.
+        and `input_ids` may replace those tokens in the buffer; a builder made with
+        `recurrent` then also packs the recurrent layers' plan of `recurrent` (the
+        requests' rows and slots, `RecurrentStates.step`; None: padding only).
         """
         if pad_to:
-            return self._pack_decode(scheduled, pad_to, input_ids)
+            return self._pack_decode(scheduled, pad_to, input_ids, recurrent or ())
         self._table_shape = None
         num_real = len(scheduled)
         num_reqs = pad_to or num_real
@@ -144,13 +162,14 @@ class StepInputBuilder:
             "query_start": num_reqs + 1, "tile_request": num_tiles,
             "tile_query_start": num_tiles, "sample_rows": len(samples), "table_stride": 1,
         }
+        lengths.update(dict.fromkeys(decode_plan_lengths(0), 0))  # eager: the layers' own plan
         for slots_name, table_name in groups:
             lengths[slots_name] = num_tokens
             lengths[table_name] = num_reqs * width
-        offsets, size = _offsets(lengths, len(groups))
+        offsets, size = _offsets(lengths, len(groups), self.recurrent)
         host = self._host_buffer(size)
         seg = {name: host[offsets[name] : offsets[name] + lengths[name]]
-               for name in _segments(len(groups))}
+               for name in _segments(len(groups), self.recurrent)}
 
         query_start = seg["query_start"]
         query_start[0] = 0
@@ -197,7 +216,8 @@ class StepInputBuilder:
         return StepLayout(offsets, lengths, size, num_tiles, decode_only, max_seq_len)
 
     def _pack_decode(
-        self, scheduled: Sequence[ScheduledTokens], num_reqs: int, input_ids: list[int] | None
+        self, scheduled: Sequence[ScheduledTokens], num_reqs: int, input_ids: list[int] | None,
+        recurrent: Sequence[RecurrentRequestRows],
     ) -> StepLayout:
         """`pack` for padded decode steps (the CUDA-graph path), lean on per-call overhead.
 
@@ -219,10 +239,12 @@ class StepInputBuilder:
                 "seq_lens": num_reqs, "query_start": num_reqs + 1, "tile_request": num_reqs,
                 "tile_query_start": num_reqs, "sample_rows": 0, "table_stride": 1,
             }
+            lengths.update(decode_plan_lengths(num_reqs) if self.recurrent
+                           else dict.fromkeys(decode_plan_lengths(0), 0))
             for slots_name, table_name in groups:
                 lengths[slots_name] = num_reqs
                 lengths[table_name] = num_reqs * width
-            offsets, size = _offsets(lengths, len(groups))
+            offsets, size = _offsets(lengths, len(groups), self.recurrent)
             host = self._host_buffer(size)
             if id(self._host) != shape[0]:  # the buffer grew: the shape changed after all
                 shape = (id(self._host), num_reqs, width)
@@ -241,6 +263,11 @@ class StepInputBuilder:
             host = self._host_buffer(self._decode_layout.size)
         layout = self._decode_layout
         o = layout.offsets
+        if self.recurrent:
+            pack_decode_plan({name: host[o[name] : o[name] + layout.lengths[name]]
+                              for name in decode_plan_lengths(0)}, recurrent, num_reqs)
+        elif recurrent:
+            raise ValueError("recurrent rows for a step-input builder made without `recurrent`")
         positions = [s.num_computed_tokens for s in scheduled]
         if input_ids is None:
             input_ids = [s.token_ids[0] for s in scheduled]
@@ -296,8 +323,10 @@ class StepInputBuilder:
         """The model's inputs as views of an uploaded buffer."""
         seg = {
             name: buffer[layout.offsets[name] : layout.offsets[name] + layout.lengths[name]]
-            for name in _segments(self.num_kv_groups)
+            for name in _segments(self.num_kv_groups, self.recurrent)
         }
+        planned = (decode_plan_views(seg, layout.lengths["rec_snap_slot"])
+                   if self.recurrent and layout.lengths["rec_meta"] else None)
         attn = PagedAttentionMetadata(
             slot_mapping=seg["slots"],
             seq_lens=seg["seq_lens"],
@@ -310,13 +339,12 @@ class StepInputBuilder:
             decode_only=layout.decode_only,
             max_seq_len=layout.max_seq_len,
         )
-        if self.num_kv_groups == 1:
-            return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn)
-        group_attn = [attn] + [
+        group_attn = [] if self.num_kv_groups == 1 else [attn] + [
             replace(attn, slot_mapping=seg[slots_name], block_tables=seg[table_name])
             for slots_name, table_name in self._groups[1:]
         ]
-        return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn, group_attn)
+        return StepInputs(seg["ids"], seg["positions"], seg["sample_rows"], attn, group_attn,
+                          planned)
 
     def _host_buffer(self, size: int) -> np.ndarray:
         if self._uploaded is not None:
