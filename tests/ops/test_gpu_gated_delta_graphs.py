@@ -108,7 +108,10 @@ def test_padded_static_decode_steps_give_the_eager_bits_and_padding_writes_nothi
         rows = []
         for index, slot in enumerate(slots):
             position = positions[slot]
-            marks = ((position + 1, number % 3),) if (position + 1) % CHUNK == 0 else ()
+            # One checkpoint slot per request of the step: two programs writing one
+            # slot would race on a GPU (the interpreter runs them one after the other).
+            marks = (((position + 1, (number + index) % 3),) if (position + 1) % CHUNK == 0
+                     else ())
             rows.append(RequestRows(index, index + 1, position, slot, marks))
             positions[slot] += 1
         inputs = step_inputs(8, seed=number)
