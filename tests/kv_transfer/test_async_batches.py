@@ -17,6 +17,7 @@ from test_batched_loads import (
     PER_REQUEST,
     REQUESTS,
     block_bytes,
+    flip_a_payload_bit,
     make_worker,
     random_caches,
     request_blocks,
@@ -25,7 +26,7 @@ from test_batched_loads import (
 )
 
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.block_store import PREFIX_SIZE, BlockStore
+from kvrecover.kv_transfer.block_store import BlockStore
 from kvrecover.kv_transfer.paged_blocks import PagedBlocks
 from kvrecover.kv_transfer.reader_threads import ReaderThreads
 from kvrecover.kv_transfer.shared_storage import BlockTransfer, StorageConnectorMetadata
@@ -134,10 +135,7 @@ def test_a_bad_block_in_a_batched_async_install_fails_only_its_own_requests_bloc
         layout, tmp_path, monkeypatch, device):
     source = random_caches(layout, 3)
     store = store_requests(tmp_path, layout, source)
-    path = store.path(request_keys(1)[1])  # request 1's second block
-    raw = bytearray(path.read_bytes())
-    raw[PREFIX_SIZE + 5] ^= 0x08
-    path.write_bytes(bytes(raw))
+    flip_a_payload_bit(store, request_keys(1)[1])  # request 1's second block
     target = random_caches(layout, 4, device)
     worker = make_worker(tmp_path, layout, target, io_threads=2, async_load=True)
     spied = Spied(monkeypatch)

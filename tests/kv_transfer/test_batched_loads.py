@@ -71,6 +71,14 @@ def store_requests(tmp_path, layout, source: list[torch.Tensor]) -> BlockStore:
     return store
 
 
+def flip_a_payload_bit(store: BlockStore, key: str) -> None:
+    """Corrupt the stored block `key` (one bit of its payload): its checksum fails."""
+    path = store.path(key)
+    raw = bytearray(path.read_bytes())
+    raw[PREFIX_SIZE + 5] ^= 0x08
+    path.write_bytes(bytes(raw))
+
+
 def make_worker(tmp_path, layout, caches, **extra) -> SharedStorageConnector:
     config = KVTransferConfig("SharedStorageConnector", "kv_consumer",
                               {"shared_storage_path": str(tmp_path), **extra})
@@ -149,10 +157,7 @@ def test_a_bad_block_in_a_batch_fails_only_its_own_requests_blocks(layout, tmp_p
     monkeypatch.setattr(paged_blocks, "DIRECT_CHUNK_BYTES", 2 * layout.block_nbytes)
     source = random_caches(layout, 3)
     store = store_requests(tmp_path, layout, source)
-    path = store.path(request_keys(1)[1])  # request 1's second block
-    raw = bytearray(path.read_bytes())
-    raw[PREFIX_SIZE + 5] ^= 0x08
-    path.write_bytes(bytes(raw))
+    flip_a_payload_bit(store, request_keys(1)[1])  # request 1's second block
     target = random_caches(layout, 4, device)
     worker = make_worker(tmp_path, layout, target, io_threads=2)
     counted = Counted(monkeypatch)
