@@ -66,6 +66,53 @@ def test_scenario_on_a_windowed_model(windowed_model, tmp_path):
         assert '"kv_load_recovered_requests": 0' not in stats
 
 
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    """A tiny Qwen3-Next (3 Gated DeltaNet layers, 1 gated full attention, 4 experts) of the
+    same context, with a word-level tokenizer as the GPU benches' random checkpoints have:
+    "Hi" and "Hey" are both its unknown word (the prompts' endings are words it knows),
+    so the short prompts' prefix is the long prompts' start and their last loadable
+    boundary is one that a long prompt reaches."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    folder = build_tiny_model(tmp_path_factory.mktemp("hybrid_ctx"), seed=6,
+                            model_type="qwen3_next", num_hidden_layers=4, layer_types=types,
+                            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16,
+                            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                            max_position_embeddings=4096)
+    known = "Hello , my name is The capital of France China Your".split()
+    vocab = {f"w{i}": i for i in range(384 - len(known))} | {
+        word: 384 - len(known) + i for i, word in enumerate(known)}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w2"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+    return folder
+
+
+@pytest.mark.slow  # four processes, each loading the model
+def test_scenario_on_a_hybrid_model(hybrid_model, tmp_path):
+    result = run_cli("scenario", "--model", str(hybrid_model), "--device", "cpu",
+                     "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+    baseline = (tmp_path / scenario.DECODE_OUTPUT).read_text()
+    outputs = [line for line in baseline.splitlines() if line.startswith("Token ids: [")]
+    assert len(set(outputs)) > 1  # the weights tell the prompts apart: a wrong state shows
+    for name in (scenario.SYNC_RECOVERED_OUTPUT, scenario.ASYNC_RECOVERED_OUTPUT):
+        assert (tmp_path / name).read_text() == baseline
+    # Every prompt's KV and state were stored and loaded: each computes only its last
+    # partial block (the short prompts' states sit at a boundary the long ones reach).
+    stats = json.loads((tmp_path / "decode_output.stats.json").read_text())
+    assert stats["prompt_tokens_computed"] < 4 * 16, stats
+    for stem in ("sync_decode_recovered_output", "async_decode_recovered_output"):
+        stats = (tmp_path / f"{stem}.stats.json").read_text()
+        assert '"kv_load_recovered_requests": 0' not in stats
+
+
 GOOD_STATS = {
     "prefill": {"prompt_tokens_external": 0, "kv_load_failed_blocks": 0,
                 "kv_load_recovered_requests": 0},

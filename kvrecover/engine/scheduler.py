@@ -132,6 +132,8 @@ class Scheduler:
     # ----- scheduling ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within the token budget."""
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.begin_step()
         for request in self.kv_loads.expire(self.requests):
             self._finished_since_last_step.add(request.request_id)  # the worker may cancel
         budget = self.config.max_num_batched_tokens
@@ -180,6 +182,8 @@ class Scheduler:
             for request in self.waiting
         ):
             return None
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.begin_step()
         scheduled: list[ScheduledRequest] = []
         num_continued = 0
         for item in previous.scheduled:

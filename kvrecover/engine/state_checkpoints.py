@@ -9,6 +9,11 @@ block that ends there (the prefix's identity, as for KV blocks), the least
 recently used checkpoint giving way. A prefix-cache hit is cut back to the
 longest prefix whose boundary has a checkpoint (`usable_prefix`), and the
 request's first slice starts from it (`ScheduledRequest.restore_checkpoint`).
+Within one step (`begin_step` starts each) no slot that the step writes or reads
+gives way, so two requests of a step never write one slot, and a checkpoint the
+step writes is no restore point in that step (the worker restores before the
+layers run). A slice reaching a boundary whose checkpoint is held already lists
+it (`held_checkpoints`), so a producer's connector stores it from there too.
 
 With a store connector (`KVTransferConfig.state_interval_blocks` K) two more things:
 a producer gives the boundaries its connector stores (every K-th block boundary and the
@@ -46,16 +51,28 @@ class StateCheckpoints:
         self._free = list(range(num_slots - 1, -1, -1))
         # request id -> (slot, position) its next slice starts from, if it starts there.
         self._restores: dict[str, tuple[int, int]] = {}
+        # The step being scheduled: slots it writes or reads (no other boundary may take
+        # them before it ran) and the prefixes whose checkpoints it writes (their state is
+        # not there yet, so no request may start from them in this step).
+        self._step_slots: set[int] = set()
+        self._step_written: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self._slots)
 
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the last one's slots may give way again."""
+        self._step_slots.clear()
+        self._step_written.clear()
+
     def usable_prefix(self, request: Request, hits: PrefixHit) -> PrefixHit:
-        """`hits` cut to its longest prefix whose last boundary has a checkpoint (the
-        empty hit when none has); remembers that checkpoint for the request's next slice."""
+        """`hits` cut to its longest prefix whose last boundary has a checkpoint written
+        before this step (the empty hit when none has); remembers that checkpoint for the
+        request's next slice."""
         self._restores.pop(request.request_id, None)
         for num_blocks in range(len(hits), 0, -1):
-            slot = self._slots.get(request.block_hashes[num_blocks - 1])
+            block_hash = request.block_hashes[num_blocks - 1]
+            slot = None if block_hash in self._step_written else self._slots.get(block_hash)
             if slot is not None:
                 self._slots.move_to_end(request.block_hashes[num_blocks - 1])
                 self._restores[request.request_id] = (slot, num_blocks * self.block_size)
@@ -112,28 +129,33 @@ class StateCheckpoints:
         start = item.num_computed_tokens
         if start in (0, self._resume_states.get(request.request_id)):
             self._resume_states.pop(request.request_id, None)  # the worker's is used up
-        restore = None
         if remembered is not None and start > 0 and remembered[1] == start:
-            restore = item.restore_checkpoint = remembered[0]
+            item.restore_checkpoint = remembered[0]
+            self._step_slots.add(remembered[0])
         end = start + len(item.token_ids)
         first, last = start // self.block_size + 1, end // self.block_size
         if last < first or self.num_slots == 0:
             return
         update_block_hashes(request.block_hashes, request.token_ids[:end], self.block_size)
-        # A restore still to come keeps its slot (a rollback's or an admission's).
-        pinned = {restore} | {slot for slot, _ in self._restores.values()}
+        out_of_slots = False
         for boundary in self._by_priority(request, first, last):
             block_hash = request.block_hashes[boundary - 1]
-            if block_hash in self._slots:  # the same prefix's state, bit for bit (point 2)
+            slot = self._slots.get(block_hash)
+            if slot is not None:  # the same prefix's state, bit for bit (point 2)
                 self._slots.move_to_end(block_hash)
+                self._step_slots.add(slot)  # a connector may store it from there
+                item.held_checkpoints.append((boundary * self.block_size, slot))
                 continue
-            slot = self._take_slot(pinned)
+            slot = None if out_of_slots else self._take_slot()
             if slot is None:
-                break
+                out_of_slots = True
+                continue
             self._slots[block_hash] = slot
-            pinned.add(slot)
+            self._step_slots.add(slot)
+            self._step_written.add(block_hash)
             item.save_checkpoints.append((boundary * self.block_size, slot))
         item.save_checkpoints.sort()  # the layers write them in position order
+        item.held_checkpoints.sort()
         for position, _ in item.save_checkpoints:  # the latest boundary most recently used
             self._slots.move_to_end(request.block_hashes[position // self.block_size - 1])
 
@@ -151,11 +173,13 @@ class StateCheckpoints:
         taken = set(stored)
         return stored + [b for b in boundaries if b not in taken]
 
-    def _take_slot(self, pinned: set[int | None]) -> int | None:
-        """A free slot, else the least recently used one not `pinned` (read or written
-        in this step)."""
+    def _take_slot(self) -> int | None:
+        """A free slot, else the least recently used one that this step neither reads
+        nor writes and no restore still to come starts from (a rollback's or an
+        admission's)."""
         if self._free:
             return self._free.pop()
+        pinned = self._step_slots | {slot for slot, _ in self._restores.values()}
         for block_hash, slot in self._slots.items():
             if slot not in pinned:
                 del self._slots[block_hash]

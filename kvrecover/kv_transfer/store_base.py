@@ -271,7 +271,8 @@ class StoreConnectorBase(KVConnectorBase):
             end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
             first, last = item.num_computed_tokens // self.block_size, end // self.block_size
             if self._states is not None:
-                self._states.plan_saves(request, item.save_checkpoints, metadata.state_saves)
+                self._states.plan_saves(request, item.save_checkpoints + item.held_checkpoints,
+                                        metadata.state_saves)
             if last <= first:
                 continue
             keys = request.block_hashes
