@@ -12,6 +12,7 @@ makes the hash both the prefix-cache key and the key of stored KV.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,26 @@ class KVCacheLayout:
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Number of blocks that hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
+
+
+def resume_points(first: int, last: int, interval: int) -> range:
+    """The block boundaries strictly inside a load of blocks [first, last) whose stored
+    recurrent state a failed load of a hybrid may resume from (rule 8): the multiples of
+    `interval` (K, `KVTransferConfig.state_interval_blocks`) in (first, last), ascending.
+
+    The connector's scheduler role gives a load these (`StoreStates.plan_load`); its
+    worker role and the engine's `StateCheckpoints` pick one with `latest_resume_point`,
+    so the state the worker keeps is the one the scheduler expects.
+    """
+    return range((first // interval + 1) * interval, last, interval)
+
+
+def latest_resume_point(points: Sequence[int], first_invalid: int) -> int | None:
+    """The latest of `points` (ascending block boundaries, as `resume_points` gives) at
+    or before block boundary `first_invalid` (the start of the first invalid block), or
+    None when none is."""
+    index = bisect_right(points, first_invalid)
+    return points[index - 1] if index else None
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:

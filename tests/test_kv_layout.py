@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvrecover.kv_layout import KVCacheLayout, blocks_needed, hash_block_tokens, update_block_hashes
+from kvrecover.kv_layout import (
+    KVCacheLayout,
+    blocks_needed,
+    hash_block_tokens,
+    latest_resume_point,
+    resume_points,
+    update_block_hashes,
+)
 
 
 def test_blocks_needed():
@@ -44,3 +51,27 @@ def test_layout_sizes_and_fingerprint():
                   KVCacheLayout("m", torch.float32, 4, 3, 2, 8),
                   KVCacheLayout("m", torch.float16, 8, 3, 2, 8)):
         assert other.fingerprint != layout.fingerprint
+
+
+def test_resume_points_are_the_multiples_of_k_strictly_inside_the_load():
+    assert list(resume_points(0, 10, 2)) == [2, 4, 6, 8]  # neither 0 nor the end block 10
+    assert list(resume_points(4, 10, 2)) == [6, 8]  # a load starting at a multiple
+    assert list(resume_points(3, 10, 2)) == [4, 6, 8]
+    assert list(resume_points(0, 9, 3)) == [3, 6]  # the end block 9, a multiple: excluded
+    assert list(resume_points(0, 10, 1)) == list(range(1, 10))
+    assert list(resume_points(2, 7, 16)) == []  # K larger than the load
+    assert list(resume_points(0, 16, 16)) == []  # K = the load: only its end
+    assert list(resume_points(5, 6, 1)) == []  # one block
+
+
+def test_the_latest_resume_point_at_or_before_the_first_invalid_block():
+    points = resume_points(0, 10, 2)  # 2, 4, 6, 8
+    assert latest_resume_point(points, 6) == 6  # the first invalid block at a multiple
+    assert latest_resume_point(points, 7) == 6
+    assert latest_resume_point(points, 9) == 8  # the last block (or the end state)
+    assert latest_resume_point(points, 20) == 8  # beyond the load
+    assert latest_resume_point(points, 1) is None  # before the first multiple
+    assert latest_resume_point(points, 0) is None
+    assert latest_resume_point(resume_points(4, 10, 2), 4) is None  # the load's start
+    assert latest_resume_point(resume_points(2, 7, 16), 5) is None  # K larger than the load
+    assert latest_resume_point([3, 9], 8) == 3  # any ascending boundaries (a worker's list)

@@ -365,14 +365,15 @@ def num_state_checkpoints(config: ResolvedConfig) -> int:
 def _fit_state_slots(scheduler_config: SchedulerConfig,
                      runner: ModelRunner | TensorParallelRunner) -> SchedulerConfig:
     """The scheduler's config with `max_num_seqs` cut to the recurrent-state slots a
-    GPU's model runner could hold (a hybrid model with the device's default)."""
-    pool = getattr(runner, "recurrent_states", None)
-    if pool is None or pool.device.type != "cuda" or pool.num_slots >= scheduler_config.max_num_seqs:
+    GPU's model runner could hold (a hybrid model with the device's default; under
+    tensor parallelism the fewest of any rank, `TensorParallelRunner.state_slot_limit`)."""
+    slots, pool = runner.state_slot_limit, runner.recurrent_states
+    if slots is None or pool is None or slots >= scheduler_config.max_num_seqs:
         return scheduler_config
     logger.info("max_num_seqs %d -> %d: the recurrent states of %d requests take %.2f GiB",
-                scheduler_config.max_num_seqs, pool.num_slots, pool.num_slots,
-                pool.num_slots * pool.bytes_per_request / 2**30)
-    return replace(scheduler_config, max_num_seqs=pool.num_slots)
+                scheduler_config.max_num_seqs, slots, slots,
+                slots * pool.bytes_per_request / 2**30)
+    return replace(scheduler_config, max_num_seqs=slots)
 
 
 def hybrid_checkpoints(config: ResolvedConfig) -> StateCheckpoints:

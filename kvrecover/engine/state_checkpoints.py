@@ -19,9 +19,10 @@ With a store connector (`KVTransferConfig.state_interval_blocks` K) two more thi
 a producer gives the boundaries its connector stores (every K-th block boundary and the
 prompt's last loadable one) their slots first; and a consumer's load that fails at
 block b has the worker keep the stored state at the latest multiple of K blocks inside
-the load at or before b (`loaded_resume_point`, the same rule the connector's worker
-role follows, `kv_transfer/store_states.py`), which a rollback there resumes from
-(a *resume state*: the worker's, used by the request's next slice that starts there).
+the load at or before b (`loaded_resume_point`, by `kv_layout.resume_points` and
+`latest_resume_point`: the functions the connector's worker role calls, so the two
+agree), which a rollback there resumes from (a *resume state*: the worker's, used by
+the request's next slice that starts there).
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from collections import OrderedDict
 
 from kvrecover.engine.kv_cache_manager import PrefixHit
 from kvrecover.engine.request import Request
-from kvrecover.kv_layout import update_block_hashes
+from kvrecover.kv_layout import (
+    blocks_needed,
+    latest_resume_point,
+    resume_points,
+    update_block_hashes,
+)
 from kvrecover.step_messages import ScheduledRequest
 
 
@@ -103,10 +109,11 @@ class StateCheckpoints:
         interval, pending = self.load_interval, request.pending_external
         if interval is None or pending is None:
             return None
-        step = interval * self.block_size
         start, end = pending
-        latest = min(first_invalid, end - 1) // step * step
-        return latest if latest > start else None
+        points = resume_points(start // self.block_size, blocks_needed(end, self.block_size),
+                               interval)
+        latest = latest_resume_point(points, first_invalid // self.block_size)
+        return None if latest is None else latest * self.block_size
 
     def restore_at(self, request: Request, position: int) -> None:
         """The request was rolled back to `position` (`can_resume` said its state is to

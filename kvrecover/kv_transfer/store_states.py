@@ -18,8 +18,9 @@ that read fails, it reports the block ending at B invalid too, so the first inva
 block moves before B, and tries the next earlier one (at most `MAX_RESUME_READS`
 reads; after the last, the block ending at the earliest is reported invalid). So the
 first invalid block f the scheduler sees always names the state the worker keeps:
-the latest multiple of K blocks inside the load at or before f, if any
-(`engine/state_checkpoints.StateCheckpoints.loaded_resume_point`, the same rule).
+the latest multiple of K blocks inside the load at or before f, if any: both sides
+pick it with `kv_layout.resume_points` and `latest_resume_point`
+(`engine/state_checkpoints.StateCheckpoints.loaded_resume_point` on the scheduler's).
 Reading every boundary's state with each load instead would cost up to the states'
 share of the stored bytes on every load, failed or not; one at a time on a failure
 costs nothing on the way that matters.
@@ -32,6 +33,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvrecover.kv_layout import latest_resume_point, resume_points
 from kvrecover.kv_transfer.base import ReadFilter
 from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.state_entries import (
@@ -96,9 +98,8 @@ class StoreStates:
         tables = request.block_tables or ((),)
         position_of = {table[p]: p for table in tables for p in range(first, min(last, len(table)))}
         load.block_positions = [position_of.get(block_id, first) for block_id in load.block_ids]
-        first_multiple = (first // self.interval + 1) * self.interval
         load.resume_points = [(b * self.block_size, hashes[b - 1])
-                              for b in range(first_multiple, last, self.interval)]
+                              for b in resume_points(first, last, self.interval)]
 
     # ----- worker role ----------------------------------------------------------------
     def register(self, states: RecurrentStateAccess) -> None:
@@ -159,21 +160,23 @@ class StoreStates:
         if states is None or not failed or not transfer.resume_points:
             return set()
         first_failed = min(failed)
+        hash_at = dict(transfer.resume_points)
+        boundaries = [position // self.block_size for position, _ in transfer.resume_points]
         marked: set[int] = set()
         for _ in range(MAX_RESUME_READS):
-            usable = [point for point in transfer.resume_points
-                      if point[0] <= first_failed * self.block_size]
-            if not usable:
+            boundary = latest_resume_point(boundaries, first_failed)
+            if boundary is None:
                 return marked
-            position, block_hash = usable[-1]
+            position = boundary * self.block_size
+            block_hash = hash_at[position]
             payload = read(dataclasses.replace(transfer, state_hash=block_hash,
                                                state_position=position))
             if payload is not None:
                 states.keep_resume_state(transfer.request_id, position, payload)
                 return marked
-            first_failed = position // self.block_size - 1
+            first_failed = boundary - 1
             marked |= self._blocks_at(transfer, first_failed)
-        earliest = transfer.resume_points[0][0] // self.block_size - 1
+        earliest = boundaries[0] - 1
         if earliest < first_failed:  # out of reads: no resume point of this load
             marked |= self._blocks_at(transfer, earliest)
         return marked

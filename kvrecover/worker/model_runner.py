@@ -160,6 +160,15 @@ class ModelRunner:
         """The worker-role connector (`attach_connector`), or None."""
         return None if self.kv_connector is None else self.kv_connector.connector
 
+    @property
+    def state_slot_limit(self) -> int | None:
+        """The most requests whose recurrent states this runner holds at once: its pool's
+        slots on a GPU (allocated once, before the KV cache: `_recurrent_states`), which
+        the engine cuts `max_num_seqs` to; None where the pool grows (the CPU) or the
+        model has no recurrent layers."""
+        pool = self.recurrent_states
+        return pool.num_slots if pool is not None and pool.device.type == "cuda" else None
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache. The engine calls this after construction, so a
         memory budget measured on the device already accounts for the weights."""

@@ -125,8 +125,9 @@ class TensorParallelRunner:
                                           fixed_order=spec.batch_invariant)
             self.watch = RankWatch([p.process.pid for p in self.ranks], self.group.abort)
             self.runner = spec.build_runner(self.group)
-            for process in self.ranks:
-                process.receive(timeout, "loading its weights")
+            # Each rank sized its own state pool from its own GPU's free memory.
+            self._rank_state_slot_limits = [process.receive(timeout, "loading its weights").body
+                                            for process in self.ranks]
         except BaseException:
             self._stop(abort=True)
             raise
@@ -143,6 +144,13 @@ class TensorParallelRunner:
         """Rank 0's recurrent-state pool (a hybrid model's), or None; every rank holds
         one of the same slots for its own heads."""
         return self.runner.recurrent_states
+
+    @property
+    def state_slot_limit(self) -> int | None:
+        """The fewest recurrent-state slots of any rank (`ModelRunner.state_slot_limit`):
+        no rank may be asked to hold more requests' states than its pool has."""
+        limits = [self.runner.state_slot_limit, *self._rank_state_slot_limits]
+        return min((limit for limit in limits if limit is not None), default=None)
 
     @property
     def connector(self) -> KVConnectorBase | None:

@@ -2,7 +2,8 @@
 
 Started by rank 0 (`TensorParallelRunner`, through `distributed.rank_process`), it
 reads its `RankSpec` from the channel at `fd`, joins the group, loads its shard, and
-then answers rank 0's messages one by one: "allocate" (the KV cache, then its own
+then (telling rank 0 its recurrent-state slot limit, `ModelRunner.state_slot_limit`)
+answers rank 0's messages one by one: "allocate" (the KV cache, then its own
 worker-role connector over its own KV layout), "step" (run its shard of the step,
 answer with a `RankReport`), "shutdown". Any error ends the process after a "failed"
 message; the channel closing (rank 0's process died) ends it quietly.
@@ -47,7 +48,7 @@ def run_rank(fd: int) -> int:
         group = DistributedGroup(process_group, spec.rank, spec.size,
                                  fixed_order=spec.batch_invariant)
         runner = spec.build_runner(group)
-        channel.send_bytes(pack("ready"))
+        channel.send_bytes(pack("ready", runner.state_slot_limit))
         _serve(channel, spec, runner)
         group.shutdown()
         return 0
