@@ -84,6 +84,18 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def stores_state_at(boundary: int, num_prompt_tokens: int, block_size: int,
+                    interval: int) -> bool:
+    """Whether a producer's store connector keeps a hybrid prompt's recurrent state at
+    block boundary `boundary`: the prompt's last loadable one (where a consumer's claim
+    ends) and every `interval`-th before it (K, `KVTransferConfig.state_interval_blocks`).
+    The connector saves these (`StoreStates.plan_saves`); the engine's `StateCheckpoints`
+    gives them checkpoint slots first."""
+    last_loadable = (num_prompt_tokens - 1) // block_size
+    return 0 < boundary and (boundary == last_loadable
+                             or boundary < last_loadable and boundary % interval == 0)
+
+
 def resume_points(first: int, last: int, interval: int) -> range:
     """The block boundaries strictly inside a load of blocks [first, last) whose stored
     recurrent state a failed load of a hybrid may resume from (rule 8): the multiples of

@@ -10,6 +10,7 @@ from kvrecover.kv_layout import (
     hash_block_tokens,
     latest_resume_point,
     resume_points,
+    stores_state_at,
     update_block_hashes,
 )
 
@@ -75,3 +76,12 @@ def test_the_latest_resume_point_at_or_before_the_first_invalid_block():
     assert latest_resume_point(resume_points(4, 10, 2), 4) is None  # the load's start
     assert latest_resume_point(resume_points(2, 7, 16), 5) is None  # K larger than the load
     assert latest_resume_point([3, 9], 8) == 3  # any ascending boundaries (a worker's list)
+
+
+def test_a_producer_stores_states_at_the_last_loadable_boundary_and_every_kth_before():
+    # 4-token blocks, a 23-token prompt: loadable up to boundary 5 (22 // 4).
+    stored = [b for b in range(0, 8) if stores_state_at(b, 23, 4, 2)]
+    assert stored == [2, 4, 5]
+    assert [b for b in range(0, 8) if stores_state_at(b, 23, 4, 1024)] == [5]
+    assert [b for b in range(0, 4) if stores_state_at(b, 4, 4, 1)] == []  # nothing loadable
+    assert [b for b in range(0, 4) if stores_state_at(b, 5, 4, 1)] == [1]

@@ -35,6 +35,7 @@ from kvrecover.kv_layout import (
     blocks_needed,
     latest_resume_point,
     resume_points,
+    stores_state_at,
     update_block_hashes,
 )
 from kvrecover.step_messages import ScheduledRequest
@@ -174,8 +175,8 @@ class StateCheckpoints:
         if self.store_interval is None:
             return boundaries
         last_loadable = (request.num_prompt_tokens - 1) // self.block_size
-        stored = [b for b in boundaries if b == last_loadable
-                  or (b < last_loadable and b % self.store_interval == 0)]
+        stored = [b for b in boundaries if stores_state_at(
+            b, request.num_prompt_tokens, self.block_size, self.store_interval)]
         stored.sort(key=lambda b: b != last_loadable)
         taken = set(stored)
         return stored + [b for b in boundaries if b not in taken]

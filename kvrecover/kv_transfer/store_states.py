@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvrecover.kv_layout import latest_resume_point, resume_points
+from kvrecover.kv_layout import latest_resume_point, resume_points, stores_state_at
 from kvrecover.kv_transfer.base import ReadFilter
 from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.state_entries import (
@@ -79,12 +79,10 @@ class StoreStates:
                    saves: list[StateSave]) -> None:
         """Store the states this step checkpoints at the prompt's last loadable boundary
         (where a consumer's claim ends) and at every K-th block boundary before it."""
-        last_loadable = (request.num_prompt_tokens - 1) // self.block_size
         for position, slot in checkpoints:
             boundary, partial = divmod(position, self.block_size)
-            if partial or not 0 < boundary <= last_loadable:
-                continue
-            if boundary == last_loadable or boundary % self.interval == 0:
+            if not partial and stores_state_at(
+                    boundary, request.num_prompt_tokens, self.block_size, self.interval):
                 saves.append(StateSave(request.request_id, slot,
                                        request.block_hashes[boundary - 1]))
 
