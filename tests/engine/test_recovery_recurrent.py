@@ -81,6 +81,7 @@ def test_a_restore_is_used_only_by_a_slice_that_starts_there():
     checkpoints = StateCheckpoints(num_slots=4, block_size=BLOCK)
     request = hashed_request(24)
     checkpoints.plan(request, slice_of(request, 0, 8))
+    checkpoints.begin_step()
     hit = checkpoints.usable_prefix(request, PrefixHit(8, [[1, 2]]))
     assert hit.num_tokens == 8
     after_load = slice_of(request, 16, 8)

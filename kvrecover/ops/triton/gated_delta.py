@@ -17,6 +17,15 @@ flash-linear-attention approach), every matmul in IEEE float32.
 The step's requests reach the kernels as index tensors (`StepPlan`: rows, positions,
 slots, checkpoint table; `ops/triton/step_plan.py`), built once per step and shared by
 every layer, or prebuilt in a CUDA graph's static buffer.
+
+A head's value blocks share its query, key, decay and beta tails: each program reads
+the tail rows before the step's position in its first chunk, and the step's last,
+partial chunk leaves new rows there. When that chunk is the first one, its new rows lie
+after the rows read, so the first value block writes them; when the step spans more
+chunks, the last program of the head to arrive writes them (an arrival counter,
+`ops/triton/arrival.py`), after every other one has read the old rows. (The programs
+of a head need not run at once: a value block that started late read rows an earlier
+one had overwritten, 5e-3 off on the GPU under 8 warps, and in the interpreter.)
 Import only where Triton exists (CUDA machines, or `TRITON_INTERPRET=1`).
 """
 
@@ -28,12 +37,13 @@ import triton.language as tl
 
 from kvrecover.ops.interface import DeltaRuleState
 from kvrecover.ops.reference.gated_delta import L2_NORM_EPS
+from kvrecover.ops.triton.arrival import arrival_counters
 from kvrecover.ops.triton.step_plan import StepPlan, build_plan
 
 __all__ = ["StepPlan", "build_plan", "gated_delta_rule_batch"]
 
 MAX_VALUE_BLOCK = 32  # value dims per program (bounds the state tile in registers)
-NUM_WARPS = 4  # 8 warps ran 1.3-2.7x faster on the H200 but missed the reference by 3e-3 (NOTES)
+NUM_WARPS = 4  # 8 warps ran 1.3-2.7x faster on the H200 (NOTES); not re-measured since the tail fix
 
 
 @triton.jit
@@ -52,7 +62,7 @@ def _load_rows(new_ptr, tail_ptr, new_rows, tail_rows, new_stride, tail_stride, 
 def _gated_delta_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr,
     state_ptr, q_tail_ptr, k_tail_ptr, v_tail_ptr, g_tail_ptr, b_tail_ptr, checkpoint_ptr,
-    meta_ptr, snap_begin_ptr, snap_pos_ptr, snap_slot_ptr, num_requests,
+    meta_ptr, snap_begin_ptr, snap_pos_ptr, snap_slot_ptr, counter_ptr, num_requests,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     g_stride_t, b_stride_t, scale, eps,
     C: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
@@ -155,12 +165,20 @@ def _gated_delta_kernel(
             keep = from_new[:, None]
             tl.store(v_tail_ptr + (tail_row[:, None] * HV + head) * DV + dv[None, :], v,
                      mask=keep & dv_mask[None, :])
-            if v_block == 0:
+            writes_tails = v_block == 0
+            if chunk > 0:  # the rows it leaves are rows the head's first chunks read
+                tl.debug_barrier()
+                counter = counter_ptr + request * HV + head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                writes_tails = arrived == tl.num_programs(2) - 1
+            if writes_tails:
                 tail_qk = (tail_row[:, None] * HV + head) * DK + dk[None, :]
                 tl.store(q_tail_ptr + tail_qk, q, mask=keep & dk_mask[None, :])
                 tl.store(k_tail_ptr + tail_qk, k, mask=keep & dk_mask[None, :])
                 tl.store(g_tail_ptr + tail_row * HV + head, g, mask=from_new)
                 tl.store(b_tail_ptr + tail_row * HV + head, beta, mask=from_new)
+                if chunk > 0:
+                    tl.atomic_xchg(counter_ptr + request * HV + head, 0)  # re-armed
     # A padding request (0 rows) of a graphed step writes nothing: its slot may be real.
     tl.store(state_base + state_offsets, state, mask=state_mask & (count > 0))
 
@@ -199,10 +217,11 @@ def gated_delta_rule_batch(
     block_v = min(MAX_VALUE_BLOCK, max(16, triton.next_power_of_2(value_dim)))
     checkpoint_pool = checkpoints if checkpoints is not None and checkpoints.numel() else out
     grid = (num_requests, num_v_heads, triton.cdiv(value_dim, block_v))
+    counters = arrival_counters("gated_delta", num_requests * num_v_heads, value.device)
     _gated_delta_kernel[grid](
         query, key, value, decay, beta, out, states.state, states.query_tail, states.key_tail,
         states.value_tail, states.decay_tail, states.beta_tail, checkpoint_pool, plan.meta,
-        plan.snapshot_begin, plan.snapshot_position, plan.snapshot_slot, num_requests,
+        plan.snapshot_begin, plan.snapshot_position, plan.snapshot_slot, counters, num_requests,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), decay.stride(0), beta.stride(0), key_dim**-0.5, L2_NORM_EPS,
         C=chunk_size, HV=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=key_dim,
