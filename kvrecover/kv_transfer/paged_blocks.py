@@ -44,6 +44,7 @@ from kvrecover.kv_transfer.block_store import (
     payload_checksum,
 )
 from kvrecover.kv_transfer.helper_pool import HelperPool
+from kvrecover.kv_transfer.native_copy import RowInstaller
 from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
 
@@ -137,7 +138,9 @@ class PagedBlocks:
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
         self._free_staging: list[tuple[torch.Tensor, Any]] = []  # (buffer, event or None)
-        self._free_bounce_rows: list[memoryview] = []
+        self._free_bounce_rows: list[torch.Tensor] = []
+        # Copies rows into a direct cache off the GIL (None: Python copies; `native_copy`).
+        self._installer = RowInstaller.for_caches(kv_caches) if self.direct else None
         self._staging_lock = threading.Lock()
         self._upload_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self._helpers = HelperPool()  # every load's reader helpers (`helper_pool`)
@@ -187,16 +190,16 @@ class PagedBlocks:
         else:
             self.release(staged.host, staged.uploaded)
 
-    def _bounce_row(self) -> memoryview:
-        """A one-block row for a direct load to read into (`_give_back` it once read and
-        copied: only the thread that read into it may, so no late read ever lands in a
-        row that another load uses)."""
+    def _bounce_row(self) -> torch.Tensor:
+        """A one-block row (uint8) for a direct load to read into (`_give_back` it once
+        read and copied: only the thread that read into it may, so no late read ever
+        lands in a row that another load uses)."""
         with self._staging_lock:
             if self._free_bounce_rows:
                 return self._free_bounce_rows.pop()
-        return memoryview(bytearray(self.block_nbytes))
+        return torch.empty(self.block_nbytes, dtype=torch.uint8)
 
-    def _give_back(self, row: memoryview) -> None:
+    def _give_back(self, row: torch.Tensor) -> None:
         with self._staging_lock:
             if len(self._free_bounce_rows) < MAX_FREE_BOUNCE_ROWS:
                 self._free_bounce_rows.append(row)
@@ -215,17 +218,33 @@ class PagedBlocks:
         the cache's own bytes: the check `verify_after_load` asks for. Results (and
         `segments`, `results`) as `staged_io.read_rows`."""
 
+        installer = self._installer
+
         def load_one(position: int) -> int:
             row = self._bounce_row()
             try:
-                checksum = read_row(position, row)
-                parts = self.parts(block_ids[position])
+                view = byte_view(row)
+                checksum = read_row(position, view)
+                block_id = block_ids[position]
+                if installer is None:
+                    parts = self.parts(block_id)
 
-                def copy_and_check() -> int:
-                    self._copy_row(row, parts)
-                    if parts_checksum(parts) != checksum:
+                    def copy_and_check() -> int:
+                        self._copy_row(view, parts)
+                        if parts_checksum(parts) != checksum:
+                            raise BlockLoadError("payload checksum mismatch")
+                        return checksum
+                else:
+                    # The row is hashed whole (GIL-free) before the cache is touched; the
+                    # copy then compares each part with the row (`native_copy`).
+                    if parts_checksum([view]) != checksum:
                         raise BlockLoadError("payload checksum mismatch")
-                    return checksum
+
+                    def copy_and_check() -> int:
+                        if not installer.install(row, [0], [block_id], check=True)[0]:
+                            raise BlockLoadError("the cache block differs from its verified "
+                                                 "row after the copy")
+                        return checksum
 
                 return cancelled.write_unless_set(copy_and_check)
             finally:
@@ -344,9 +363,19 @@ class PagedBlocks:
 
     def _install_direct(self, group: RowGroup) -> list[bool]:
         """A group's rows copied block by block into a direct (CPU) cache, each block
-        hashed right after its copy when checked."""
+        hashed right after its copy when checked (or, through `native_copy`, compared
+        with its row right after the copy, and the row hashed)."""
         host_rows, nbytes = byte_view(group.staged.host), self.block_nbytes
         checksums = group.checksums
+        if self._installer is not None:
+            held = self._installer.install(group.staged.host, group.positions, group.block_ids,
+                                           check=checksums is not None)
+            if checksums is not None:
+                held = [ok and checksum is not None and parts_checksum(
+                    [host_rows[position * nbytes : (position + 1) * nbytes]]) == checksum
+                    for ok, position, checksum in zip(held, group.positions, checksums)]
+            self.let_go(group.staged)
+            return held
         passed = []
         for position, block_id, checksum in zip(group.positions, group.block_ids,
                                                 checksums or [None] * len(group.block_ids)):
