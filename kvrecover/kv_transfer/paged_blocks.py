@@ -5,15 +5,19 @@ block is [layers, 2, block_size, kv_heads, head_dim]. On the CPU one block's byt
 2 x layers contiguous slices of the caches, its "parts" in file order (`block_store`),
 so an entry is written from the cache itself with no copy in between ("direct").
 No load reads straight into the cache: a read abandoned at its deadline may still
-write later, and must only write memory of its own. A sync load on the CPU
-(`load_direct`) reads each entry into a one-block bounce row of the reading thread's
-own, still in the CPU's cache when it is copied into the block's slices and hashed
-there, copy and hash fenced by the load's `ReadCancel` (`reader_threads`), so the
-load costs about what reading into the cache did. Other loads stage whole entries
-in rows of a pooled host buffer (`stage`, read by several threads: `staged_io`) and
-`install` copies them into the cache later (into a CPU cache block by block, each
-block hashed right after its copy for `verify_after_load`); saves elsewhere
-`gather` the other way.
+write later, and must only write memory of its own. A load into a contiguous CPU
+cache, sync or async (`load_direct`), reads each entry into a one-block bounce row
+of the reading thread's own, still in the CPU's cache when it is copied into the
+block's slices and checked there, copy and check fenced by the load's `ReadCancel`
+(`reader_threads`; an async load's own fence too, set when it is aborted), so the
+load costs about what reading into the cache did. The copy and check are one C call
+off the GIL where it can be built (`native_copy`: the row hashed whole first, then
+each part compared with the row right after its copy), else Python copies and a
+hash of the block's slices. GPU loads stage whole entries in rows of a pooled host
+buffer (`stage`, read by several threads: `staged_io`) and `install` copies them
+into the cache later (`install` also serves strided CPU caches, and copies into a
+contiguous one block by block, checked after its copy for `verify_after_load`);
+saves elsewhere `gather` the other way.
 
 On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
 the read), each chunk of rows goes up on a side stream as soon as it is read, and
@@ -30,6 +34,7 @@ host-to-device DMA itself to deliver the bytes it was given.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -208,17 +213,23 @@ class PagedBlocks:
     def load_direct(self, block_ids: list[int], read_row: Callable[[int, memoryview], int],
                     cancelled: ReadCancel, threads: int, every_row: bool = False,
                     segments: Sequence[int] | None = None,
-                    results: list[RowResult] | None = None) -> list[RowResult]:
+                    results: list[RowResult] | None = None,
+                    fences: Sequence[ReadCancel] | None = None,
+                    after_run: Callable[[int], None] | None = None) -> list[RowResult]:
         """Load entries 0..len(block_ids)-1 into the given cache blocks (direct caches
         only) on up to `threads` threads: `read_row(position, row)` reads an entry into a
         bounce row and returns its stored payload checksum (header checked); the row is
         then copied into the block and the block hashed there, both under `cancelled`'s
-        fence, so nothing is written once `cancelled.set()` has returned. A block whose
-        hash differs fails (BlockLoadError); failed blocks hold garbage. The hash is of
-        the cache's own bytes: the check `verify_after_load` asks for. Results (and
-        `segments`, `results`) as `staged_io.read_rows`."""
+        fence (and the row's run's own fence, `fences[run]`, when given: one per
+        segment), so nothing is written once `set()` has returned on either. A block
+        whose hash differs fails (BlockLoadError); failed blocks hold garbage. The hash
+        is of the cache's own bytes: the check `verify_after_load` asks for. Results (and
+        `segments`, `results`, `after_run`) as `staged_io.read_rows`."""
 
         installer = self._installer
+        ends = list(segments) if segments is not None else [len(block_ids)]
+        if fences is not None and len(fences) != len(ends):
+            raise ValueError(f"{len(fences)} fences for {len(ends)} runs of rows")
 
         def load_one(position: int) -> int:
             row = self._bounce_row()
@@ -246,13 +257,17 @@ class PagedBlocks:
                                                  "row after the copy")
                         return checksum
 
-                return cancelled.write_unless_set(copy_and_check)
+                if fences is None:
+                    return cancelled.write_unless_set(copy_and_check)
+                fence = fences[bisect.bisect_right(ends, position)]
+                return cancelled.write_unless_set(lambda: fence.write_unless_set(copy_and_check))
             finally:
                 self._give_back(row)
 
         return read_rows(len(block_ids), load_one, cancelled, threads,
                          max(1, DIRECT_CHUNK_BYTES // self.block_nbytes), every_row=every_row,
-                         segments=segments, results=results, pool=self._helpers)
+                         segments=segments, results=results, pool=self._helpers,
+                         after_run=after_run)
 
     @staticmethod
     def _copy_row(row: memoryview, parts: list[memoryview]) -> None:

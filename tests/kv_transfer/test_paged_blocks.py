@@ -31,7 +31,7 @@ from kvrecover.kv_transfer.block_store import (
     BlockStore,
     payload_checksum,
 )
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks
+from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
@@ -231,7 +231,7 @@ def test_async_loads_into_a_reused_buffer_stay_byte_identical(layout, tmp_path):
     store = BlockStore(tmp_path, layout)
     for block_id, key in zip([1, 2, 3, 4], block_keys):
         store.write(key, block_of(source, block_id))
-    target = random_caches(layout, 12)
+    target = random_caches(layout, 12, "cpu-strided")  # staged (a direct cache reads in)
     worker = connector(tmp_path, layout, target)
     assert not load(worker, target, [5, 6, 7, 8], block_keys, is_async=True)
     assert len(worker._paged._free_staging) == 1
@@ -389,15 +389,22 @@ def test_a_native_sync_load_never_copies_a_corrupt_row_into_the_cache(layout, tm
     assert raw_bytes(block_of(target, 4)) == before
 
 
-def test_a_row_changed_after_its_read_check_fails_the_native_install(layout, tmp_path,
-                                                                     monkeypatch):
-    """An async install compares the cache with the row and hashes the row again: a row
-    that changed after the read's check (copied faithfully) still fails its block."""
+def staged_rows(layout, source, block_ids: list[int]) -> tuple[StagedRows, list[int]]:
+    """The given blocks of `source` as host rows to install, and their payload checksums."""
+    host = torch.stack([block_of(source, block_id).view(torch.uint8).reshape(-1)
+                        for block_id in block_ids])
+    return StagedRows(host), [payload_checksum(row) for row in host]
+
+
+def test_a_row_changed_after_its_read_check_fails_the_native_install(layout, monkeypatch):
+    """An install of staged rows into a CPU cache compares the cache with the row and
+    hashes the row again: a row that changed after its read's check (and was copied
+    faithfully) still fails its block."""
     if native_copy._library() is None:
         pytest.skip("no C compiler here: the native row installer cannot be built")
-    _, block_keys = stored(tmp_path, layout, 3, seed=40)
-    target = random_caches(layout, 41)
-    worker = connector(tmp_path, layout, target)
+    source, target = random_caches(layout, 40), random_caches(layout, 41)
+    paged = PagedBlocks(target)
+    staged, checksums = staged_rows(layout, source, [1, 2, 3])
     install = native_copy.RowInstaller.install
 
     def changing(self, rows, positions, block_ids, check, copy=True):
@@ -405,7 +412,8 @@ def test_a_row_changed_after_its_read_check_fails_the_native_install(layout, tmp
         return install(self, rows, positions, block_ids, check, copy)
 
     monkeypatch.setattr(native_copy.RowInstaller, "install", changing)
-    assert load(worker, target, [4, 5, 6], block_keys, is_async=True) == {5, 6}
+    assert paged.install_rows([4, 5, 6], [0, 1, 2], staged, checksums) == [True, False, True]
+    assert raw_bytes(block_of(target, 4)) == raw_bytes(block_of(source, 1))
 
 
 def test_the_native_installer_refuses_a_block_outside_the_cache(layout):
@@ -424,17 +432,28 @@ def test_the_native_installer_refuses_a_block_outside_the_cache(layout):
     assert raw_bytes(block_of(caches, 3)) == bytes(installer.row_nbytes)
 
 
-def test_verify_after_load_checks_an_async_install_into_a_cpu_cache(layout, tmp_path, monkeypatch,
-                                                                     row_copies):
-    """An async load stages, and the worker copies the rows in: with the check on, a copy
-    that wrote nothing is caught in the cache; with it off it is taken on trust."""
-    _, block_keys = stored(tmp_path, layout, 3, seed=34)
-    target = random_caches(layout, 35)
-    worker = connector(tmp_path, layout, target)
+def test_an_install_into_a_cpu_cache_checks_the_copy_when_asked(layout, monkeypatch, row_copies):
+    """Staged rows copied into a CPU cache (`PagedBlocks.install_rows`): with checksums,
+    a copy that wrote nothing is caught in the cache; without, it is taken on trust."""
+    source, target = random_caches(layout, 34), random_caches(layout, 35)
+    paged = PagedBlocks(target)
     copies_write_nothing(monkeypatch, row_copies)
-    assert load(worker, target, [4, 5, 6], block_keys, is_async=True) == {4, 5, 6}
-    worker.verify_after_load = False
-    assert not load(worker, target, [4, 5, 6], block_keys, is_async=True)
+    staged, checksums = staged_rows(layout, source, [1, 2, 3])
+    assert paged.install_rows([4, 5, 6], [0, 1, 2], staged, checksums) == [False] * 3
+    staged, _ = staged_rows(layout, source, [1, 2, 3])
+    assert paged.install_rows([4, 5, 6], [0, 1, 2], staged, None) == [True] * 3
+
+
+def test_an_async_load_into_a_cpu_cache_writes_it_during_the_read(layout, tmp_path, row_copies):
+    """An async load into a contiguous CPU cache reads through bounce rows into the
+    cache, as a sync one does (no staging buffer), checked there."""
+    source, block_keys = stored(tmp_path, layout, 4, seed=43)
+    target = random_caches(layout, 44)
+    worker = connector(tmp_path, layout, target)
+    assert not load(worker, target, [5, 6, 7, 8], block_keys, is_async=True)
+    assert not worker._paged._free_staging  # nothing was staged
+    for saved, loaded in zip(range(1, 5), [5, 6, 7, 8]):
+        assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
 
 
 @pytest.mark.parametrize("device", STAGED)
