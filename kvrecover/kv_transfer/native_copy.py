@@ -29,6 +29,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 COPY, CHECK = 1, 2  # kvr_install_rows' flags
 
 _Int64s = ctypes.POINTER(ctypes.c_int64)
+_ZERO = ctypes.c_int64(0)  # row position 0 of a one-row call (read only)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -67,6 +68,20 @@ class RowInstaller:
         file cannot be used."""
         library = _library()
         return None if library is None else cls(library, caches)
+
+    def install_one(self, row: torch.Tensor, block_id: int) -> bool:
+        """`install(row, [0], [block_id], check=True)` for one contiguous uint8 row of
+        `row_nbytes` bytes (a direct load's bounce row), with less Python per call."""
+        if row.numel() != self.row_nbytes:
+            raise ValueError(f"a row has {self.row_nbytes} bytes, not {row.numel()}")
+        mismatched = ctypes.c_uint8(0)
+        status = self._install(
+            row.data_ptr(), self.row_nbytes, ctypes.byref(_ZERO), ctypes.byref(
+                ctypes.c_int64(block_id)), 1, self._layers, self._num_layers, self.part_nbytes,
+            self.v_offset, self.num_blocks, COPY | CHECK, ctypes.byref(mismatched))
+        if status != 0:
+            raise ValueError(f"block id {block_id} outside the cache's {self.num_blocks} blocks")
+        return not mismatched.value
 
     def install(self, rows: torch.Tensor, positions: Sequence[int], block_ids: Sequence[int],
                 check: bool, copy: bool = True) -> list[bool]:

@@ -143,7 +143,7 @@ class PagedBlocks:
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
         self._free_staging: list[tuple[torch.Tensor, Any]] = []  # (buffer, event or None)
-        self._free_bounce_rows: list[torch.Tensor] = []
+        self._free_bounce_rows: list[tuple[torch.Tensor, memoryview]] = []  # (row, its bytes)
         # Copies rows into a direct cache off the GIL (None: Python copies; `native_copy`).
         self._installer = RowInstaller.for_caches(kv_caches) if self.direct else None
         self._staging_lock = threading.Lock()
@@ -195,16 +195,17 @@ class PagedBlocks:
         else:
             self.release(staged.host, staged.uploaded)
 
-    def _bounce_row(self) -> torch.Tensor:
-        """A one-block row (uint8) for a direct load to read into (`_give_back` it once
-        read and copied: only the thread that read into it may, so no late read ever
-        lands in a row that another load uses)."""
+    def _bounce_row(self) -> tuple[torch.Tensor, memoryview]:
+        """A one-block row (uint8) for a direct load to read into, and its bytes
+        (`_give_back` it once read and copied: only the thread that read into it may, so
+        no late read ever lands in a row that another load uses)."""
         with self._staging_lock:
             if self._free_bounce_rows:
                 return self._free_bounce_rows.pop()
-        return torch.empty(self.block_nbytes, dtype=torch.uint8)
+        row = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        return row, byte_view(row)
 
-    def _give_back(self, row: torch.Tensor) -> None:
+    def _give_back(self, row: tuple[torch.Tensor, memoryview]) -> None:
         with self._staging_lock:
             if len(self._free_bounce_rows) < MAX_FREE_BOUNCE_ROWS:
                 self._free_bounce_rows.append(row)
@@ -232,9 +233,9 @@ class PagedBlocks:
             raise ValueError(f"{len(fences)} fences for {len(ends)} runs of rows")
 
         def load_one(position: int) -> int:
-            row = self._bounce_row()
+            bounce = self._bounce_row()
+            row, view = bounce
             try:
-                view = byte_view(row)
                 checksum = read_row(position, view)
                 block_id = block_ids[position]
                 if installer is None:
@@ -252,7 +253,7 @@ class PagedBlocks:
                         raise BlockLoadError("payload checksum mismatch")
 
                     def copy_and_check() -> int:
-                        if not installer.install(row, [0], [block_id], check=True)[0]:
+                        if not installer.install_one(row, block_id):
                             raise BlockLoadError("the cache block differs from its verified "
                                                  "row after the copy")
                         return checksum
@@ -262,7 +263,7 @@ class PagedBlocks:
                 fence = fences[bisect.bisect_right(ends, position)]
                 return cancelled.write_unless_set(lambda: fence.write_unless_set(copy_and_check))
             finally:
-                self._give_back(row)
+                self._give_back(bounce)
 
         return read_rows(len(block_ids), load_one, cancelled, threads,
                          max(1, DIRECT_CHUNK_BYTES // self.block_nbytes), every_row=every_row,

@@ -336,6 +336,9 @@ def copies_write_nothing(monkeypatch, row_copies: str) -> None:
     monkeypatch.setattr(native_copy.RowInstaller, "install",
                         lambda self, rows, positions, block_ids, check, copy=True: install(
                             self, rows, positions, block_ids, check, copy=False))
+    monkeypatch.setattr(native_copy.RowInstaller, "install_one",  # a direct load's copies
+                        lambda self, row, block_id: install(self, row, [0], [block_id],
+                                                            check=True, copy=False)[0])
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
@@ -430,6 +433,11 @@ def test_the_native_installer_refuses_a_block_outside_the_cache(layout):
     assert all(torch.equal(cache, old) for cache, old in zip(caches, before))
     assert installer.install(rows, [1], [3], check=True) == [True]
     assert raw_bytes(block_of(caches, 3)) == bytes(installer.row_nbytes)
+    with pytest.raises(ValueError, match="outside the cache"):
+        installer.install_one(rows[0], NUM_BLOCKS)
+    row = torch.arange(installer.row_nbytes, dtype=torch.int64).to(torch.uint8)
+    assert installer.install_one(row, 2)
+    assert raw_bytes(block_of(caches, 2)) == raw_bytes(row)
 
 
 def test_an_install_into_a_cpu_cache_checks_the_copy_when_asked(layout, monkeypatch, row_copies):
