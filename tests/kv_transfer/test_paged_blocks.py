@@ -323,7 +323,7 @@ def row_copies(request, monkeypatch) -> str:
     if request.param == "python":
         monkeypatch.setattr(native_copy, "_library", lambda: None)
     elif native_copy._library() is None:
-        pytest.skip("no C compiler here: the native row installer cannot be built")
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
     return request.param
 
 
@@ -379,7 +379,7 @@ def test_a_native_sync_load_never_copies_a_corrupt_row_into_the_cache(layout, tm
     """Through `native_copy` a sync load hashes the row before the copy: a corrupt
     entry's block keeps what it held (the Python copies write it, then fail it)."""
     if native_copy._library() is None:
-        pytest.skip("no C compiler here: the native row installer cannot be built")
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
     _, block_keys = stored(tmp_path, layout, 2, seed=38)
     path = BlockStore(tmp_path, layout).path(block_keys[0])
     raw = bytearray(path.read_bytes())
@@ -404,7 +404,7 @@ def test_a_row_changed_after_its_read_check_fails_the_native_install(layout, mon
     hashes the row again: a row that changed after its read's check (and was copied
     faithfully) still fails its block."""
     if native_copy._library() is None:
-        pytest.skip("no C compiler here: the native row installer cannot be built")
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
     source, target = random_caches(layout, 40), random_caches(layout, 41)
     paged = PagedBlocks(target)
     staged, checksums = staged_rows(layout, source, [1, 2, 3])
@@ -423,7 +423,7 @@ def test_the_native_installer_refuses_a_block_outside_the_cache(layout):
     caches = random_caches(layout, 42)
     installer = native_copy.RowInstaller.for_caches(caches)
     if installer is None:
-        pytest.skip("no C compiler here: the native row installer cannot be built")
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
     before = [cache.clone() for cache in caches]
     rows = torch.zeros((2, installer.row_nbytes), dtype=torch.uint8)
     with pytest.raises(ValueError, match="outside the cache"):
