@@ -1,7 +1,8 @@
 """Storage benchmark: what the verified KV block store costs, and what loading KV saves.
 
     PYTHONPATH=. python bench/bench_storage.py --threads 1 [--dir /dev/shm] [--megabytes 256]
-        [--repeats 3] [--prompt-tokens 1500] [--model DIR] [--device cpu] [--skip-llm] [--profile]
+        [--repeats 3] [--prompt-tokens 1500] [--model DIR] [--device cpu] [--skip-llm]
+        [--loads-only] [--profile]
 
 1. For three KV layouts (the default model's: 30 layers, 3 KV heads, head dim 64,
    float32; Llama-3.2-1B's: 16 layers, 8 KV heads, head dim 64, bfloat16; and
@@ -28,6 +29,13 @@
 
 Files live under --dir (default /dev/shm if present, so the page cache, not a
 disk, is measured) and are deleted afterwards. Times are the best of --repeats.
+The load ratios ("x plain") are the median, over --repeats rounds, of each round's
+plain read time over the operation's, the plain read timed right before and right
+after the operation in that round (their mean is the reference), and the operations
+taking turns in an order reversed every other round: a busy spell on a shared machine
+then moves both sides of a ratio, not one. "spread" is the lowest and highest round's
+ratio; a change is told apart when the spreads do not overlap. --loads-only skips the
+saves, the break-even scan and the long prompt.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ LAYOUTS = {
     "llama3.2-1b bf16": KVCacheLayout("bench-llama3.2-1b", torch.bfloat16, 16, 16, 8, 64),
     "llama3-8b bf16": KVCacheLayout("bench-llama3-8b", torch.bfloat16, 16, 32, 8, 128),
 }
-GOALS = {"save": 0.6, "load": 0.6, "load, verify_after_load": 0.5}  # x plain I/O, issue 14
+# x plain I/O: saves (issue 14); loads, sync either way and async (issue 28 goal 6, CPU).
+GOALS = {"save": 0.6, "load": 0.6, "load, verify_after_load": 0.6, "load, async": 0.5}
 BREAK_EVEN_TOKENS = (16, 64, 256, 1024, 4096, 16384)
 
 
@@ -80,6 +89,43 @@ def best_times(runs: list[tuple[Callable[[], None], Callable[[], None]]], repeat
             run()
             times[index] = min(times[index], time.perf_counter() - started)
     return times
+
+
+def paired_ratios(reference: Callable[[], None], runs: list[Callable[[], None]],
+                  repeats: int) -> tuple[float, list[float], list[list[float]]]:
+    """Per round, for each run, the reference's time over the run's, the reference timed
+    right before and right after the run (their mean); the runs take turns in an order
+    reversed every other round. Returns the best reference time, each run's best time
+    and each run's per-round ratios (see the module docstring)."""
+    ratios: list[list[float]] = [[] for _ in runs]
+    best = [float("inf")] * len(runs)
+    best_reference = float("inf")
+
+    def timed(run: Callable[[], None]) -> float:
+        started = time.perf_counter()
+        run()
+        return time.perf_counter() - started
+
+    for round_number in range(repeats):
+        order = list(range(len(runs)))
+        if round_number % 2:
+            order.reverse()
+        before = timed(reference)
+        best_reference = min(best_reference, before)
+        for index in order:
+            seconds = timed(runs[index])
+            best[index] = min(best[index], seconds)
+            after = timed(reference)
+            best_reference = min(best_reference, after)
+            ratios[index].append((before + after) / 2 / seconds)
+            before = after
+    return best_reference, best, ratios
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def fresh(folder: Path) -> Callable[[], None]:
@@ -133,8 +179,11 @@ class ConnectorBench:
 
 
 def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, repeats: int,
-                 device: str) -> tuple[list[tuple[str, str, float, float]], ConnectorBench]:
-    """Rows of (layout, operation, GB/s, ratio to plain file I/O), and the loaded connector."""
+                 device: str, loads_only: bool = False,
+                 ) -> tuple[list[tuple[str, str, float, float, float | None, float | None]],
+                            ConnectorBench]:
+    """Rows of (layout, operation, GB/s, ratio to plain file I/O, lowest and highest
+    round's ratio or None), and the loaded connector."""
     num_blocks = max(8, megabytes * (1 << 20) // layout.block_nbytes)
     nbytes = num_blocks * layout.block_nbytes
     bench = ConnectorBench(layout, root / "connector", num_blocks, device)
@@ -178,36 +227,43 @@ def bench_layout(name: str, layout: KVCacheLayout, root: Path, megabytes: int, r
         for block in blocks:
             xxhash.xxh3_64_intdigest(block.view(torch.uint8).numpy())
 
-    def verify(on: bool) -> Callable[[], None]:
-        def setup() -> None:
-            bench.connector.verify_after_load = on
-        return setup
-
-    t_plain_write, t_store_write, t_conn_save = best_times([
-        (plain_write, fresh(plain)), (store_write, fresh(store.root)),
-        (bench.save, fresh(root / "connector"))], repeats)
-    (t_plain_read, t_plain_threads, t_store_read, t_conn_load_noverify, t_conn_load, t_conn_async,
-     t_checksum) = best_times([
-        (plain_read, verify(True)), (plain_read_threads, verify(True)), (store_read, verify(True)),
-        (bench.load, verify(False)), (bench.load, verify(True)),
-        (lambda: bench.load(is_async=True), verify(True)), (checksum_only, verify(True))], repeats)
     label = f"{name} ({num_blocks} x {layout.block_nbytes / 1e6:.2f} MB)"
+    Row = tuple[str, str, float, float, float | None, float | None]
 
-    def row(operation: str, seconds: float, reference: float) -> tuple[str, str, float, float]:
-        return label, operation, nbytes / seconds / 1e9, reference / seconds
+    def row(operation: str, seconds: float, reference: float) -> Row:
+        return label, operation, nbytes / seconds / 1e9, reference / seconds, None, None
 
-    rows = [
-        row("save: plain file write", t_plain_write, t_plain_write),
-        row("save: BlockStore.write", t_store_write, t_plain_write),
-        row("save: connector wait_for_save", t_conn_save, t_plain_write),
-        row("load: plain file read", t_plain_read, t_plain_read),
-        row(f"load: plain file read, {threads} threads", t_plain_threads, t_plain_read),
-        row("load: BlockStore.read (verified)", t_store_read, t_plain_read),
-        row("load: connector, verify_after_load=False", t_conn_load_noverify, t_plain_read),
-        row("load: connector, verify_after_load=True", t_conn_load, t_plain_read),
-        row("load: connector async, verify_after_load", t_conn_async, t_plain_read),
-        row("xxh3-64 of the payload alone", t_checksum, t_plain_read),
-    ]
+    rows: list[Row] = []
+    if not loads_only:
+        t_plain_write, t_store_write, t_conn_save = best_times([
+            (plain_write, fresh(plain)), (store_write, fresh(store.root)),
+            (bench.save, fresh(root / "connector"))], repeats)
+        rows += [row("save: plain file write", t_plain_write, t_plain_write),
+                 row("save: BlockStore.write", t_store_write, t_plain_write),
+                 row("save: connector wait_for_save", t_conn_save, t_plain_write)]
+    else:
+        bench.save()
+        store_write()
+
+    def with_verify(on: bool, run: Callable[[], None]) -> Callable[[], None]:
+        def verified() -> None:
+            bench.connector.verify_after_load = on
+            run()
+        return verified
+
+    loads = [(f"load: plain file read, {threads} threads", plain_read_threads),
+             ("load: BlockStore.read (verified)", store_read),
+             ("load: connector, verify_after_load=False", with_verify(False, bench.load)),
+             ("load: connector, verify_after_load=True", with_verify(True, bench.load)),
+             ("load: connector async, verify_after_load",
+              with_verify(True, lambda: bench.load(is_async=True))),
+             ("xxh3-64 of the payload alone", checksum_only)]
+    t_plain_read, times, ratios = paired_ratios(plain_read, [run for _, run in loads], repeats)
+    rows.append(row("load: plain file read", t_plain_read, t_plain_read))
+    for (operation, _), seconds, paired in zip(loads, times, ratios):
+        rows.append((label, operation, nbytes / seconds / 1e9, median(paired), min(paired),
+                     max(paired)))
+    t_conn_load_noverify, t_conn_load = times[2], times[3]
     if device.startswith("cuda"):
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -394,6 +450,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--skip-llm", action="store_true", help="storage figures only")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="load figures only: no saves, break-even scan or long prompt")
     parser.add_argument("--profile", action="store_true",
                         help="also time the phases of one staged load per layout")
     args = parser.parse_args()
@@ -403,27 +461,32 @@ def main() -> None:
     try:
         print(f"files under {root}; torch threads: {torch.get_num_threads()}; "
               f"KV cache on {args.device}\n")
-        print(f"{'layout':<34}{'operation':<46}{'GB/s':>8}{'x plain':>9}  goal")
+        print(f"{'layout':<34}{'operation':<46}{'GB/s':>8}{'x plain':>9}{'spread':>13}  goal")
         breaks = {}
         for name in args.layouts:
             folder = root / name.replace(" ", "_")
             rows, bench = bench_layout(name, LAYOUTS[name], folder, args.megabytes, args.repeats,
-                                       args.device)
-            for layout_name, operation, rate, ratio in rows:
-                kind = ("load, verify_after_load" if "verify_after_load=True" in operation
+                                       args.device, args.loads_only)
+            for layout_name, operation, rate, ratio, low, high in rows:
+                kind = ("load, async" if "async" in operation
+                        else "load, verify_after_load" if "verify_after_load=True" in operation
                         or "(verify)" in operation
                         else operation.split(":")[0])
-                sync = "connector" in operation and "async" not in operation
-                goal = GOALS.get(kind) if sync else None
+                goal = GOALS.get(kind) if "connector" in operation else None
                 verdict = "" if goal is None else f">= {goal} {'met' if ratio >= goal else 'MISSED'}"
-                print(f"{layout_name:<34}{operation:<46}{rate:>8.2f}{ratio:>9.2f}  {verdict}")
+                spread = "" if low is None else f"{low:.2f}-{high:.2f}"
+                print(f"{layout_name:<34}{operation:<46}{rate:>8.2f}{ratio:>9.2f}{spread:>13}"
+                      f"  {verdict}")
             if args.profile:
                 for phase, seconds in profile_load(bench, args.repeats):
                     rate = len(bench.block_ids) * bench.connector._paged.block_nbytes / seconds / 1e9
                     print(f"{'':<34}{'profile: ' + phase:<46}{rate:>8.2f}{seconds * 1000:>7.1f} ms")
-            breaks[name] = break_even(name, LAYOUTS[name], bench, args.repeats, args.device)
+            if not args.loads_only:
+                breaks[name] = break_even(name, LAYOUTS[name], bench, args.repeats, args.device)
             del bench
             shutil.rmtree(folder, ignore_errors=True)
+        if args.loads_only:
+            return
         print(f"\nload (connector, verified) vs recompute ({args.device}; recompute = layers "
               "x one layer's measured prefill)")
         print(f"{'layout':<20}{'tokens':>8}{'load s':>10}{'recompute s':>13}{'faster':>11}")

@@ -167,11 +167,17 @@ class BlockCodec:
         self.entry_nbytes = PREFIX_SIZE + self.payload_nbytes
         self._dtype_name = str(layout.dtype).removeprefix("torch.").encode()[:8]
         self._spare_entries: list[bytearray] = []
+        # A header's fields other than its key, once (the fingerprint is a sha256 per
+        # call: a tenth of a small block's load when checked per entry).
+        self._fingerprint = layout.fingerprint.encode()
+        self._shape_fields = (layout.num_cache_tensors, layout.block_size, layout.num_kv_heads,
+                              layout.head_dim, self._dtype_name.ljust(8, b"\0"),
+                              self.payload_nbytes)
 
     def _header(self, key: bytes, payload_sum: int) -> bytes:
         """An entry's prefix: the header and its checksum."""
         header = HEADER.pack(
-            MAGIC, VERSION, 0, self.layout.fingerprint.encode(), key,
+            MAGIC, VERSION, 0, self._fingerprint, key,
             self.layout.num_cache_tensors, self.layout.block_size, self.layout.num_kv_heads,
             self.layout.head_dim, self._dtype_name, self.payload_nbytes, payload_sum,
         )
@@ -243,9 +249,7 @@ class BlockCodec:
     def _check_header(self, key: bytes, prefix: bytes | bytearray) -> int:
         """Check an entry's header against this layout and key; its payload checksum."""
         header = BlockHeader.unpack(prefix)
-        expected = (MAGIC, VERSION, self.layout.fingerprint.encode(), key,
-                    self.layout.num_cache_tensors, self.layout.block_size, self.layout.num_kv_heads,
-                    self.layout.head_dim, self._dtype_name.ljust(8, b"\0"), self.payload_nbytes)
+        expected = (MAGIC, VERSION, self._fingerprint, key, *self._shape_fields)
         actual = (header.magic, header.version, header.fingerprint, header.key, header.num_layers,
                   header.block_size, header.num_kv_heads, header.head_dim, header.dtype_name,
                   header.payload_nbytes)

@@ -5,15 +5,19 @@ block is [layers, 2, block_size, kv_heads, head_dim]. On the CPU one block's byt
 2 x layers contiguous slices of the caches, its "parts" in file order (`block_store`),
 so an entry is written from the cache itself with no copy in between ("direct").
 No load reads straight into the cache: a read abandoned at its deadline may still
-write later, and must only write memory of its own. A sync load on the CPU
-(`load_direct`) reads each entry into a one-block bounce row of the reading thread's
-own, still in the CPU's cache when it is copied into the block's slices and hashed
-there, copy and hash fenced by the load's `ReadCancel` (`reader_threads`), so the
-load costs about what reading into the cache did. Other loads stage whole entries
-in rows of a pooled host buffer (`stage`, read by several threads: `staged_io`) and
-`install` copies them into the cache later (into a CPU cache block by block, each
-block hashed right after its copy for `verify_after_load`); saves elsewhere
-`gather` the other way.
+write later, and must only write memory of its own. A load into a contiguous CPU
+cache, sync or async (`load_direct`), reads each entry into a one-block bounce row
+of the reading thread's own, still in the CPU's cache when it is copied into the
+block's slices and checked there, copy and check fenced by the load's `ReadCancel`
+(`reader_threads`; an async load's own fence too, set when it is aborted), so the
+load costs about what reading into the cache did. The copy and check are one C call
+off the GIL where it can be built (`native_copy`: the row hashed whole first, then
+each part compared with the row right after its copy), else Python copies and a
+hash of the block's slices. GPU loads stage whole entries in rows of a pooled host
+buffer (`stage`, read by several threads: `staged_io`) and `install` copies them
+into the cache later (`install` also serves strided CPU caches, and copies into a
+contiguous one block by block, checked after its copy for `verify_after_load`);
+saves elsewhere `gather` the other way.
 
 On a GPU the host rows are pinned and reused (pinning fresh memory costs more than
 the read), each chunk of rows goes up on a side stream as soon as it is read, and
@@ -30,6 +34,7 @@ host-to-device DMA itself to deliver the bytes it was given.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ from kvrecover.kv_transfer.block_store import (
     payload_checksum,
 )
 from kvrecover.kv_transfer.helper_pool import HelperPool
+from kvrecover.kv_transfer.native_copy import RowInstaller
 from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
 
@@ -137,7 +143,9 @@ class PagedBlocks:
         # In a layer's bytes, V blocks follow all K blocks.
         self._v_offset = kv_caches[0].shape[1] * self._part_nbytes if self.direct else 0
         self._free_staging: list[tuple[torch.Tensor, Any]] = []  # (buffer, event or None)
-        self._free_bounce_rows: list[memoryview] = []
+        self._free_bounce_rows: list[tuple[torch.Tensor, memoryview]] = []  # (row, its bytes)
+        # Copies rows into a direct cache off the GIL (None: Python copies; `native_copy`).
+        self._installer = RowInstaller.for_caches(kv_caches) if self.direct else None
         self._staging_lock = threading.Lock()
         self._upload_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self._helpers = HelperPool()  # every load's reader helpers (`helper_pool`)
@@ -187,16 +195,17 @@ class PagedBlocks:
         else:
             self.release(staged.host, staged.uploaded)
 
-    def _bounce_row(self) -> memoryview:
-        """A one-block row for a direct load to read into (`_give_back` it once read and
-        copied: only the thread that read into it may, so no late read ever lands in a
-        row that another load uses)."""
+    def _bounce_row(self) -> tuple[torch.Tensor, memoryview]:
+        """A one-block row (uint8) for a direct load to read into, and its bytes
+        (`_give_back` it once read and copied: only the thread that read into it may, so
+        no late read ever lands in a row that another load uses)."""
         with self._staging_lock:
             if self._free_bounce_rows:
                 return self._free_bounce_rows.pop()
-        return memoryview(bytearray(self.block_nbytes))
+        row = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        return row, byte_view(row)
 
-    def _give_back(self, row: memoryview) -> None:
+    def _give_back(self, row: tuple[torch.Tensor, memoryview]) -> None:
         with self._staging_lock:
             if len(self._free_bounce_rows) < MAX_FREE_BOUNCE_ROWS:
                 self._free_bounce_rows.append(row)
@@ -205,35 +214,61 @@ class PagedBlocks:
     def load_direct(self, block_ids: list[int], read_row: Callable[[int, memoryview], int],
                     cancelled: ReadCancel, threads: int, every_row: bool = False,
                     segments: Sequence[int] | None = None,
-                    results: list[RowResult] | None = None) -> list[RowResult]:
+                    results: list[RowResult] | None = None,
+                    fences: Sequence[ReadCancel] | None = None,
+                    after_run: Callable[[int], None] | None = None) -> list[RowResult]:
         """Load entries 0..len(block_ids)-1 into the given cache blocks (direct caches
         only) on up to `threads` threads: `read_row(position, row)` reads an entry into a
         bounce row and returns its stored payload checksum (header checked); the row is
         then copied into the block and the block hashed there, both under `cancelled`'s
-        fence, so nothing is written once `cancelled.set()` has returned. A block whose
-        hash differs fails (BlockLoadError); failed blocks hold garbage. The hash is of
-        the cache's own bytes: the check `verify_after_load` asks for. Results (and
-        `segments`, `results`) as `staged_io.read_rows`."""
+        fence (and the row's run's own fence, `fences[run]`, when given: one per
+        segment), so nothing is written once `set()` has returned on either. A block
+        whose hash differs fails (BlockLoadError); failed blocks hold garbage. The hash
+        is of the cache's own bytes: the check `verify_after_load` asks for. Results (and
+        `segments`, `results`, `after_run`) as `staged_io.read_rows`."""
+
+        installer = self._installer
+        ends = list(segments) if segments is not None else [len(block_ids)]
+        if fences is not None and len(fences) != len(ends):
+            raise ValueError(f"{len(fences)} fences for {len(ends)} runs of rows")
 
         def load_one(position: int) -> int:
-            row = self._bounce_row()
+            bounce = self._bounce_row()
+            row, view = bounce
             try:
-                checksum = read_row(position, row)
-                parts = self.parts(block_ids[position])
+                checksum = read_row(position, view)
+                block_id = block_ids[position]
+                if installer is None:
+                    parts = self.parts(block_id)
 
-                def copy_and_check() -> int:
-                    self._copy_row(row, parts)
-                    if parts_checksum(parts) != checksum:
+                    def copy_and_check() -> int:
+                        self._copy_row(view, parts)
+                        if parts_checksum(parts) != checksum:
+                            raise BlockLoadError("payload checksum mismatch")
+                        return checksum
+                else:
+                    # The row is hashed whole (GIL-free) before the cache is touched; the
+                    # copy then compares each part with the row (`native_copy`).
+                    if parts_checksum([view]) != checksum:
                         raise BlockLoadError("payload checksum mismatch")
-                    return checksum
 
-                return cancelled.write_unless_set(copy_and_check)
+                    def copy_and_check() -> int:
+                        if not installer.install_one(row, block_id):
+                            raise BlockLoadError("the cache block differs from its verified "
+                                                 "row after the copy")
+                        return checksum
+
+                if fences is None:
+                    return cancelled.write_unless_set(copy_and_check)
+                fence = fences[bisect.bisect_right(ends, position)]
+                return cancelled.write_unless_set(lambda: fence.write_unless_set(copy_and_check))
             finally:
-                self._give_back(row)
+                self._give_back(bounce)
 
         return read_rows(len(block_ids), load_one, cancelled, threads,
                          max(1, DIRECT_CHUNK_BYTES // self.block_nbytes), every_row=every_row,
-                         segments=segments, results=results, pool=self._helpers)
+                         segments=segments, results=results, pool=self._helpers,
+                         after_run=after_run)
 
     @staticmethod
     def _copy_row(row: memoryview, parts: list[memoryview]) -> None:
@@ -344,9 +379,19 @@ class PagedBlocks:
 
     def _install_direct(self, group: RowGroup) -> list[bool]:
         """A group's rows copied block by block into a direct (CPU) cache, each block
-        hashed right after its copy when checked."""
+        hashed right after its copy when checked (or, through `native_copy`, compared
+        with its row right after the copy, and the row hashed)."""
         host_rows, nbytes = byte_view(group.staged.host), self.block_nbytes
         checksums = group.checksums
+        if self._installer is not None:
+            held = self._installer.install(group.staged.host, group.positions, group.block_ids,
+                                           check=checksums is not None)
+            if checksums is not None:
+                held = [ok and checksum is not None and parts_checksum(
+                    [host_rows[position * nbytes : (position + 1) * nbytes]]) == checksum
+                    for ok, position, checksum in zip(held, group.positions, checksums)]
+            self.let_go(group.staged)
+            return held
         passed = []
         for position, block_id, checksum in zip(group.positions, group.block_ids,
                                                 checksums or [None] * len(group.block_ids)):

@@ -23,15 +23,17 @@ abandoned (bounded in number). A step's sync loads are one read (`batched_sync_r
 every request's entries as one batch of rows, each request a run of its own (a
 failure cuts its own run only), one install for the step; at the deadline a
 CPU load keeps the blocks it had finished (`_salvage`). A step's async loads are
-another such batch (`batched_async_reads`) in one leased staging buffer: each request
-is ready as soon as its own run is read, the batch lands together (`store_base`), and
-every load that landed by one `get_finished`
-is installed at once (`PagedBlocks.install_groups`: on a GPU one check, one host sync). `io_threads` threads read a
-load's entries (`staged_io`): its reader and helpers from a pool that every load of
-the connector shares (`helper_pool`). A sync load on the CPU reads each entry into a small bounce row and
-copies it into its block under the load's write fence, hashing it there, so its
-check is on the cache's own bytes (`PagedBlocks.load_direct`); async loads and GPU
-loads verify into staging rows that the worker copies into the cache. On a GPU the
+another such batch (`batched_async_reads`; on a GPU in one leased staging buffer):
+each request is ready as soon as its own run is read, the batch lands together
+(`store_base`), and every load that landed by one `get_finished` is installed at once
+(`PagedBlocks.install_groups`: on a GPU one check, one host sync). `io_threads` threads
+read a load's entries (`staged_io`): its reader and helpers from a pool that every load
+of the connector shares (`helper_pool`). A load into a CPU cache, sync or async, reads
+each entry into a small bounce row and copies it into its block under the load's write
+fence (an async load's own fence too, set when it is aborted or expires, before its
+blocks are freed), checking it there, so its check is on the cache's own bytes
+(`PagedBlocks.load_direct`); GPU loads verify into staging rows that the worker copies
+into the cache. On a GPU the
 rows are pinned and reused, each chunk going up on a side stream while the next
 ones are read, one indexed copy per layer puts them in the cache, and
 `verify_after_load` compares the cache's blocks with the verified rows
@@ -159,15 +161,20 @@ class SharedStorageConnector(StoreConnectorBase):
         return self._read_batch(transfers, cancelled, into_cache=self._paged_blocks().direct)
 
     def _read_async(self, transfer: BlockTransfer, cancelled: ReadCancel) -> list[LoadedBlock | None]:
-        # Staged: an async load must not write the cache before the worker confirms it.
+        # (Unbatched async loads; this connector batches them: `_read_async_batch`.)
+        # Staged: without a fence of its own, a load must not write the cache.
         return self._read_batch([transfer], cancelled, into_cache=False)[0]
 
     def _read_async_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
-                          ready: Callable[[int, Any], None]) -> list[list[LoadedBlock | None]]:
-        # Staged (an async load must not write the cache before the worker confirms it),
-        # one staging buffer and one set of `io_threads` threads for the step's loads,
-        # each handed to `ready` as soon as its own run of rows is read.
-        return self._read_batch(transfers, cancelled, into_cache=False, ready=ready)
+                          ready: Callable[[int, Any], None],
+                          writes: list[ReadCancel]) -> list[list[LoadedBlock | None]]:
+        # One set of `io_threads` threads for the step's loads, each handed to `ready` as
+        # soon as its own run of rows is read: straight into a direct (CPU) cache through
+        # bounce rows, each load's copies behind its own fence (`writes`, set before an
+        # aborted or expired load's blocks are freed); else staged in one buffer (a GPU
+        # load must not write the cache before the worker confirms it).
+        return self._read_batch(transfers, cancelled, into_cache=self._paged_blocks().direct,
+                                ready=ready, writes=writes)
 
     def _drop_async_result(self, result: list[LoadedBlock | None]) -> None:
         staging = next((block.staging for block in result if block is not None), None)
@@ -176,13 +183,15 @@ class SharedStorageConnector(StoreConnectorBase):
 
     def _read_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
                     into_cache: bool, ready: Callable[[int, Any], None] | None = None,
+                    writes: Sequence[ReadCancel] | None = None,
                     ) -> list[list[LoadedBlock | None]]:
         """Read and verify the transfers' blocks (on a reader thread) as one batch of rows,
         each transfer a run of its own (a failure cuts its own run only), into staging
-        rows or `into_cache` (a direct cache, `PagedBlocks.load_direct`); per transfer,
-        its blocks (None from its first failure on, or each failed one with `_each_block`).
-        With `ready` (staged only), `ready(i, blocks)` as soon as transfer i's run ends;
-        each transfer with blocks then holds the staging buffer's lease until installed."""
+        rows or `into_cache` (a direct cache, `PagedBlocks.load_direct`, transfer i's
+        copies also behind `writes[i]` when given); per transfer, its blocks (None from
+        its first failure on, or each failed one with `_each_block`). With `ready`,
+        `ready(i, blocks)` as soon as transfer i's run ends; a staged transfer with
+        blocks then holds the staging buffer's lease until installed."""
         paged = self._paged_blocks()
         rows = [(transfer, position) for transfer in transfers
                 for position in range(len(transfer.block_ids))]
@@ -209,9 +218,21 @@ class SharedStorageConnector(StoreConnectorBase):
         if into_cache:
             results: list[RowResult] = [None] * len(rows)
             cancelled.progress = results  # kept by `_salvage` if the deadline gives up
+
+            def direct_run_ended(run: int) -> None:
+                handed.add(run)
+                if ready is not None:
+                    ready(run, self._loaded_blocks([transfers[run]],
+                                                   results[starts[run] : ends[run]], None)[0])
+
             paged.load_direct([block_id for transfer in transfers for block_id in transfer.block_ids],
                               read_row, cancelled, self.io_threads, every_row=self._each_block,
-                              segments=ends, results=results)
+                              segments=ends, results=results, fences=writes,
+                              after_run=None if ready is None else direct_run_ended)
+            if ready is not None:  # the runs not handed out yet (cut short by `cancelled`)
+                return [[] if run in handed else self._loaded_blocks(
+                    [transfer], results[starts[run] : ends[run]], None)[0]
+                    for run, transfer in enumerate(transfers)]
         elif ready is not None:
             staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
                                           every_row=self._each_block, segments=ends,

@@ -117,13 +117,15 @@ class StoreSettings:
 @dataclass
 class AsyncLoad:
     """An async load in flight: its thread (None if it was refused at once), the result
-    to come, and its deadline."""
+    to come, its deadline, and the fence of its own writes into the cache (`writes`:
+    set once nobody waits for it, even while its batch's read goes on for others)."""
 
     transfer: BlockTransfer
     future: concurrent.futures.Future
     deadline: float
     cancelled: ReadCancel
     thread: threading.Thread | None
+    writes: ReadCancel | None = None
 
 
 class StoreConnectorBase(KVConnectorBase):
@@ -374,12 +376,15 @@ class StoreConnectorBase(KVConnectorBase):
         raise NotImplementedError(f"{type(self).__name__} does not load asynchronously")
 
     def _read_async_batch(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
-                          ready: Callable[[int, Any], None]) -> list[Any]:
-        """Read and verify a step's async loads as one batch on one reader thread, off
-        the cache (`batched_async_reads`): `ready(i, result)` as soon as transfer i's
-        blocks are read (any thread may call it; what `_read_async` returns), and one
-        result per transfer returned at the end (those already handed to `ready` are
-        ignored)."""
+                          ready: Callable[[int, Any], None],
+                          writes: list[ReadCancel]) -> list[Any]:
+        """Read and verify a step's async loads as one batch on one reader thread
+        (`batched_async_reads`): `ready(i, result)` as soon as transfer i's blocks are
+        read (any thread may call it; what `_read_async` returns), and one result per
+        transfer returned at the end (those already handed to `ready` are ignored). A
+        read that writes into the cache itself does so only through both `cancelled`'s
+        and transfer i's `writes[i]` fence (`ReadCancel.write_unless_set`): `writes[i]`
+        is set when nobody waits for load i any more, before its blocks are freed."""
         raise NotImplementedError(f"{type(self).__name__} does not batch async loads")
 
     def _drop_async_result(self, result: Any) -> None:
@@ -411,6 +416,8 @@ class StoreConnectorBase(KVConnectorBase):
         deadline = time.monotonic() + self.load_timeout_s
         futures: list[concurrent.futures.Future] = [concurrent.futures.Future()
                                                     for _ in transfers]
+        # Made here, on the worker thread: an abort may come before the read starts.
+        writes = [ReadCancel() for _ in transfers]
 
         def read(cancelled: ReadCancel) -> None:
             ended = [False] * len(transfers)
@@ -428,7 +435,7 @@ class StoreConnectorBase(KVConnectorBase):
 
             try:
                 for index, blocks in enumerate(self._read_async_batch(transfers, cancelled,
-                                                                      ready)):
+                                                                      ready, writes)):
                     ready(index, blocks)
             except BaseException as error:
                 for index, future in enumerate(futures):
@@ -445,9 +452,9 @@ class StoreConnectorBase(KVConnectorBase):
                 self._async_loads[transfer.request_id] = AsyncLoad(
                     transfer, future, deadline, ReadCancel(), None)
             return
-        for transfer, future in zip(transfers, futures):
+        for transfer, future, fence in zip(transfers, futures, writes):
             self._async_loads[transfer.request_id] = AsyncLoad(
-                transfer, future, deadline, task.cancelled, task.thread)
+                transfer, future, deadline, task.cancelled, task.thread, fence)
 
     def _read_now(self, transfers: list[BlockTransfer], read: SyncRead,
                   batched: bool) -> list[Any]:
@@ -504,6 +511,8 @@ class StoreConnectorBase(KVConnectorBase):
         """Nobody waits for this async load any more; its thread may run on (counted).
         A load that shares its read with others of its batch still in flight leaves
         the read running for them; its result is dropped when it comes."""
+        if load.writes is not None:  # nothing more of this load reaches the cache
+            load.writes.set()
         if load.thread is None:
             return
         load.future.add_done_callback(self._drop_abandoned)

@@ -37,8 +37,8 @@ def layout() -> KVCacheLayout:
     return KVCacheLayout("async-batch-test", torch.bfloat16, 4, 3, 2, 8)
 
 
-# "cpu": staged rows copied into a contiguous cache; "cpu-strided": the staged scatter;
-# "cuda": pinned rows, the device scatter and the device check.
+# "cpu": a contiguous cache, read into through bounce rows (no install); "cpu-strided":
+# staged rows and the host scatter; "cuda": pinned rows, the device scatter and check.
 DEVICES = ["cpu", "cpu-strided", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the pinned staging path needs a GPU")])]
 
@@ -51,7 +51,8 @@ class Spied:
         self.batches: list[int] = []
         self.installs: list[int] = []  # blocks per install call
         self.host_syncs = 0
-        start, stage = ReaderThreads.start, PagedBlocks.stage
+        self.direct: list[int] = []  # rows per load_direct call (a contiguous CPU cache)
+        start, stage, load_direct = ReaderThreads.start, PagedBlocks.stage, PagedBlocks.load_direct
         # (Before batched installs there was one install_rows call per load.)
         name = "install_groups" if hasattr(PagedBlocks, "install_groups") else "install_rows"
         install = getattr(PagedBlocks, name)
@@ -71,6 +72,10 @@ class Spied:
             self.installs.append(blocks)
             return install(paged, first, *args, **kwargs)
 
+        def counted_load_direct(paged, block_ids, *args, **kwargs):
+            self.direct.append(len(block_ids))
+            return load_direct(paged, block_ids, *args, **kwargs)
+
         def counted_tolist(tensor):
             if tensor.is_cuda:
                 self.host_syncs += 1
@@ -78,8 +83,15 @@ class Spied:
 
         monkeypatch.setattr(ReaderThreads, "start", counted_start)
         monkeypatch.setattr(PagedBlocks, "stage", counted_stage)
+        monkeypatch.setattr(PagedBlocks, "load_direct", counted_load_direct)
         monkeypatch.setattr(PagedBlocks, name, counted_install)
         monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+
+def installs(device: str, blocks: int) -> list[int]:
+    """Blocks per install call of one landing: none on a contiguous CPU cache (the
+    loads read into it, checked there), else one call for every load."""
+    return [] if device == "cpu" else [blocks]
 
 
 def start_async_step(worker, caches, requests=range(REQUESTS)) -> dict[str, threading.Thread]:
@@ -117,16 +129,18 @@ def test_async_loads_finished_by_one_poll_install_in_one_call(layout, tmp_path, 
     wait_read(worker)
     _, done = worker.get_finished(set())
     assert done == {f"r{request}" for request in range(REQUESTS)}
-    assert spied.installs == [REQUESTS * PER_REQUEST]  # one install call for the 3 loads
+    assert spied.installs == installs(device, REQUESTS * PER_REQUEST)  # one for the 3 loads
     if device == "cuda":
         torch.cuda.synchronize()
         assert spied.host_syncs == 1  # one check for all of them
     assert not worker.get_block_ids_with_load_errors()
     assert_loaded(target, source, [(request, PER_REQUEST) for request in range(REQUESTS)])
-    assert spied.readers == 1 and spied.batches == [REQUESTS * PER_REQUEST]  # one batch
+    assert spied.readers == 1  # one batch:
+    assert (spied.direct if device == "cpu" else spied.batches) == [REQUESTS * PER_REQUEST]
     for reader in set(readers.values()):
         reader.join(timeout=10)
-    assert len(worker._paged._free_staging) == 1  # its buffer went back to the pool
+    # Its buffer went back to the pool (a contiguous CPU cache stages nothing).
+    assert len(worker._paged._free_staging) == (device != "cpu")
     worker.shutdown()
 
 
@@ -142,7 +156,7 @@ def test_a_bad_block_in_a_batched_async_install_fails_only_its_own_requests_bloc
     start_async_step(worker, target)
     wait_read(worker)
     assert worker.get_finished(set())[1] == {f"r{request}" for request in range(REQUESTS)}
-    assert spied.installs == [REQUESTS * PER_REQUEST - (PER_REQUEST - 1)]
+    assert spied.installs == installs(device, REQUESTS * PER_REQUEST - (PER_REQUEST - 1))
     assert worker.get_block_ids_with_load_errors() == set(request_blocks(1)[1:])
     assert_loaded(target, source, [(0, PER_REQUEST), (1, 1), (2, PER_REQUEST)])
     worker.shutdown()
@@ -182,16 +196,25 @@ def hold_request(store: BlockStore, monkeypatch, *requests: int) -> threading.Ev
             release.wait(timeout=10)
         return read(self, key, parts)
 
+    read_unchecked = BlockStore.read_unchecked_into
+
+    def holding_unchecked(self, key, parts):  # (a direct cache's reads)
+        if key in held:
+            release.wait(timeout=10)
+        return read_unchecked(self, key, parts)
+
     monkeypatch.setattr(BlockStore, "read_into", holding)
+    monkeypatch.setattr(BlockStore, "read_unchecked_into", holding_unchecked)
     return release
 
 
-def test_a_steps_async_loads_land_together_in_one_install(layout, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cpu-strided"])
+def test_a_steps_async_loads_land_together_in_one_install(layout, tmp_path, monkeypatch, device):
     # r0 and r1 are read while r2's reads are held: they wait for r2 (as a sync step
     # would), then all three land in one install.
     source = random_caches(layout, 7)
     store = store_requests(tmp_path, layout, source)
-    target = random_caches(layout, 8)
+    target = random_caches(layout, 8, device)
     worker = make_worker(tmp_path, layout, target, io_threads=2, async_load=True)
     release = hold_request(store, monkeypatch, 2)
     spied = Spied(monkeypatch)
@@ -204,17 +227,18 @@ def test_a_steps_async_loads_land_together_in_one_install(layout, tmp_path, monk
         release.set()
     wait_read(worker)
     assert worker.get_finished(set())[1] == {"r0", "r1", "r2"}
-    assert spied.installs == [REQUESTS * PER_REQUEST]
+    assert spied.installs == installs(device, REQUESTS * PER_REQUEST)
     assert not worker.get_block_ids_with_load_errors()
     assert_loaded(target, source, [(request, PER_REQUEST) for request in range(REQUESTS)])
     worker.shutdown()
 
 
+@pytest.mark.parametrize("device", ["cpu", "cpu-strided"])
 def test_a_slow_member_holds_its_batch_for_a_quarter_of_the_deadline_at_most(
-        layout, tmp_path, monkeypatch):
+        layout, tmp_path, monkeypatch, device):
     source = random_caches(layout, 11)
     store = store_requests(tmp_path, layout, source)
-    target = random_caches(layout, 12)
+    target = random_caches(layout, 12, device)
     worker = make_worker(tmp_path, layout, target, io_threads=2, async_load=True,
                          load_timeout_s=4.0)
     release = hold_request(store, monkeypatch, 2)
@@ -237,10 +261,15 @@ def test_a_slow_member_holds_its_batch_for_a_quarter_of_the_deadline_at_most(
     worker.shutdown()
 
 
-def test_an_aborted_request_leaves_its_batchs_read_to_the_others(layout, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cpu-strided"])
+def test_an_aborted_request_leaves_its_batchs_read_to_the_others(layout, tmp_path, monkeypatch,
+                                                                 device):
+    # On a contiguous CPU cache the loads read into the cache itself: from its abort on,
+    # nothing of r0 is written there (its blocks may be someone else's by then).
     source = random_caches(layout, 9)
     store = store_requests(tmp_path, layout, source)
-    target = random_caches(layout, 10)
+    target = random_caches(layout, 10, device)
+    before = [block_bytes(target, block_id) for block_id in request_blocks(0)]
     worker = make_worker(tmp_path, layout, target, io_threads=2, async_load=True)
     release = hold_request(store, monkeypatch, 0, 2)
     try:
@@ -255,5 +284,7 @@ def test_an_aborted_request_leaves_its_batchs_read_to_the_others(layout, tmp_pat
     assert not worker.get_block_ids_with_load_errors()
     assert_loaded(target, source, [(1, PER_REQUEST), (2, PER_REQUEST)])
     readers["r1"].join(timeout=10)
-    assert len(worker._paged._free_staging) == 1  # the aborted request let go of its share
+    assert [block_bytes(target, block_id) for block_id in request_blocks(0)] == before
+    # The aborted request let go of its share of the staging buffer (if staged).
+    assert len(worker._paged._free_staging) == (device != "cpu")
     worker.shutdown()

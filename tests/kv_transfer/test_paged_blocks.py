@@ -23,7 +23,7 @@ from conftest import (
 from kvrecover import LLM
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer import paged_blocks, staged_io
+from kvrecover.kv_transfer import native_copy, paged_blocks, staged_io
 from kvrecover.kv_transfer.base import KVConnectorRole
 from kvrecover.kv_transfer.block_store import (
     PREFIX_SIZE,
@@ -31,7 +31,7 @@ from kvrecover.kv_transfer.block_store import (
     BlockStore,
     payload_checksum,
 )
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks
+from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
 from kvrecover.kv_transfer.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
@@ -231,7 +231,7 @@ def test_async_loads_into_a_reused_buffer_stay_byte_identical(layout, tmp_path):
     store = BlockStore(tmp_path, layout)
     for block_id, key in zip([1, 2, 3, 4], block_keys):
         store.write(key, block_of(source, block_id))
-    target = random_caches(layout, 12)
+    target = random_caches(layout, 12, "cpu-strided")  # staged (a direct cache reads in)
     worker = connector(tmp_path, layout, target)
     assert not load(worker, target, [5, 6, 7, 8], block_keys, is_async=True)
     assert len(worker._paged._free_staging) == 1
@@ -297,7 +297,8 @@ def test_threaded_staged_load_stops_at_the_first_corrupt_entry(layout, tmp_path,
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
-def test_direct_loads_on_several_threads_are_byte_identical(layout, tmp_path, monkeypatch, verify):
+def test_direct_loads_on_several_threads_are_byte_identical(layout, tmp_path, monkeypatch, verify,
+                                                            row_copies):
     """A sync load into a CPU cache goes through bounce rows, two blocks per thread claim."""
     monkeypatch.setattr(paged_blocks, "DIRECT_CHUNK_BYTES", 2 * layout.block_nbytes)
     source, block_keys = stored(tmp_path, layout, 7, seed=30)
@@ -315,31 +316,152 @@ def test_direct_loads_on_several_threads_are_byte_identical(layout, tmp_path, mo
     assert len(worker._paged._free_bounce_rows) >= 2  # each thread's row, back for reuse
 
 
+@pytest.fixture(params=["native", "python"])
+def row_copies(request, monkeypatch) -> str:
+    """Rows go into a direct (CPU) cache through `native_copy` (one C call, off the GIL)
+    or through Python's per-part copies (where no C compiler is found)."""
+    if request.param == "python":
+        monkeypatch.setattr(native_copy, "_library", lambda: None)
+    elif native_copy._library() is None:
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
+    return request.param
+
+
+def copies_write_nothing(monkeypatch, row_copies: str) -> None:
+    """Every copy of a row into a direct cache writes nothing (its check still runs)."""
+    if row_copies == "python":
+        monkeypatch.setattr(PagedBlocks, "_copy_row", staticmethod(lambda row, parts: None))
+        return
+    install = native_copy.RowInstaller.install
+    monkeypatch.setattr(native_copy.RowInstaller, "install",
+                        lambda self, rows, positions, block_ids, check, copy=True: install(
+                            self, rows, positions, block_ids, check, copy=False))
+    monkeypatch.setattr(native_copy.RowInstaller, "install_one",  # a direct load's copies
+                        lambda self, row, block_id: install(self, row, [0], [block_id],
+                                                            check=True, copy=False)[0])
+
+
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
 def test_a_direct_load_checks_the_bytes_that_reached_the_cache(layout, tmp_path, monkeypatch,
-                                                               caplog, verify):
-    """The payload is hashed in the cache after the copy, whatever `verify_after_load`
-    says: a copy that wrote nothing is a failed block, never a loaded one."""
+                                                               caplog, verify, row_copies):
+    """The copy into the cache is checked there, whatever `verify_after_load` says
+    (the payload hashed in the cache, or compared there with its hashed row): a copy
+    that wrote nothing is a failed block, never a loaded one."""
     _, block_keys = stored(tmp_path, layout, 3, seed=32)
     target = random_caches(layout, 33)
     worker = connector(tmp_path, layout, target, verify_after_load=verify)
-    monkeypatch.setattr(PagedBlocks, "_copy_row", staticmethod(lambda row, parts: None))
+    assert (worker._paged._installer is None) == (row_copies == "python")
+    copies_write_nothing(monkeypatch, row_copies)
     with caplog.at_level("WARNING"):
         assert load(worker, target, [4, 5, 6], block_keys, is_async=False) == {4, 5, 6}
-    assert "payload checksum mismatch" in caplog.text
+    assert ("payload checksum mismatch" if row_copies == "python"
+            else "differs from its verified row") in caplog.text
     assert block_keys[0] in worker._suspect_keys  # a later save may replace it
 
 
-def test_verify_after_load_checks_an_async_install_into_a_cpu_cache(layout, tmp_path, monkeypatch):
-    """An async load stages, and the worker copies the rows in: with the check on, a copy
-    that wrote nothing is caught in the cache; with it off it is taken on trust."""
-    _, block_keys = stored(tmp_path, layout, 3, seed=34)
-    target = random_caches(layout, 35)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_corrupt_entry_fails_through_either_row_copy(layout, tmp_path, row_copies, is_async):
+    """A flipped payload bit through the native or the Python copies: that block and the
+    ones after it fail, the ones before it are loaded byte for byte."""
+    source, block_keys = stored(tmp_path, layout, 5, seed=36)
+    path = BlockStore(tmp_path, layout).path(block_keys[2])
+    raw = bytearray(path.read_bytes())
+    raw[PREFIX_SIZE + len(raw) // 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    target = random_caches(layout, 37)
     worker = connector(tmp_path, layout, target)
-    monkeypatch.setattr(PagedBlocks, "_copy_row", staticmethod(lambda row, parts: None))
-    assert load(worker, target, [4, 5, 6], block_keys, is_async=True) == {4, 5, 6}
-    worker.verify_after_load = False
-    assert not load(worker, target, [4, 5, 6], block_keys, is_async=True)
+    assert load(worker, target, [3, 4, 5, 6, 7], block_keys, is_async) == {5, 6, 7}
+    for saved, loaded in zip(range(1, 3), [3, 4]):
+        assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
+
+
+def test_a_native_sync_load_never_copies_a_corrupt_row_into_the_cache(layout, tmp_path):
+    """Through `native_copy` a sync load hashes the row before the copy: a corrupt
+    entry's block keeps what it held (the Python copies write it, then fail it)."""
+    if native_copy._library() is None:
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
+    _, block_keys = stored(tmp_path, layout, 2, seed=38)
+    path = BlockStore(tmp_path, layout).path(block_keys[0])
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    target = random_caches(layout, 39)
+    before = raw_bytes(block_of(target, 4))
+    worker = connector(tmp_path, layout, target)
+    assert load(worker, target, [4, 5], block_keys, is_async=False) == {4, 5}
+    assert raw_bytes(block_of(target, 4)) == before
+
+
+def staged_rows(layout, source, block_ids: list[int]) -> tuple[StagedRows, list[int]]:
+    """The given blocks of `source` as host rows to install, and their payload checksums."""
+    host = torch.stack([block_of(source, block_id).view(torch.uint8).reshape(-1)
+                        for block_id in block_ids])
+    return StagedRows(host), [payload_checksum(row) for row in host]
+
+
+def test_a_row_changed_after_its_read_check_fails_the_native_install(layout, monkeypatch):
+    """An install of staged rows into a CPU cache compares the cache with the row and
+    hashes the row again: a row that changed after its read's check (and was copied
+    faithfully) still fails its block."""
+    if native_copy._library() is None:
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
+    source, target = random_caches(layout, 40), random_caches(layout, 41)
+    paged = PagedBlocks(target)
+    staged, checksums = staged_rows(layout, source, [1, 2, 3])
+    install = native_copy.RowInstaller.install
+
+    def changing(self, rows, positions, block_ids, check, copy=True):
+        rows.view(-1)[positions[1] * self.row_nbytes + 7] ^= 0x04  # the second row
+        return install(self, rows, positions, block_ids, check, copy)
+
+    monkeypatch.setattr(native_copy.RowInstaller, "install", changing)
+    assert paged.install_rows([4, 5, 6], [0, 1, 2], staged, checksums) == [True, False, True]
+    assert raw_bytes(block_of(target, 4)) == raw_bytes(block_of(source, 1))
+
+
+def test_the_native_installer_refuses_a_block_outside_the_cache(layout):
+    caches = random_caches(layout, 42)
+    installer = native_copy.RowInstaller.for_caches(caches)
+    if installer is None:
+        pytest.skip("the native row installer is off here (no C compiler, or KVRECOVER_NATIVE_KERNELS=0)")
+    before = [cache.clone() for cache in caches]
+    rows = torch.zeros((2, installer.row_nbytes), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="outside the cache"):
+        installer.install(rows, [0, 1], [1, NUM_BLOCKS], check=True)
+    with pytest.raises(ValueError, match="row positions"):
+        installer.install(rows, [0, 2], [1, 2], check=True)
+    assert all(torch.equal(cache, old) for cache, old in zip(caches, before))
+    assert installer.install(rows, [1], [3], check=True) == [True]
+    assert raw_bytes(block_of(caches, 3)) == bytes(installer.row_nbytes)
+    with pytest.raises(ValueError, match="outside the cache"):
+        installer.install_one(rows[0], NUM_BLOCKS)
+    row = torch.arange(installer.row_nbytes, dtype=torch.int64).to(torch.uint8)
+    assert installer.install_one(row, 2)
+    assert raw_bytes(block_of(caches, 2)) == raw_bytes(row)
+
+
+def test_an_install_into_a_cpu_cache_checks_the_copy_when_asked(layout, monkeypatch, row_copies):
+    """Staged rows copied into a CPU cache (`PagedBlocks.install_rows`): with checksums,
+    a copy that wrote nothing is caught in the cache; without, it is taken on trust."""
+    source, target = random_caches(layout, 34), random_caches(layout, 35)
+    paged = PagedBlocks(target)
+    copies_write_nothing(monkeypatch, row_copies)
+    staged, checksums = staged_rows(layout, source, [1, 2, 3])
+    assert paged.install_rows([4, 5, 6], [0, 1, 2], staged, checksums) == [False] * 3
+    staged, _ = staged_rows(layout, source, [1, 2, 3])
+    assert paged.install_rows([4, 5, 6], [0, 1, 2], staged, None) == [True] * 3
+
+
+def test_an_async_load_into_a_cpu_cache_writes_it_during_the_read(layout, tmp_path, row_copies):
+    """An async load into a contiguous CPU cache reads through bounce rows into the
+    cache, as a sync one does (no staging buffer), checked there."""
+    source, block_keys = stored(tmp_path, layout, 4, seed=43)
+    target = random_caches(layout, 44)
+    worker = connector(tmp_path, layout, target)
+    assert not load(worker, target, [5, 6, 7, 8], block_keys, is_async=True)
+    assert not worker._paged._free_staging  # nothing was staged
+    for saved, loaded in zip(range(1, 5), [5, 6, 7, 8]):
+        assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
 
 
 @pytest.mark.parametrize("device", STAGED)

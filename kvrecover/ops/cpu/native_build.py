@@ -46,21 +46,28 @@ def native_kernels_default() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
-def load_library(name: str, allowed: bool = True) -> ctypes.CDLL | None:
-    """The compiled `csrc/<name>.c` (built on first use, then cached), or None after
-    one warning when it cannot be built or is not `allowed` (nothing is built then)."""
+def load_library(name: str, allowed: bool = True,
+                 source_dir: Path = SOURCE_DIR) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.c` (or `<source_dir>/<name>.c`: another package's C
+    file; built on first use, then cached), or None after one warning when it cannot
+    be built or is not `allowed` (nothing is built then)."""
     if not allowed:
         warnings.warn(f"native_kernels=False ({DISABLE_ENV}=0 by default): the C kernel "
                       f"{name!r} is off, using the slower torch fallback", RuntimeWarning,
                       stacklevel=3)
         return None
+    if source_dir != SOURCE_DIR:
+        key = str(source_dir / name)
+        if key not in _loaded:
+            _loaded[key] = _build_and_load(name, source_dir)
+        return _loaded[key]
     if name not in _loaded:
         _loaded[name] = _build_and_load(name)
     return _loaded[name]
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
-    source = SOURCE_DIR / f"{name}.c"
+def _build_and_load(name: str, source_dir: Path = SOURCE_DIR) -> ctypes.CDLL | None:
+    source = source_dir / f"{name}.c"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn(f"no C compiler (cc) found: the kernel {name!r} falls back to torch ops "
