@@ -76,7 +76,7 @@ class TiledLinears:
         large: int | None = self._wanted_large_tile_rows
         smalls = [t for t in SMALL_TILE_CANDIDATES if t < self.tile_rows]
         mediums = [t for t in MEDIUM_TILE_CANDIDATES
-                   if t > self.tile_rows and t % self.tile_rows == 0 and t < large]
+                   if t > self.tile_rows and t % self.tile_rows == 0 and t < self._wanted_large_tile_rows]
         sizes = smalls + mediums
         checked = set()
         for layer, dtype in zip(linears, dtypes):
