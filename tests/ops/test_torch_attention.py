@@ -89,6 +89,10 @@ def test_cpu_float32_backend_matches_reference_with_its_decode_kernel(case):
 def test_only_decode_only_steps_go_to_the_decode_kernel():
     class Recording(TorchPagedAttention):
         steps: list[list[int]] = []
+        head_dim = 16  # the head size it "vectorizes"
+
+        def vectorized(self, num_heads, num_kv_heads, head_dim):
+            return head_dim == self.head_dim
 
         def forward(self, query, key, value, kv_cache, meta, *args):
             self.steps.append(meta.query_lens)
@@ -97,6 +101,9 @@ def test_only_decode_only_steps_go_to_the_decode_kernel():
     attention = TorchPagedAttention(decode_kernel=Recording())
     for case in ("decode", "mixed", "fresh_padded", "decode_equal"):
         _check_paged_attention(CASES[case], 16, 6, 2, attention=attention)
+    assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]
+    Recording.head_dim = 8  # a shape it would run on its slow path: torch keeps it
+    _check_paged_attention(CASES["decode"], 16, 6, 2, attention=attention)
     assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]
     from kvrecover.ops.backend import select_backend
 
