@@ -19,7 +19,8 @@ bits do not depend on its batch or chunking. It selects the invariant CPU
 kernels for every dtype (the C attention kernel, or its torch fallback where it
 cannot or may not be built: `native_kernels`). bf16 and fp16 on the CPU run
 them by default too (`HALF_INVARIANT_BY_DEFAULT`); float32 without
-`batch_invariant` runs the reference (oneDNN linears, SDPA). On Triton, models
+`batch_invariant` runs the reference (oneDNN linears, SDPA), its decode-only steps
+through the C attention kernel where it builds (`native_kernels`). On Triton, models
 with experts run the invariant kernels by default (`MOE_INVARIANT_BY_DEFAULT`).
 """
 
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from kvrecover.config import ATTENTION_BACKENDS
-from kvrecover.ops.cpu.attention import invariant_cpu_attention
+from kvrecover.ops.cpu.attention import invariant_cpu_attention, native_cpu_attention
 from kvrecover.ops.cpu.invariant_ops import HALF_DTYPES, InvariantCpuOps
 from kvrecover.ops.cpu.native_build import native_kernels_default
 from kvrecover.ops.interface import (
@@ -133,5 +134,9 @@ def select_backend(
         return KernelBackend("cpu_invariant", attention, invariant_ops, ReferenceStepInputs,
                              features=EVERY_BACKEND, batch_invariant=True)
     ops = TorchOps()
-    return KernelBackend("torch", TorchPagedAttention(ops.rotary), ops, ReferenceStepInputs,
-                         features=EVERY_BACKEND)
+    decode_kernel = None
+    if device.type == "cpu":  # decode steps read the cache in place (bench/NOTES.md)
+        native = native_kernels_default() if native_kernels is None else native_kernels
+        decode_kernel = native_cpu_attention(ops.rotary, native)
+    return KernelBackend("torch", TorchPagedAttention(ops.rotary, decode_kernel), ops,
+                         ReferenceStepInputs, features=EVERY_BACKEND)

@@ -232,7 +232,44 @@ def test_small_tiles_are_proven_per_size_and_pad_to_the_smallest(monkeypatch):
     assert 8 in ops.linears.small_tiles  # proven equal on this machine
     x = torch.randn(40, 64).bfloat16()
     reference = torch.cat([real(x[s : s + 16], layer) for s in range(0, 48, 16)])[:40]
-    for rows, runs in ((3, [8]), (8, [8]), (16, [16]), (19, [16, 8]), (40, [16, 16, 8])):
+    for rows, runs in ((3, [8]), (8, [8]), (16, [16]), (19, [32]), (40, [32, 8])):
+        shapes.clear()
+        assert torch.equal(ops.linear(x[:rows], layer), reference[:rows]), rows
+        assert shapes == runs, rows
+
+
+def test_medium_tiles_run_a_batch_above_tile_rows_in_one_call_only_where_proven(monkeypatch):
+    from kvrecover.ops.cpu import tiled_linear
+
+    real = tiled_linear._matmul
+    shapes: list[int] = []
+    layer = _linear(64, 96, torch.bfloat16, False)
+    x = torch.randn(100, 64).bfloat16()
+    reference = torch.cat([real(x[s : s + 16], layer) for s in range(0, 112, 16)])[:100]
+
+    def recording(x, layer):
+        shapes.append(x.shape[0])
+        return real(x, layer)
+
+    monkeypatch.setattr(tiled_linear, "_matmul", recording)
+    ops = InvariantCpuOps(tile_rows=16, large_tile_rows=256)
+    ops.prepare_weights(nn.Sequential(layer))
+    assert ops.linears.medium_tiles == (32, 64, 128)  # proven equal on this machine
+    for rows, runs in ((17, [32]), (32, [32]), (33, [32, 2]), (100, [64, 32, 4])):
+        shapes.clear()
+        assert torch.equal(ops.linear(x[:rows], layer), reference[:rows]), rows
+        assert shapes == runs, rows
+
+    def thirty_two_rows_differ(x, layer):  # a library whose 32-row kernel sums differently
+        shapes.append(x.shape[0])
+        out = real(x, layer)
+        return out * 1.01 if x.shape[0] == 32 else out
+
+    monkeypatch.setattr(tiled_linear, "_matmul", thirty_two_rows_differ)
+    ops = InvariantCpuOps(tile_rows=16, large_tile_rows=256)
+    ops.prepare_weights(nn.Sequential(layer))
+    assert ops.linears.medium_tiles == (64, 128)
+    for rows, runs in ((17, [16, 2]), (40, [16, 16, 8]), (100, [64, 16, 16, 4])):
         shapes.clear()
         assert torch.equal(ops.linear(x[:rows], layer), reference[:rows]), rows
         assert shapes == runs, rows

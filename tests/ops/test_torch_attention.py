@@ -72,7 +72,48 @@ def test_decode_in_slices_matches_reference(monkeypatch, case, gather_bytes):
     _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1)
 
 
-def _check_paged_attention(requests, block_size, heads, kv_heads, fill=None, extra_blocks=0):
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_float32_backend_matches_reference_with_its_decode_kernel(case):
+    """The CPU float32 backend sends decode-only steps to the C kernel (reading the
+    cache in place) and every other step to torch: both match the reference, stale
+    NaNs kept out."""
+    from kvrecover.ops.backend import select_backend
+    from kvrecover.ops.cpu.attention import NativeInvariantAttention
+
+    attention = select_backend("auto", torch.device("cpu"), dtype=torch.float32).attention
+    assert isinstance(attention._decode_kernel, NativeInvariantAttention)
+    _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1,
+                           attention=attention)
+
+
+def test_only_decode_only_steps_go_to_the_decode_kernel():
+    class Recording(TorchPagedAttention):
+        steps: list[list[int]] = []
+        head_dim = 16  # the head size it "vectorizes"
+
+        def vectorized(self, num_heads, num_kv_heads, head_dim):
+            return head_dim == self.head_dim
+
+        def forward(self, query, key, value, kv_cache, meta, *args):
+            self.steps.append(meta.query_lens)
+            return super().forward(query, key, value, kv_cache, meta, *args)
+
+    attention = TorchPagedAttention(decode_kernel=Recording())
+    for case in ("decode", "mixed", "fresh_padded", "decode_equal"):
+        _check_paged_attention(CASES[case], 16, 6, 2, attention=attention)
+    assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]
+    Recording.head_dim = 8  # a shape it would run on its slow path: torch keeps it
+    _check_paged_attention(CASES["decode"], 16, 6, 2, attention=attention)
+    assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]
+    from kvrecover.ops.backend import select_backend
+
+    plain = select_backend("auto", torch.device("cpu"), dtype=torch.float32,
+                           native_kernels=False).attention
+    assert plain._decode_kernel is None
+
+
+def _check_paged_attention(requests, block_size, heads, kv_heads, fill=None, extra_blocks=0,
+                           attention=None):
     head_dim = 16
     num_blocks = 1 + sum(-(-(c + n) // block_size) + extra_blocks for c, n in requests) + 3
     generator = torch.Generator().manual_seed(0)
@@ -101,7 +142,8 @@ def _check_paged_attention(requests, block_size, heads, kv_heads, fill=None, ext
         [c for c, _ in requests], [n for _, n in requests], tables, block_size, torch.device("cpu")
     )
     scale = head_dim**-0.5
-    out = TorchPagedAttention().forward(query, key, value, kv_cache, meta, scale)
+    attention = TorchPagedAttention() if attention is None else attention
+    out = attention.forward(query, key, value, kv_cache, meta, scale)
     expected = _reference(query, cached_k, cached_v, key, value, requests, scale)
     assert out.shape == (total, heads, head_dim)
     assert torch.isfinite(out).all()

@@ -4,11 +4,13 @@ A oneDNN (or torch) matmul of a fixed shape (rows, in, out) on a fixed thread
 count runs one kernel with one reduction order, so a row's result cannot depend
 on the other rows. `TiledLinears.linear` therefore runs only fixed shapes:
 tiles of exactly `tile_rows` rows; for long prefill chunks, tiles of
-`large_tile_rows` rows; and, for a decode batch or a chunk's last rows, the
-smallest proven tile of `SMALL_TILE_CANDIDATES` (zero-padded) that holds them.
+`large_tile_rows` rows; proven `MEDIUM_TILE_CANDIDATES` (multiples of `tile_rows`)
+where they fit exactly; and, for a decode batch or a chunk's last rows, the
+smallest proven tile of `SMALL_TILE_CANDIDATES` (below `tile_rows`), or one of
+`2 * tile_rows` for a batch just above `tile_rows`, zero-padded.
 `prepare_weights` proves, per weight shape and at start-up, that a row's bits in
-every large or small tile equal its bits in a `tile_rows` tile; a tile size that
-fails for any shape is never used. The weight of one linear stays in cache
+every large, medium or small tile equal its bits in a `tile_rows` tile; a tile
+size that fails for any shape is never used. The weight of one linear stays in cache
 across its tiles. Accumulation is float32 inside oneDNN's bf16 kernels; the
 result is rounded once to the model dtype. The rest of the CPU-invariant op set
 is `ops.cpu.invariant_ops.InvariantCpuOps`.
@@ -33,6 +35,10 @@ LARGE_TILE_ROWS = 256
 # differently from the tile kernels for a few percent of rows, data-dependently, so
 # a sampled proof can pass it by chance (it did, in about a quarter of test runs).
 SMALL_TILE_CANDIDATES = (2, 4, 8, 12)
+# Tiles between TILE_ROWS and LARGE_TILE_ROWS: a decode batch of 17-32 requests ran two
+# 16-row tiles, reading every weight twice (bf16, 30 layers of SmolLM2-135M streamed
+# from memory at 32 rows: 28.2 ms in two tiles, 24.4 ms in one).
+MEDIUM_TILE_CANDIDATES = (32, 64, 128)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -52,14 +58,16 @@ class TiledLinears:
         self._wanted_large_tile_rows = large_tile_rows
         # The tile sizes in use, ascending, tile_rows last (smaller ones once proven).
         self.small_tiles: tuple[int, ...] = (tile_rows,)
+        # Proven multiples of tile_rows below the large tile, ascending.
+        self.medium_tiles: tuple[int, ...] = ()
         # _pad_to[n]: the tile that runs n < tile_rows leftover rows.
         self._pad_to = [tile_rows] * tile_rows
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once after loading: pack the linear weights for oneDNN (a tied
         embedding keeps its dense copy for lookups), then enable the large tile
-        and each small tile that gives a row, for every weight shape, the same
-        bits as a `tile_rows` tile."""
+        and each small and medium tile that gives a row, for every weight shape,
+        the same bits as a `tile_rows` tile."""
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         dtypes = [layer.weight.dtype for layer in linears]  # before packing hides them
         if torch.backends.mkldnn.is_available():
@@ -67,21 +75,25 @@ class TiledLinears:
                 _pack_linear(layer, self.tile_rows)
         large: int | None = self._wanted_large_tile_rows
         smalls = [t for t in SMALL_TILE_CANDIDATES if t < self.tile_rows]
+        mediums = [t for t in MEDIUM_TILE_CANDIDATES
+                   if t > self.tile_rows and t % self.tile_rows == 0 and t < self._wanted_large_tile_rows]
+        sizes = smalls + mediums
         checked = set()
         for layer, dtype in zip(linears, dtypes):
             shape = (layer.in_features, layer.out_features, layer.bias is not None, dtype)
             if shape not in checked:
                 checked.add(shape)
-                large, smalls = self._proven_tiles(layer, dtype, large, smalls)
+                large, sizes = self._proven_tiles(layer, dtype, large, sizes)
         self.large_tile_rows = large
-        self.small_tiles = (*smalls, self.tile_rows)
+        self.small_tiles = (*(t for t in sizes if t < self.tile_rows), self.tile_rows)
+        self.medium_tiles = tuple(t for t in sizes if t > self.tile_rows)
         self._pad_to = [next(t for t in self.small_tiles if t >= n) for n in range(self.tile_rows)]
 
     def _proven_tiles(
-        self, layer: nn.Linear, dtype: torch.dtype, large: int | None, smalls: list[int]
+        self, layer: nn.Linear, dtype: torch.dtype, large: int | None, sizes: list[int]
     ) -> tuple[int | None, list[int]]:
-        """The large tile (or None) and the small tiles that give every row of a
-        random input the same bits as `tile_rows` tiles do, for this weight."""
+        """The large tile (or None) and those of the other tile `sizes` that give every
+        row of a random input the same bits as `tile_rows` tiles do, for this weight."""
         tile, rows = self.tile_rows, self._wanted_large_tile_rows
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(rows, layer.in_features, generator=generator).to(dtype)
@@ -89,7 +101,7 @@ class TiledLinears:
         if large is not None and not torch.equal(_matmul(x, layer), reference):
             large = None
         proven = []
-        for size in smalls:
+        for size in sizes:
             starts = range(0, rows - size + 1, size)  # every row of the input
             if all(torch.equal(_matmul(x[s : s + size], layer), reference[s : s + size])
                    for s in starts):
@@ -100,8 +112,11 @@ class TiledLinears:
         """`x @ layer.weight.T + layer.bias`, one fixed-shape call per row tile."""
         tile = self.tile_rows
         rows = x.shape[0]
-        if rows <= tile:  # a decode batch: one tile
-            size = tile if rows == tile else self._pad_to[rows]
+        double = 2 * tile
+        if rows <= tile or (rows <= double and double in self.medium_tiles):
+            # A decode batch: one tile, the smallest that holds it. (Padding to a larger
+            # medium tile would cost more than it saves: those rows are compute-bound.)
+            size = double if rows > tile else tile if rows == tile else self._pad_to[rows]
             if size == rows:
                 return _matmul(x, layer)
             padded = x.new_zeros(size, x.shape[1])
@@ -116,8 +131,10 @@ class TiledLinears:
             for start in range(0, done, large):
                 out[start : start + large] = _matmul(x[start : start + large], layer)
         full = rows - rows % tile
-        for start in range(done, full, tile):
-            out[start : start + tile] = _matmul(x[start : start + tile], layer)
+        for size in (*reversed(self.medium_tiles), tile):
+            while full - done >= size:
+                out[done : done + size] = _matmul(x[done : done + size], layer)
+                done += size
         if full < rows:
             left = rows - full
             size = self._pad_to[left]

@@ -20,7 +20,8 @@ from kvrecover.ops.reference.rotary import reference_rotary
 
 CPU = torch.device("cpu")
 
-__all__ = ["CpuInvariantAttention", "NativeInvariantAttention", "invariant_cpu_attention"]
+__all__ = ["CpuInvariantAttention", "NativeInvariantAttention", "invariant_cpu_attention",
+           "native_cpu_attention"]
 
 
 def invariant_cpu_attention(
@@ -32,7 +33,13 @@ def invariant_cpu_attention(
     `attention_backend="torch"` on CUDA). `rotate` is the backend's rotary op."""
     if device.type != "cpu":
         return CpuInvariantAttention(rotate=rotate)
+    native = native_cpu_attention(rotate, native_kernels)
+    return CpuInvariantAttention(rotate=rotate) if native is None else native
+
+
+def native_cpu_attention(rotate: RotaryKernel = reference_rotary,
+                         native_kernels: bool = True) -> NativeInvariantAttention | None:
+    """The C kernel, or None where it is not `native_kernels` or does not build (after
+    one warning)."""
     library = load_library("paged_attention", allowed=native_kernels)
-    if library is None:
-        return CpuInvariantAttention(rotate=rotate)
-    return NativeInvariantAttention(library, rotate=rotate)
+    return None if library is None else NativeInvariantAttention(library, rotate=rotate)

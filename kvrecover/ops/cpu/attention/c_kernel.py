@@ -28,6 +28,7 @@ from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 KEY_ROWS_PER_THREAD = 16384  # (query token, KV head, key) triples worth one more thread
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_VECTOR_HEAD_DIM, MAX_VECTOR_GROUP = 256, 16  # KVR_MAX_DIM, KVR_MAX_GROUP in the C file
 
 
 class KvrAttentionArgs(ctypes.Structure):
@@ -88,6 +89,12 @@ class NativeInvariantAttention(RotateThenAttend):
         self.vector_path = bool(library.kvr_vector_path())
         self.num_threads = num_threads  # None: torch.get_num_threads() at each step
         self._plans: PerStepPlan[StepPlan] = PerStepPlan()
+
+    def vectorized(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether this build runs these head shapes on its AVX-512 path (else the scalar
+        one, several times slower than SDPA)."""
+        return (self.vector_path and head_dim % 16 == 0 and head_dim <= MAX_VECTOR_HEAD_DIM
+                and num_heads // num_kv_heads <= MAX_VECTOR_GROUP)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

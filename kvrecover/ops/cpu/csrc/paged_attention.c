@@ -1,7 +1,7 @@
 /* Batch-invariant paged attention on the CPU, one (query token, KV head) at a time.
  *
  * Built at first use by kvrecover/ops/native_build.py and called through ctypes
- * (kvrecover/ops/native_attention.py). Work item i is query token i % T and KV
+ * (kvrecover/ops/cpu/attention/c_kernel.py). Work item i is query token i % T and KV
  * head i / T (T tokens in the step): all query heads of that KV head attend to keys 0..pos of the
  * token's request (keys pos-window+1..pos with a sliding window: the keys
  * before it are never read), read straight from the paged cache. An item's arithmetic
@@ -86,6 +86,32 @@ static inline void key_offsets(const KvrAttentionArgs *a, const int32_t *table, 
 }
 
 #if KVR_AVX512
+/* Vectors of 16 keys whose rows are prefetched ahead of the one being computed. A
+ * decode reads its request's rows once, scattered over blocks and strided by the
+ * other KV heads: the hardware prefetcher misses them, and once a step's caches no
+ * longer fit the CPU's (a real forward: 30 layers) the kernel waited on memory,
+ * 2-3x longer (bench/NOTES.md, issue 28 goal 6). */
+#define KVR_PREFETCH_VECTORS 4
+
+/* Prefetch the rows of keys first..first+15 (none at or past `end`) of `kv_head` in
+ * `cache` into the CPU's caches; changes no result. Inline asm: GCC 12 at -O3 dropped
+ * every inlined _mm_prefetch of this loop. */
+static inline void prefetch_rows(const KvrAttentionArgs *a, const void *cache,
+                                 const int32_t *table, int64_t first, int64_t end,
+                                 int kv_head) {
+    if (first >= end) return;
+    int count = end - first < 16 ? (int)(end - first) : 16;
+    int64_t offsets[16];
+    key_offsets(a, table, first, count, kv_head, offsets);
+    const int element = a->dtype == KVR_FLOAT32 ? 4 : 2;
+    const int row_bytes = a->head_dim * element;
+    for (int k = 0; k < count; k++) {
+        const char *row = (const char *)cache + offsets[k] * element;
+        for (int b = 0; b < row_bytes; b += 64)
+            __asm__ volatile("prefetcht0 %0" : : "m"(*(row + b)));
+    }
+}
+
 /* 16 floats from `count` (<= 16) elements; missing lanes are 0. */
 static inline __m512 load16(const void *base, int64_t index, int dtype, __mmask16 mask) {
     if (dtype == KVR_BFLOAT16) {
@@ -182,9 +208,12 @@ static inline __m512 dot_lanes(const KvrAttentionArgs *a, const void *query, int
     return acc;
 }
 
-/* One item on the AVX-512 path; head_dim % 16 == 0, head_dim <= 256, group <= 16. */
+/* One item on the AVX-512 path; head_dim % 16 == 0, head_dim <= 256, group <= 16.
+ * `prefetch`: read the item's key and value rows ahead (a decode: no other token of
+ * the step shares them, so they come from memory; prefill tokens of one request find
+ * them in L2, where prefetching only cost time: 10-28% at 1024-2048 keys). */
 static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_head,
-                               float *scores) {
+                               float *scores, int prefetch) {
     const int group = a->num_heads / a->num_kv_heads;
     const int dim = a->head_dim, lanes = dim / 16, dtype = a->dtype;
     const int64_t position = a->token_position[token];
@@ -203,12 +232,16 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
     const __m512 scale = _mm512_set1_ps(a->scale);
     __m512 maxima[KVR_MAX_GROUP];
     for (int h = 0; h < group; h++) maxima[h] = _mm512_set1_ps(-INFINITY);
+    const int64_t ahead = prefetch ? 16 * KVR_PREFETCH_VECTORS : 0;
+    for (int64_t j0 = first_vector; j0 < first_vector + ahead; j0 += 16)
+        prefetch_rows(a, a->key_cache, table, j0 > first_key ? j0 : first_key, num_keys, kv_head);
     for (int64_t j0 = first_vector; j0 < num_keys; j0 += 16) {
         int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
         int skip = j0 < first_key ? (int)(first_key - j0) : 0;
         __mmask16 mask = (__mmask16)(((1u << count) - 1u) & ~((1u << skip) - 1u));
         int64_t offsets[16];
         key_offsets(a, table, j0 + skip, count - skip, kv_head, offsets + skip);
+        if (prefetch) prefetch_rows(a, a->key_cache, table, j0 + ahead, num_keys, kv_head);
         for (int h = 0; h < group; h++) {
             __m512 partial[16];
             for (int k = 0; k < 16; k++)
@@ -237,10 +270,13 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
         for (int l = 0; l < lanes; l++) acc[h][l] = _mm512_setzero_ps();
     }
     float probs[KVR_MAX_GROUP][16];
+    for (int64_t j0 = first_vector; j0 < first_vector + ahead; j0 += 16)
+        prefetch_rows(a, a->value_cache, table, j0 > first_key ? j0 : first_key, num_keys, kv_head);
     for (int64_t j0 = first_vector; j0 < num_keys; j0 += 16) {
         int count = num_keys - j0 < 16 ? (int)(num_keys - j0) : 16;
         int skip = j0 < first_key ? (int)(first_key - j0) : 0;
         __mmask16 mask = (__mmask16)(((1u << count) - 1u) & ~((1u << skip) - 1u));
+        if (prefetch) prefetch_rows(a, a->value_cache, table, j0 + ahead, num_keys, kv_head);
         for (int h = 0; h < group; h++) {
             __m512 s = _mm512_maskz_loadu_ps(mask, scores + h * num_keys + j0);
             __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(row_max[h]))));
@@ -399,7 +435,10 @@ static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
             int kv_head = (int)(i / num_tokens);
 #if KVR_AVX512
             if (vector) {
-                attend_item_avx512(a, token, kv_head, scores);
+                const int32_t request = a->token_request[token];
+                const int alone = (token == 0 || a->token_request[token - 1] != request)
+                                  && (token + 1 == num_tokens || a->token_request[token + 1] != request);
+                attend_item_avx512(a, token, kv_head, scores, alone);
                 continue;
             }
 #endif
