@@ -77,7 +77,8 @@ class ScheduledRequest:
     # A hybrid model's recurrent-state checkpoints (`engine/state_checkpoints.py`): the
     # checkpoint slot to start from (at `num_computed_tokens`, a prefix-cache hit), and
     # (position, slot) of each block boundary inside this slice whose state to keep, and
-    # of each one whose state a checkpoint already holds (a connector may store it).
+    # of each one (its start included) whose state a checkpoint already holds (a
+    # connector may store it).
     restore_checkpoint: int | None = None
     save_checkpoints: list[tuple[int, int]] = field(default_factory=list)
     held_checkpoints: list[tuple[int, int]] = field(default_factory=list)

@@ -12,8 +12,8 @@ request's first slice starts from it (`ScheduledRequest.restore_checkpoint`).
 Within one step (`begin_step` starts each) no slot that the step writes or reads
 gives way, so two requests of a step never write one slot, and a checkpoint the
 step writes is no restore point in that step (the worker restores before the
-layers run). A slice reaching a boundary whose checkpoint is held already lists
-it (`held_checkpoints`), so a producer's connector stores it from there too.
+layers run). A slice reaching a boundary whose checkpoint is held already, or starting
+from one, lists it (`held_checkpoints`), so a producer's connector stores it from there.
 
 With a store connector (`KVTransferConfig.state_interval_blocks` K) two more things:
 a producer gives the boundaries its connector stores (every K-th block boundary and the
@@ -140,6 +140,9 @@ class StateCheckpoints:
         if remembered is not None and start > 0 and remembered[1] == start:
             item.restore_checkpoint = remembered[0]
             self._step_slots.add(remembered[0])
+            # A hit up to a boundary a producer stores (the prompt's last loadable one):
+            # its connector stores the state from the slot the slice starts from.
+            item.held_checkpoints.append((start, remembered[0]))
         end = start + len(item.token_ids)
         first, last = start // self.block_size + 1, end // self.block_size
         if last < first or self.num_slots == 0:

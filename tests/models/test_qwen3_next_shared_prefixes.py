@@ -55,11 +55,14 @@ def test_prefix_hits_within_one_batch_equal_the_uncached_run(qwen3_next_dir, bas
     llm.close()
 
 
-@pytest.mark.parametrize(("consumer_budget", "prefix_caching"), [(12, True), (64, True),
-                                                            (12, False)])
+# Producer budget 256: one step, the long prompts checkpoint the short ones' boundary;
+# 12: the short prompts hit the long ones' blocks exactly up to their last loadable
+# boundary, and store the state they restore from there.
+@pytest.mark.parametrize(("producer_budget", "consumer_budget", "prefix_caching"), [
+    (256, 12, True), (256, 64, True), (256, 12, False), (12, 12, False), (12, 64, True)])
 def test_a_producer_stores_every_prompts_state_and_a_consumer_loads_them(
-        qwen3_next_dir, baseline, tmp_path, consumer_budget, prefix_caching):
-    producer = hybrid_llm(qwen3_next_dir, max_num_batched_tokens=256,
+        qwen3_next_dir, baseline, tmp_path, producer_budget, consumer_budget, prefix_caching):
+    producer = hybrid_llm(qwen3_next_dir, max_num_batched_tokens=producer_budget,
                           kv_transfer_config=storage_transfer(tmp_path, "kv_producer"))
     assert generate(producer, PROMPTS) == baseline
     producer.close()
