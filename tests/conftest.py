@@ -17,7 +17,16 @@ import torch
 if TYPE_CHECKING:
     from redis_helpers import RedisServer
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # kernels with runtime loop bounds, NumPy 2.4
+CUDA = torch.cuda.is_available()
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_DEVICE = "cuda" if CUDA else "cpu"  # where the Triton tests' tensors live
+# The marks of a Triton kernel test module: `gpu`, run on CUDA or under the interpreter.
+TRITON_TESTS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (CUDA or TRITON_INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
+]
+
+if TRITON_INTERPRET:  # kernels with runtime loop bounds, NumPy 2.4
     from kvrecover.ops.triton.interpreter_compat import patch_scalar_index
 
     patch_scalar_index()

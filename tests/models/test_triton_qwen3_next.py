@@ -5,20 +5,12 @@ decode. Marked `gpu`; runs on the CPU under `TRITON_INTERPRET=1` (slowly)."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-import torch
+from conftest import CUDA, TRITON_TESTS
 from test_qwen3_next_vs_hf import FAMILIES, PROMPTS, build_hybrid
 
 from kvrecover import LLM, SamplingParams
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 

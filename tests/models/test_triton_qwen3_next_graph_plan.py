@@ -8,21 +8,13 @@ the CPU under `TRITON_INTERPRET=1` (slowly)."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-import torch
+from conftest import CUDA, TRITON_TESTS
 from test_qwen3_next_vs_hf import FAMILIES, build_hybrid
 
 from kvrecover import LLM, SamplingParams
 from kvrecover.kv_layout import blocks_needed
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 13, 2, 7], [3 + i % 50 for i in range(14)], [11 + i % 40 for i in range(7)]]

@@ -7,23 +7,16 @@ kernel and engine tests also run on the CPU (slowly), through Triton's interpret
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import build_tiny_model, random_prompts
+from conftest import CUDA, TRITON_TESTS, build_tiny_model, random_prompts
+from conftest import TRITON_DEVICE as DEVICE
 
 from kvrecover import LLM, SamplingParams
 from kvrecover.step_messages import ScheduledRequest
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
 ENGINE_DEVICE = "cuda:0" if CUDA else "cpu"  # torch 2.11 set_device() rejects a bare "cuda"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a real GPU")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_cuda)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -5,20 +5,14 @@ the torch reference, and each row's bits independent of how many rows the call h
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, TRITON_TESTS
+from conftest import TRITON_DEVICE as DEVICE
 
 from kvrecover.ops.reference import gated_delta as reference
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not CUDA, reason="bf16: only on a real GPU"))]
 

@@ -10,21 +10,15 @@ shapes only on a real GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, TRITON_TESTS
+from conftest import TRITON_DEVICE as DEVICE
 
 from kvrecover.models.recurrent_state import RequestRows
 from kvrecover.ops.interface import DeltaRuleState
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes: only on a real GPU")
 
 CHUNK = 16

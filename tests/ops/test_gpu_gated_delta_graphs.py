@@ -9,22 +9,16 @@ Marked `gpu`; with `TRITON_INTERPRET=1` they run on the CPU (tiny shapes).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import pytest
 import torch
+from conftest import TRITON_DEVICE as DEVICE
+from conftest import TRITON_TESTS
 
 from kvrecover.models.recurrent_state import RequestRows
 from kvrecover.ops.interface import DeltaRuleState
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 CHUNK = 4
 HK, HV, DK, DV = 1, 2, 16, 16
 CHANNELS, WIDTH = 24, 4

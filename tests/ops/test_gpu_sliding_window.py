@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny_model, random_prompts
+from conftest import TRITON_TESTS, build_tiny_model, random_prompts
 from test_gpu import (
-    CUDA,
     DEVICE,
     DTYPES,
     GREEDY,
-    INTERPRET,
     _decode_logits,
     _make_llm,
     _schedule,
@@ -29,10 +27,7 @@ from test_sliding_window_attention import dense_reference, window_step
 
 from kvrecover import LLM
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
+pytestmark = TRITON_TESTS
 
 # Contexts past several 256-key segments, so that whole segments are skipped.
 MIXED = [(0, 70), (37, 1), (0, 1), (300, 45), (16, 16), (600, 1)]
