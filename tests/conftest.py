@@ -175,6 +175,34 @@ def tiny_mixtral(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral_fused(tiny_mixtral, tmp_path_factory) -> Path:
+    """tiny_mixtral saved with the fused expert tensors transformers holds in memory
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`, `mlp.gate`)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    folder = tmp_path_factory.mktemp("mixtral_fused")
+    save_file(state, str(folder / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_mixtral / name).read_bytes())
+    return folder
+
+
+def break_stored_file(path: Path, kind: str) -> None:
+    """Make a stored entry `kind` "missing" (deleted) or corrupt (its last byte flipped:
+    the payload's checksum no longer matches)."""
+    if kind == "missing":
+        path.unlink()
+        return
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Qwen3-MoE: 8 experts of 48, top-2 renormalised, layer 1 dense, q/k norms."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"),

@@ -8,7 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import KV_BLOCK, KV_PROMPTS, greedy_token_ids, make_kv_llm, storage_transfer
+from conftest import (
+    KV_BLOCK,
+    KV_PROMPTS,
+    break_stored_file,
+    greedy_token_ids,
+    make_kv_llm,
+    storage_transfer,
+)
 
 from kvrecover.kv_layout import update_block_hashes
 from kvrecover.kv_transfer.block_store import BlockStore
@@ -71,12 +78,7 @@ def broken_copy(size_2_store, target: Path, kind: str) -> Path:
     path = rank_block_files(config, target, 1, KV_PROMPTS[BROKEN_PROMPT])[1]
     rank_0_path = rank_block_files(config, target, 0, KV_PROMPTS[BROKEN_PROMPT])[1]
     assert path.is_file() and rank_0_path.is_file() and path.parent != rank_0_path.parent
-    if kind == "missing":
-        path.unlink()
-    else:
-        raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0xFF  # the payload's checksum no longer matches
-        path.write_bytes(bytes(raw))
+    break_stored_file(path, kind)
     return target
 
 

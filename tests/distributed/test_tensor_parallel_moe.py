@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kvrecover import LLM, SamplingParams
 from kvrecover.models.loader import load_weights, skip_weight_init
@@ -29,29 +29,14 @@ def generate_ids(model_dir: Path) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def mixtral_fused(tiny_mixtral, tmp_path_factory) -> Path:
-    """tiny_mixtral with the fused expert tensors ([E, 2I, H] gate_up, [E, H, I] down)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    folder = tmp_path_factory.mktemp("mixtral_fused_tp")
-    save_file(state, str(folder / "model.safetensors"))
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tiny_mixtral / name).read_bytes())
-    return folder
-
-
 @pytest.mark.parametrize("family", ["tiny_qwen3_moe", "tiny_mixtral"])
 def test_greedy_at_size_2_equals_hugging_face(family, request):
     model_dir = request.getfixturevalue(family)
     assert generate_ids(model_dir) == hf_greedy(model_dir, PROMPTS, MAX_NEW)
 
 
-def test_fused_expert_tensors_load_by_slice_at_size_2(tiny_mixtral, mixtral_fused):
-    assert generate_ids(mixtral_fused) == hf_greedy(tiny_mixtral, PROMPTS, MAX_NEW)
+def test_fused_expert_tensors_load_by_slice_at_size_2(tiny_mixtral, tiny_mixtral_fused):
+    assert generate_ids(tiny_mixtral_fused) == hf_greedy(tiny_mixtral, PROMPTS, MAX_NEW)
 
 
 def _rank_experts(model_dir: Path, rank: int):
@@ -68,9 +53,9 @@ def _rank_experts(model_dir: Path, rank: int):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_holds_its_slice_of_every_expert(tiny_mixtral, mixtral_fused, rank):
+def test_a_rank_holds_its_slice_of_every_expert(tiny_mixtral, tiny_mixtral_fused, rank):
     config, block = _rank_experts(tiny_mixtral, rank)
-    _, fused_block = _rank_experts(mixtral_fused, rank)
+    _, fused_block = _rank_experts(tiny_mixtral_fused, rank)
     weights = load_file(str(tiny_mixtral / "model.safetensors"))
     size = config.intermediate_size // 2
     rows = slice(rank * size, (rank + 1) * size)

@@ -73,23 +73,6 @@ def tiny_mixtral_windowed(tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def tiny_mixtral_fused(tiny_mixtral, tmp_path_factory) -> Path:
-    """tiny_mixtral saved with the fused expert tensors transformers holds in memory
-    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`, `mlp.gate`)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    folder = tmp_path_factory.mktemp("mixtral_fused")
-    save_file(state, str(folder / "model.safetensors"))
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tiny_mixtral / name).read_bytes())
-    return folder
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_routing_differs_between_tokens(request, family):
     model_dir = request.getfixturevalue(family)

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import hf_greedy, storage_transfer
+from conftest import break_stored_file, hf_greedy, storage_transfer
 from test_qwen3_next_connectors import last_boundary_key
 from test_qwen3_next_vs_hf import FAMILIES, GREEDY, MAX_NEW, PROMPTS, build_hybrid, generate
 
@@ -73,12 +73,7 @@ def test_a_broken_state_on_one_rank_rolls_back_every_rank(model, filled_store, r
     shutil.copytree(root, store)
     broken = state_file(config, store, 1, PROMPTS[BROKEN_PROMPT])
     assert state_file(config, store, 0, PROMPTS[BROKEN_PROMPT]).is_file()
-    if kind == "missing":
-        broken.unlink()
-    else:
-        raw = bytearray(broken.read_bytes())
-        raw[-1] ^= 0xFF  # the payload's checksum no longer matches
-        broken.write_bytes(bytes(raw))
+    break_stored_file(broken, kind)
     transfer = storage_transfer(store, "kv_consumer", async_load=async_load, load_timeout_s=5.0)
     with hybrid_llm(model, transfer) as consumer:
         assert generate(consumer) == reference
