@@ -81,7 +81,7 @@ class StateCheckpoints:
             block_hash = request.block_hashes[num_blocks - 1]
             slot = None if block_hash in self._step_written else self._slots.get(block_hash)
             if slot is not None:
-                self._slots.move_to_end(request.block_hashes[num_blocks - 1])
+                self._slots.move_to_end(block_hash)
                 self._restores[request.request_id] = (slot, num_blocks * self.block_size)
                 return PrefixHit(num_blocks * self.block_size,
                                  [blocks[:num_blocks] for blocks in hits.blocks])
