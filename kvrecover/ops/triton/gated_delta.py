@@ -43,7 +43,7 @@ from kvrecover.ops.triton.step_plan import StepPlan, build_plan
 __all__ = ["StepPlan", "build_plan", "gated_delta_rule_batch"]
 
 MAX_VALUE_BLOCK = 32  # value dims per program (bounds the state tile in registers)
-NUM_WARPS = 4  # 8 warps ran 1.3-2.7x faster on the H200 (NOTES); not re-measured since the tail fix
+NUM_WARPS = 8  # 1.9-6.7x faster than 4 on the H200, same error (bench/bench_gated_delta.py, NOTES)
 
 
 @triton.jit
