@@ -7,7 +7,10 @@ At bench_gpu.py's shape (Llama-3.2-1B, random bf16 weights, prompts of 1024):
 - each linear (cuBLAS) and the attention kernel alone, graph-timed over the 16
   layers' real weights and caches: microseconds and bytes/s against the copy
   ceiling, for the current and other decode attention configs;
-- the small ops alone, with other warp counts.
+- the small ops alone, with other warp counts;
+- the host side of steady engine steps (section `host`): wall per step, and under
+  cProfile the functions with the most own time per step (waits for the device
+  included, e.g. `synchronize`), to find what is not hidden behind the device.
 
     PYTHONPATH=. python3 bench/profile_gpu_decode.py [--batches 16 64] [--out DIR]
 """
@@ -144,6 +147,34 @@ def start_decoding(llm, batch: int, prompt_len: int):
 
 
 @torch.inference_mode()
+def host_profile(engine, steps: int) -> list[dict]:
+    """Wall per engine step in steady decode, then the top own-time functions per step
+    under cProfile (which slows Python: compare its wall with the plain one)."""
+    import cProfile
+    import pstats
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    rows = [{"name": "wall per step, plain", "us": 1e6 * (time.perf_counter() - start) / steps}]
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    rows.append({"name": "wall per step, cProfile", "us": 1e6 * (time.perf_counter() - start) / steps})
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    own = sorted(((tottime, key) for key, (_, _, tottime, _, _) in stats.items()), reverse=True)
+    for tottime, (file, line, name) in own[:25]:
+        rows.append({"name": f"{Path(file).name}:{line} {name}", "us": 1e6 * tottime / steps})
+    return rows
+
+
 def linears(runner, batch: int, copy_bw: float) -> list[dict]:
     layers = runner.model.layers
     shapes = {
@@ -278,7 +309,8 @@ def profile_batch(model_dir: Path, batch: int, prompt_len: int, steps: int, copy
     table = kernel_table(engine, steps)
     result = {"batch": batch, "batch_invariant": batch_invariant, "graph_replay_ms": replay_ms,
               "kernels": table}
-    sections = {"eager_kernels": (eager_table, engine, batch, steps)}
+    sections = {"eager_kernels": (eager_table, engine, batch, steps),
+                "host": (host_profile, engine, steps)}
     if not batch_invariant:
         sections["linears"] = (linears, runner, batch, copy_bw)
         sections["attention"] = (attention, engine, batch, copy_bw)
@@ -319,6 +351,10 @@ def print_result(r: dict) -> None:
                       f"err {row['rel_err']:.1e}")
     for row in r.get("small_ops", []):
         print(f"  {row['op']:30} {row['us']:6.2f} us")
+    if r.get("host"):
+        print("--- host, us per engine step (own time under cProfile)")
+    for row in r.get("host", []):
+        print(f"  {row['name'][:80]:80} {row['us']:9.1f}")
 
 
 def main() -> None:
@@ -328,7 +364,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--invariant", action="store_true", help="also the batch_invariant mode")
     parser.add_argument("--sections", nargs="+", default=["eager_kernels", "linears", "attention",
-                                                         "small_ops"])
+                                                         "small_ops", "host"])
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvrecover-bench-llama1b"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
