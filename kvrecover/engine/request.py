@@ -28,7 +28,9 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         """True for every terminal state."""
-        return self.name.startswith("FINISHED")
+        # A tuple: `in` compares members by identity in C (the scheduler asks this of
+        # every request several times a step; `name` is a Python descriptor).
+        return self in _TERMINAL_STATES
 
     @property
     def finish_reason(self) -> str | None:
@@ -36,6 +38,7 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self)
 
 
+_TERMINAL_STATES = tuple(status for status in RequestStatus if status.name.startswith("FINISHED"))
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
