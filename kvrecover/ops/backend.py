@@ -20,7 +20,8 @@ kernels for every dtype (the C attention kernel, or its torch fallback where it
 cannot or may not be built: `native_kernels`). bf16 and fp16 on the CPU run
 them by default too (`HALF_INVARIANT_BY_DEFAULT`); float32 without
 `batch_invariant` runs the reference (oneDNN linears, SDPA), its decode-only steps
-through the C attention kernel where it builds (`native_kernels`). On Triton, models
+through the C attention kernel and its norms and rotary through the C row kernels
+(bit-equal to torch's: `ops.cpu.row_kernel_ops`) where they build (`native_kernels`). On Triton, models
 with experts run the invariant kernels by default (`MOE_INVARIANT_BY_DEFAULT`).
 """
 
@@ -37,6 +38,7 @@ from kvrecover.config import ATTENTION_BACKENDS
 from kvrecover.ops.cpu.attention import invariant_cpu_attention, native_cpu_attention
 from kvrecover.ops.cpu.invariant_ops import HALF_DTYPES, InvariantCpuOps
 from kvrecover.ops.cpu.native_build import native_kernels_default
+from kvrecover.ops.cpu.row_kernel_ops import RowKernelOps
 from kvrecover.ops.interface import (
     BackendFeatures,
     ModelOps,
@@ -137,6 +139,7 @@ def select_backend(
     decode_kernel = None
     if device.type == "cpu":  # decode steps read the cache in place (bench/NOTES.md)
         native = native_kernels_default() if native_kernels is None else native_kernels
+        ops = RowKernelOps(native_kernels=native)  # bit-equal C norms and rotary
         decode_kernel = native_cpu_attention(ops.rotary, native)
     return KernelBackend("torch", TorchPagedAttention(ops.rotary, decode_kernel), ops,
                          ReferenceStepInputs, features=EVERY_BACKEND)
