@@ -132,14 +132,17 @@ def select_backend(
                            and device.type == "cpu"):
         native = native_kernels_default() if native_kernels is None else native_kernels
         invariant_ops = InvariantCpuOps(native_kernels=native)
-        attention = invariant_cpu_attention(device, invariant_ops.rotary, native)
+        attention = invariant_cpu_attention(device, invariant_ops.rotary_in_place, native)
         return KernelBackend("cpu_invariant", attention, invariant_ops, ReferenceStepInputs,
                              features=EVERY_BACKEND, batch_invariant=True)
-    ops = TorchOps()
-    decode_kernel = None
-    if device.type == "cpu":  # decode steps read the cache in place (bench/NOTES.md)
-        native = native_kernels_default() if native_kernels is None else native_kernels
-        ops = RowKernelOps(native_kernels=native)  # bit-equal C norms and rotary
-        decode_kernel = native_cpu_attention(ops.rotary, native)
-    return KernelBackend("torch", TorchPagedAttention(ops.rotary, decode_kernel), ops,
-                         ReferenceStepInputs, features=EVERY_BACKEND)
+    if device.type != "cpu":
+        ops = TorchOps()
+        return KernelBackend("torch", TorchPagedAttention(ops.rotary), ops, ReferenceStepInputs,
+                             features=EVERY_BACKEND)
+    native = native_kernels_default() if native_kernels is None else native_kernels
+    row_ops = RowKernelOps(native_kernels=native)  # bit-equal C norms and rotary
+    # Decode steps read the cache in place (bench/NOTES.md); rotary writes into q and k,
+    # which `attend` may overwrite.
+    decode_kernel = native_cpu_attention(row_ops.rotary_in_place, native)
+    return KernelBackend("torch", TorchPagedAttention(row_ops.rotary_in_place, decode_kernel),
+                         row_ops, ReferenceStepInputs, features=EVERY_BACKEND)

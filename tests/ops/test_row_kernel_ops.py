@@ -55,10 +55,12 @@ def test_float32_norms_equal_torch_bit_for_bit(ops, hidden, with_residual, plus_
     for rows in ROW_COUNTS:
         x, weight = _data((rows, hidden), hidden + rows), _data((hidden,), 1)
         residual = _data((rows, hidden), 2) if with_residual else None
-        got = _norms(ops, plus_one, x, residual, weight)
         want = _norms(TorchOps(), plus_one, x, residual, weight)
+        got = _norms(ops, plus_one, x, residual, weight)  # may update `residual` in place
         assert calls == [1], "the float32 norm must be the C kernel"
         calls.clear()
+        if residual is not None:  # the sum lands in place, as `ModelOps` allows
+            assert got[1].data_ptr() == residual.data_ptr()
         for got_part, want_part in zip(got, want, strict=True):
             assert torch.equal(got_part, want_part), (rows, hidden)
 
@@ -98,6 +100,20 @@ def test_float32_rotary_equals_torch_bit_for_bit_and_rows_are_invariant(
     got = ops.rotary(rotary, positions, q, k)
     want = TorchOps().rotary(rotary, positions, q, k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # In place (the attention's rotary): the same bits, written into q and k.
+    in_q, in_k = q.clone(), k.clone()
+    rotated = ops.rotary_in_place(rotary, positions, in_q, in_k)
+    assert rotated[0] is in_q and rotated[1] is in_k
+    assert torch.equal(in_q, want[0]) and torch.equal(in_k, want[1])
+    strided = qkv.clone()  # and into strided views of the qkv output, its v untouched
+    sq, sk, sv = strided.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    if rotary_dim == head_dim:
+        ops.rotary_in_place(rotary, positions, sq.view(-1, heads, head_dim),
+                            sk.view(-1, kv_heads, head_dim))
+        assert torch.equal(sq.view(-1, heads, head_dim), want[0])
+        assert torch.equal(sk.view(-1, kv_heads, head_dim), want[1])
+        assert torch.equal(sv, qkv.split([heads * head_dim, 2 * kv_heads * head_dim], -1)[1][
+            :, kv_heads * head_dim:])
     for size in (1, 2, 5, 16, 41):
         for threads in (1, 2, 4):
             part = ops._rows.rotary(rotary.cos_sin_cache, positions[:size], q[:size], k[:size],

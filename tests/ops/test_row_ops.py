@@ -86,6 +86,13 @@ def test_rotary_equals_torch_bit_for_bit_and_is_row_invariant(rows, dtype, head_
     out_q, out_k = rows.rotary(rotary.cos_sin_cache, positions, q, k)
     ref_q, ref_k = apply_rotary(rotary.cos_sin_cache, positions, q, k)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    strided = qkv.clone()  # in place, into the strided views
+    in_q, in_k, _ = strided.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+                                  dim=-1)
+    rows.rotary(rotary.cos_sin_cache, positions, in_q.view(-1, heads, head_dim),
+                in_k.view(-1, kv_heads, head_dim), in_place=True)
+    assert torch.equal(in_q.reshape(-1, heads, head_dim), ref_q)
+    assert torch.equal(in_k.reshape(-1, kv_heads, head_dim), ref_k)
 
     def run(index, threads):
         lo, hi = int(index[0]), int(index[-1]) + 1
@@ -125,7 +132,7 @@ def test_invariant_ops_use_the_kernels_for_half_and_float32(monkeypatch):
     x, residual, weight = (_data((5, 24), torch.float32, s) for s in (1, 2, 3))
     weight = weight[0]
     ops, torch_ops = InvariantCpuOps(), TorchOps()
-    for got, want in zip(ops.add_rms_norm(x, residual, weight, 1e-5),
+    for got, want in zip(ops.add_rms_norm(x, residual.clone(), weight, 1e-5),
                          torch_ops.add_rms_norm(x, residual, weight, 1e-5)):
         assert torch.equal(got, want)  # float32 stays bit-identical to the HF-checked path
     assert ops._rows is not None  # through the C kernel (tests/ops/test_row_kernel_ops.py)
@@ -134,7 +141,7 @@ def test_invariant_ops_use_the_kernels_for_half_and_float32(monkeypatch):
     original = NativeRowOps.add_rms_norm
     monkeypatch.setattr(NativeRowOps, "add_rms_norm",
                         lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    ops.add_rms_norm(*half, 1e-5)
+    ops.add_rms_norm(half[0], half[1].clone(), half[2], 1e-5)
     assert calls == [1]
     # Without the library the torch versions run.
     monkeypatch.setattr(native_build, "_loaded", {"row_ops": None})

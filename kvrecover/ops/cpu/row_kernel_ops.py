@@ -98,11 +98,13 @@ class RowKernelOps(TorchOps):
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchOps.add_rms_norm`, one C call where `_norm_kernels` allows."""
+        """`TorchOps.add_rms_norm`, one C call where `_norm_kernels` allows (the sum in
+        place in `residual`, as `ModelOps.add_rms_norm` allows)."""
         kernels = self._norm_kernels(False, x, residual, weight)
         if kernels is None or x.shape != residual.shape:
             return super().add_rms_norm(x, residual, weight, eps)
-        return kernels[0].add_rms_norm(x, residual, weight, eps, sum_width=kernels[1])
+        return kernels[0].add_rms_norm(x, residual, weight, eps, sum_width=kernels[1],
+                                       in_place=True)
 
     def rms_norm_plus_one(self, x: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> torch.Tensor:
@@ -121,13 +123,27 @@ class RowKernelOps(TorchOps):
         if kernels is None or x.shape != residual.shape:
             return super().add_rms_norm_plus_one(x, residual, weight, eps)
         return kernels[0].add_rms_norm(x, residual, weight, eps, sum_width=kernels[1],
-                                       plus_one=True)
+                                       plus_one=True, in_place=True)
 
     def rotary(
         self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
         key: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchOps.rotary`, one C call (bit-equal) for float32 and `native_half_dtypes`."""
+        return self._rotary(tables, positions, query, key, in_place=False)
+
+    def rotary_in_place(
+        self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary` into `query` and `key` themselves where the kernel runs (a fresh
+        tensor less per call): the attention's rotary, whose `attend` may overwrite them."""
+        return self._rotary(tables, positions, query, key, in_place=True)
+
+    def _rotary(
+        self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
+        key: torch.Tensor, *, in_place: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cache = tables.cos_sin_cache
         if (query.device.type != "cpu" or cache.dtype != torch.float32
                 or query.dtype != key.dtype or query.stride(-1) != 1 or key.stride(-1) != 1
@@ -136,4 +152,4 @@ class RowKernelOps(TorchOps):
         rows = self._kernels_for(query.dtype)  # q and k are views of the qkv output
         if rows is None:
             return super().rotary(tables, positions, query, key)
-        return rows.rotary(cache, positions, query, key)
+        return rows.rotary(cache, positions, query, key, in_place=in_place)

@@ -43,17 +43,19 @@ class NativeRowOps:
         self._add_rms_norm.restype = _int
         self._rotary = library.kvr_rotary
         self._rotary.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
-                                 _i64, _i64, _i64, _i64, _int, _int]
+                                 _i64, _i64, _i64, _i64, _int, _int, _int]
         self._rotary.restype = _int
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
         threads: int | None = None, *, sum_width: int = 0, plus_one: bool = False,
+        in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x) * weight, residual + x); with `x` None, (norm(residual) *
         weight, residual); with `plus_one` times `1 + weight` instead (Gemma's). Tensors
         [..., hidden] contiguous, one dtype. `sum_width` 0 sums the squares in the lane
-        tree; > 0 in torch's CPU sum order with vectors of that many floats."""
+        tree; > 0 in torch's CPU sum order with vectors of that many floats. `in_place`
+        writes the sum into `residual` (one fresh tensor less)."""
         tensors = {"residual": residual, "weight": weight}
         if x is not None:
             tensors["x"] = x
@@ -68,7 +70,7 @@ class NativeRowOps:
             raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {hidden}")
         rows = residual.numel() // hidden
         out = torch.empty_like(residual)
-        summed = residual if x is None else torch.empty_like(residual)
+        summed = residual if x is None or in_place else torch.empty_like(residual)
         status = self._add_rms_norm(
             None if x is None else x.data_ptr(), residual.data_ptr(),
             None if x is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(),
@@ -82,11 +84,12 @@ class NativeRowOps:
 
     def rotary(
         self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, query: torch.Tensor,
-        key: torch.Tensor, threads: int | None = None,
+        key: torch.Tensor, threads: int | None = None, *, in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`ops.reference.rotary.apply_rotary` bit for bit: query [T, Hq, D] and key [T, Hkv, D]
         (last dim contiguous, one dtype) rotated by positions [T] (int64) with the float32
-        cache [P, 2 * D]."""
+        cache [P, 2 * D]; into new contiguous tensors, or with `in_place` into `query` and
+        `key` themselves (returned)."""
         if query.dtype != key.dtype or query.dtype not in DTYPE_CODES:
             raise ValueError(f"query and key dtypes ({query.dtype}, {key.dtype}) must be one of "
                              f"{list(DTYPE_CODES)}")
@@ -105,13 +108,14 @@ class NativeRowOps:
             raise ValueError(f"positions must be int64 [{tokens}], got {positions.dtype} "
                              f"{tuple(positions.shape)}")
         positions = positions.contiguous()
-        query_out = query.new_empty(query.shape)
-        key_out = key.new_empty(key.shape)
+        query_out = query if in_place else query.new_empty(query.shape)
+        key_out = key if in_place else key.new_empty(key.shape)
         status = self._rotary(
             query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0),
             key.stride(1), query_out.data_ptr(), key_out.data_ptr(), cos_sin_cache.data_ptr(),
             cos_sin_cache.shape[0], positions.data_ptr(), tokens, num_heads, key.shape[1], dim,
-            DTYPE_CODES[query.dtype], _threads(query.numel() + key.numel(), tokens, threads))
+            DTYPE_CODES[query.dtype], int(in_place),
+            _threads(query.numel() + key.numel(), tokens, threads))
         if status == 2:
             raise ValueError(f"head_dim must be at most {MAX_ROTARY_DIM}, got {dim}")
         if status:

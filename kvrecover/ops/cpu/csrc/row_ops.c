@@ -253,16 +253,35 @@ static inline void rotate_head(const void *x, int64_t x_index, void *out, int64_
 
 #define MAX_ROTARY_DIM 1024
 
+/* Rotate one head at x[x_index] into out[out_index]; in place (out == x, same index)
+ * through a copy of the head, since each element reads its partner half. */
+static inline void rotate_head_at(const void *x, int64_t x_index, void *out, int64_t out_index,
+                                  const float *cs, int64_t dim, int dtype, int in_place) {
+    if (!in_place) {
+        rotate_head(x, x_index, out, out_index, cs, dim, dtype);
+        return;
+    }
+    float copy[MAX_ROTARY_DIM]; /* dim elements of 4 or 2 bytes */
+    const size_t size = dtype == KVR_FLOAT32 ? 4 : 2;
+    memcpy(copy, (const char *)x + x_index * size, dim * size);
+    rotate_head(copy, 0, out, out_index, cs, dim, dtype);
+}
+
 /* Rotate query [T, Hq, D] and key [T, Hkv, D] (last dim contiguous, given token and head
- * strides) into contiguous outputs, by positions [T] into the float32 cos_sin cache
- * [max_positions, 2 * D]. Returns 0, 1 when a position is outside the cache, or 2
- * when D is above MAX_ROTARY_DIM. */
-int kvr_rotary(const void *query, int64_t q_token_stride, int64_t q_head_stride,
-               const void *key, int64_t k_token_stride, int64_t k_head_stride,
+ * strides) by positions [T] into the float32 cos_sin cache [max_positions, 2 * D]: into
+ * contiguous outputs, or with in_place into the inputs themselves (query_out and key_out
+ * unused). Returns 0, 1 when a position is outside the cache, or 2 when D is above
+ * MAX_ROTARY_DIM. */
+int kvr_rotary(void *query, int64_t q_token_stride, int64_t q_head_stride,
+               void *key, int64_t k_token_stride, int64_t k_head_stride,
                void *query_out, void *key_out, const float *cos_sin, int64_t max_positions,
                const int64_t *positions, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-               int64_t dim, int dtype, int threads) {
+               int64_t dim, int dtype, int in_place, int threads) {
     if (dim > MAX_ROTARY_DIM || dim < 2) return 2;
+    if (in_place) {
+        query_out = query;
+        key_out = key;
+    }
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tokens; t++) {
@@ -275,12 +294,16 @@ int kvr_rotary(const void *query, int64_t q_token_stride, int64_t q_head_stride,
         float row[2 * MAX_ROTARY_DIM];
         for (int64_t d = 0; d < 2 * dim; d++)
             row[d] = round_half(cos_sin[position * 2 * dim + d], dtype);
-        for (int64_t h = 0; h < num_heads; h++)
-            rotate_head(query, t * q_token_stride + h * q_head_stride, query_out,
-                        (t * num_heads + h) * dim, row, dim, dtype);
-        for (int64_t h = 0; h < num_kv_heads; h++)
-            rotate_head(key, t * k_token_stride + h * k_head_stride, key_out,
-                        (t * num_kv_heads + h) * dim, row, dim, dtype);
+        for (int64_t h = 0; h < num_heads; h++) {
+            const int64_t at = t * q_token_stride + h * q_head_stride;
+            rotate_head_at(query, at, query_out, in_place ? at : (t * num_heads + h) * dim, row,
+                           dim, dtype, in_place);
+        }
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = t * k_token_stride + h * k_head_stride;
+            rotate_head_at(key, at, key_out, in_place ? at : (t * num_kv_heads + h) * dim, row,
+                           dim, dtype, in_place);
+        }
     }
     return status;
 }
