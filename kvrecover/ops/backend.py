@@ -20,7 +20,8 @@ kernels for every dtype (the C attention kernel, or its torch fallback where it
 cannot or may not be built: `native_kernels`). bf16 and fp16 on the CPU run
 them by default too (`HALF_INVARIANT_BY_DEFAULT`); float32 without
 `batch_invariant` runs the reference (oneDNN linears, SDPA), its decode-only steps
-through the C attention kernel where it builds (`native_kernels`). On Triton, models
+through the C attention kernel and its norms and rotary through the C row kernels
+(bit-equal to torch's: `ops.cpu.row_kernel_ops`) where they build (`native_kernels`). On Triton, models
 with experts run the invariant kernels by default (`MOE_INVARIANT_BY_DEFAULT`).
 """
 
@@ -37,6 +38,7 @@ from kvrecover.config import ATTENTION_BACKENDS
 from kvrecover.ops.cpu.attention import invariant_cpu_attention, native_cpu_attention
 from kvrecover.ops.cpu.invariant_ops import HALF_DTYPES, InvariantCpuOps
 from kvrecover.ops.cpu.native_build import native_kernels_default
+from kvrecover.ops.cpu.row_kernel_ops import RowKernelOps
 from kvrecover.ops.interface import (
     BackendFeatures,
     ModelOps,
@@ -130,13 +132,17 @@ def select_backend(
                            and device.type == "cpu"):
         native = native_kernels_default() if native_kernels is None else native_kernels
         invariant_ops = InvariantCpuOps(native_kernels=native)
-        attention = invariant_cpu_attention(device, invariant_ops.rotary, native)
+        attention = invariant_cpu_attention(device, invariant_ops.rotary_in_place, native)
         return KernelBackend("cpu_invariant", attention, invariant_ops, ReferenceStepInputs,
                              features=EVERY_BACKEND, batch_invariant=True)
-    ops = TorchOps()
-    decode_kernel = None
-    if device.type == "cpu":  # decode steps read the cache in place (bench/NOTES.md)
-        native = native_kernels_default() if native_kernels is None else native_kernels
-        decode_kernel = native_cpu_attention(ops.rotary, native)
-    return KernelBackend("torch", TorchPagedAttention(ops.rotary, decode_kernel), ops,
-                         ReferenceStepInputs, features=EVERY_BACKEND)
+    if device.type != "cpu":
+        ops = TorchOps()
+        return KernelBackend("torch", TorchPagedAttention(ops.rotary), ops, ReferenceStepInputs,
+                             features=EVERY_BACKEND)
+    native = native_kernels_default() if native_kernels is None else native_kernels
+    row_ops = RowKernelOps(native_kernels=native)  # bit-equal C norms and rotary
+    # Decode steps read the cache in place (bench/NOTES.md); rotary writes into q and k,
+    # which `attend` may overwrite.
+    decode_kernel = native_cpu_attention(row_ops.rotary_in_place, native)
+    return KernelBackend("torch", TorchPagedAttention(row_ops.rotary_in_place, decode_kernel),
+                         row_ops, ReferenceStepInputs, features=EVERY_BACKEND)

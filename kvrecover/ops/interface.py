@@ -117,7 +117,8 @@ class NormKernels(Protocol):
     def add_rms_norm_plus_one(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x) with the `_plus_one` norm."""
+        """(norm(residual + x), residual + x) with the `_plus_one` norm; `residual` may be
+        updated in place."""
         ...
 
 

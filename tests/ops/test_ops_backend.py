@@ -17,6 +17,7 @@ from kvrecover.models.llama import LlamaForCausalLM
 from kvrecover.models.rope import RotaryEmbedding
 from kvrecover.ops.backend import select_backend
 from kvrecover.ops.cpu.attention import CpuInvariantAttention
+from kvrecover.ops.cpu.row_kernel_ops import RowKernelOps
 from kvrecover.ops.interface import BackendFeatures
 from kvrecover.ops.reference.attention_metadata import AttentionMetadata
 from kvrecover.ops.reference.torch_attention import TorchPagedAttention
@@ -37,7 +38,8 @@ def test_auto_on_the_cpu_is_the_torch_reference():
     backend = select_backend("auto", torch.device("cpu"))
     assert backend.name == "torch"
     assert isinstance(backend.attention, TorchPagedAttention)
-    assert type(backend.ops) is TorchOps
+    # TorchOps with its float32 norms and rotary in C, bit-equal (tests/ops/test_row_kernel_ops.py).
+    assert type(backend.ops) is RowKernelOps and isinstance(backend.ops, TorchOps)
     assert not backend.batch_invariant
     # batch_invariant keeps its promise on the CPU too (tests/ops/test_cpu_invariant.py).
     assert select_backend("auto", torch.device("cpu"), batch_invariant=True).name == "cpu_invariant"

@@ -1,4 +1,5 @@
-"""The C row kernels (`ops/cpu/row_ops.py`, `ops/cpu/csrc/row_ops.c`) of the bf16/fp16 CPU path:
+"""The C row kernels (`ops/cpu/row_ops.py`, `ops/cpu/csrc/row_ops.c`) in bf16/fp16 (float32:
+tests/ops/test_row_kernel_ops.py):
 a row's bits never depend on its batch or the thread count, results match torch's
 within half rounding (residual sums and rotary exactly), bad input is refused."""
 
@@ -85,6 +86,13 @@ def test_rotary_equals_torch_bit_for_bit_and_is_row_invariant(rows, dtype, head_
     out_q, out_k = rows.rotary(rotary.cos_sin_cache, positions, q, k)
     ref_q, ref_k = apply_rotary(rotary.cos_sin_cache, positions, q, k)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    strided = qkv.clone()  # in place, into the strided views
+    in_q, in_k, _ = strided.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+                                  dim=-1)
+    rows.rotary(rotary.cos_sin_cache, positions, in_q.view(-1, heads, head_dim),
+                in_k.view(-1, kv_heads, head_dim), in_place=True)
+    assert torch.equal(in_q.reshape(-1, heads, head_dim), ref_q)
+    assert torch.equal(in_k.reshape(-1, kv_heads, head_dim), ref_k)
 
     def run(index, threads):
         lo, hi = int(index[0]), int(index[-1]) + 1
@@ -99,8 +107,8 @@ def test_bad_inputs_are_refused(rows):
     weight = _data((24,), torch.bfloat16)
     with pytest.raises(ValueError, match="x dtype torch.float32"):
         rows.add_rms_norm(x.float(), x, weight, 1e-5)
-    with pytest.raises(ValueError, match="residual dtype torch.float32"):
-        rows.add_rms_norm(None, x.float(), weight.float(), 1e-5)
+    with pytest.raises(ValueError, match="residual dtype torch.float64"):
+        rows.add_rms_norm(None, x.double(), weight.double(), 1e-5)
     with pytest.raises(ValueError, match="contiguous"):
         rows.add_rms_norm(None, x.t(), weight, 1e-5)
     with pytest.raises(ValueError, match="weight shape"):
@@ -120,20 +128,20 @@ def test_bad_inputs_are_refused(rows):
         rows.rotary(rotary.cos_sin_cache, torch.arange(4), q.half(), k)
 
 
-def test_invariant_ops_use_the_kernels_for_half_and_torch_for_float32(monkeypatch):
+def test_invariant_ops_use_the_kernels_for_half_and_float32(monkeypatch):
     x, residual, weight = (_data((5, 24), torch.float32, s) for s in (1, 2, 3))
     weight = weight[0]
     ops, torch_ops = InvariantCpuOps(), TorchOps()
-    for got, want in zip(ops.add_rms_norm(x, residual, weight, 1e-5),
+    for got, want in zip(ops.add_rms_norm(x, residual.clone(), weight, 1e-5),
                          torch_ops.add_rms_norm(x, residual, weight, 1e-5)):
         assert torch.equal(got, want)  # float32 stays bit-identical to the HF-checked path
-    assert ops._rows is None and not ops._rows_loaded  # float32 never loads the library
+    assert ops._rows is not None  # through the C kernel (tests/ops/test_row_kernel_ops.py)
     half = x.bfloat16(), residual.bfloat16(), weight.bfloat16()
     calls = []
     original = NativeRowOps.add_rms_norm
     monkeypatch.setattr(NativeRowOps, "add_rms_norm",
                         lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    ops.add_rms_norm(*half, 1e-5)
+    ops.add_rms_norm(half[0], half[1].clone(), half[2], 1e-5)
     assert calls == [1]
     # Without the library the torch versions run.
     monkeypatch.setattr(native_build, "_loaded", {"row_ops": None})

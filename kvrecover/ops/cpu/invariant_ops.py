@@ -6,9 +6,10 @@ gathered by expert, run the expert's own packed `nn.Linear` pair in the same
 proven tiles, and a token's outputs are combined in its top-k order, so its bits
 do not depend on which other tokens share its experts. Norms, rotary, SwiGLU and sampling are row-local already (the
 inherited `TorchOps` versions; `tests/ops/test_cpu_invariant.py` proves it bit for
-bit). For bf16/fp16, RMSNorm (with its residual add) and rotary run as one C
-call each (`ops.cpu.row_ops`, row-local by construction) where the library
-builds; float32 keeps the torch versions.
+bit). RMSNorm (with its residual add) and rotary run as one C call each
+(`ops.cpu.row_ops`, row-local by construction) where the library builds: in
+float32 bit-equal to torch (`ops.cpu.row_kernel_ops.RowKernelOps`), in bf16/fp16
+close to it.
 """
 
 from __future__ import annotations
@@ -16,28 +17,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvrecover.ops.cpu.row_ops import DTYPE_CODES as ROW_DTYPES
-from kvrecover.ops.cpu.row_ops import MAX_HIDDEN, NativeRowOps, native_row_ops
+from kvrecover.ops.cpu.row_kernel_ops import RowKernelOps
 from kvrecover.ops.cpu.tiled_linear import LARGE_TILE_ROWS, TILE_ROWS, TiledLinears
-from kvrecover.ops.interface import ExpertWeights, RotaryTables
-from kvrecover.ops.reference.torch_ops import TorchOps
+from kvrecover.ops.interface import ExpertWeights
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class InvariantCpuOps(TorchOps):
+class InvariantCpuOps(RowKernelOps):
     """`TorchOps` whose linears run only fixed-shape row tiles (`linears`) and whose
-    bf16/fp16 norms and rotary are the C row kernels."""
+    norms and rotary are the C row kernels (bf16/fp16 too, `RowKernelOps`)."""
+
+    native_half_dtypes = HALF_DTYPES
 
     def __init__(
         self, tile_rows: int = TILE_ROWS, large_tile_rows: int = LARGE_TILE_ROWS, *,
         native_kernels: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(native_kernels=native_kernels)
         self.linears = TiledLinears(tile_rows, large_tile_rows)
-        self.native_kernels = native_kernels  # whether the C row kernels may be built
-        self._rows: NativeRowOps | None = None  # the C row kernels, loaded at first half call
-        self._rows_loaded = False
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Called once after loading: split each experts module into per-expert linears,
@@ -68,49 +66,3 @@ class InvariantCpuOps(TorchOps):
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`x @ layer.weight.T + layer.bias`, one fixed-shape call per row tile."""
         return self.linears.linear(x, layer)
-
-    def _row_kernels(self, *tensors: torch.Tensor) -> NativeRowOps | None:
-        """The C row kernels when they apply to `tensors` (one half dtype, contiguous)."""
-        first = tensors[0]
-        if first.shape[-1] > MAX_HIDDEN:
-            return None
-        if not all(t.dtype == first.dtype and t.is_contiguous() for t in tensors):
-            return None
-        return self._kernels_for(first.dtype)
-
-    def _kernels_for(self, dtype: torch.dtype) -> NativeRowOps | None:
-        """The C row kernels for a half dtype (None for float32: the torch versions)."""
-        if dtype not in ROW_DTYPES:
-            return None
-        if not self._rows_loaded:
-            self._rows, self._rows_loaded = native_row_ops(self.native_kernels), True
-        return self._rows
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`TorchOps.rms_norm`, one C call for bf16/fp16."""
-        rows = self._row_kernels(x, weight)
-        if rows is None or x.device.type != "cpu":
-            return super().rms_norm(x, weight, eps)
-        return rows.add_rms_norm(None, x, weight, eps)[0]
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchOps.add_rms_norm`, one C call for bf16/fp16."""
-        rows = self._row_kernels(x, residual, weight)
-        if rows is None or x.device.type != "cpu" or x.shape != residual.shape:
-            return super().add_rms_norm(x, residual, weight, eps)
-        return rows.add_rms_norm(x, residual, weight, eps)
-
-    def rotary(
-        self, tables: RotaryTables, positions: torch.Tensor, query: torch.Tensor,
-        key: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchOps.rotary`, one C call for bf16/fp16 (bit-equal)."""
-        cache = tables.cos_sin_cache
-        rows = self._kernels_for(query.dtype)  # q and k are views of the qkv output
-        if (rows is None or query.device.type != "cpu" or cache.dtype != torch.float32
-                or query.dtype != key.dtype or query.stride(-1) != 1 or key.stride(-1) != 1
-                or positions.dtype != torch.int64):
-            return super().rotary(tables, positions, query, key)
-        return rows.rotary(cache, positions, query, key)
