@@ -174,6 +174,47 @@ static inline __attribute__((always_inline)) void edge_values(
     }
 }
 
+/* P.V of `rows` rows that read all 16 keys of the vector (their accumulators at
+ * acc + r * KVR_MAX_DIM / 16): edge_values' operations with skip 0 and count 16, the
+ * value loads shared by the rows (bf16: the pairs unpacked once in `pairs`). */
+static inline __attribute__((always_inline)) void full_values(
+    const KvrAttentionArgs *a, const int64_t *offsets, const __m512i *pairs,
+    const float (*probs)[16], __m512 *acc, const int rows, const int dim, const int dtype) {
+    const int lanes = dim / 16, stride = KVR_MAX_DIM / 16;
+    __m512 local[4][KVR_MAX_DIM / 16];
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < lanes; l++) local[r][l] = acc[r * stride + l];
+#if defined(__AVX512BF16__)
+    if (dtype == KVR_BFLOAT16) {
+        uint32_t words[4][8];
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_si256((__m256i *)words[r], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs[r])));
+        for (int k = 0; k < 8; k++) {
+            __m512bh p[4];
+            for (int r = 0; r < rows; r++) p[r] = (__m512bh)_mm512_set1_epi32((int)words[r][k]);
+            for (int l = 0; l < lanes; l++) {
+                const __m512bh v = (__m512bh)pairs[k * lanes + l];
+                for (int r = 0; r < rows; r++) local[r][l] = _mm512_dpbf16_ps(local[r][l], p[r], v);
+            }
+        }
+    } else
+#endif
+    {
+        (void)pairs;
+        for (int k = 0; k < 16; k++) {
+            const float *value = (const float *)a->value_cache + offsets[k];
+            __m512 p[4];
+            for (int r = 0; r < rows; r++) p[r] = _mm512_set1_ps(probs[r][k]);
+            for (int l = 0; l < lanes; l++) {
+                const __m512 v = _mm512_loadu_ps(value + 16 * l);
+                for (int r = 0; r < rows; r++) local[r][l] = _mm512_fmadd_ps(p[r], v, local[r][l]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < lanes; l++) acc[r * stride + l] = local[r][l];
+}
+
 /* attend_tile_avx512 for one head_dim and dtype (constants once inlined). */
 static inline __attribute__((always_inline)) void attend_tile_body(
     const KvrAttentionArgs *a, int64_t first_token, int tokens, int kv_head,
@@ -237,10 +278,8 @@ static inline __attribute__((always_inline)) void attend_tile_body(
         const int lo = j0 < tile_first ? (int)(tile_first - j0) : 0;
         const int hi = tile_end - j0 < 16 ? (int)(tile_end - j0) : 16;
         key_offsets(a, table, j0 + lo, hi - lo, kv_head, offsets + lo);
-        const int full = lo == 0 && hi == 16;
 #if defined(__AVX512BF16__)
-        const int pairs = dtype == KVR_BFLOAT16 && full;
-        if (pairs) /* every row whose lanes are all 16 keys shares these */
+        if (dtype == KVR_BFLOAT16 && lo == 0 && hi == 16) /* rows that read all 16 keys share these */
             for (int k = 0; k < 16; k += 2)
                 for (int c = 0; c < dim / 32; c++) {
                     __m512i x0 = _mm512_loadu_si512((const uint16_t *)a->value_cache + offsets[k] + 32 * c);
@@ -249,34 +288,38 @@ static inline __attribute__((always_inline)) void attend_tile_body(
                     buffers->values[(k / 2) * lanes + 2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
                 }
 #endif
+        float probs[KVR_MAX_TILE_ROWS][16];
+        __mmask16 masks[KVR_MAX_TILE_ROWS];
         for (int m = 0; m < rows; m++) {
-            const __mmask16 mask = row_mask(a, position[m], j0);
+            const __mmask16 mask = masks[m] = row_mask(a, position[m], j0);
             if (!mask) continue;
             __m512 s = _mm512_maskz_loadu_ps(mask, scores + m * span + (j0 - base));
             __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(row_max[m]))));
             sums[m] = _mm512_add_ps(sums[m], p);
-            __m512 *row_acc = acc + m * (KVR_MAX_DIM / 16);
-#if defined(__AVX512BF16__)
-            if (pairs && mask == 0xffff) {
-                uint32_t pair_words[8];
-                _mm256_storeu_si256((__m256i *)pair_words, (__m256i)_mm512_cvtneps_pbh(p));
-                __m512 local[KVR_MAX_DIM / 16];
-                for (int l = 0; l < lanes; l++) local[l] = row_acc[l];
-                for (int k = 0; k < 8; k++) {
-                    const __m512bh pk = (__m512bh)_mm512_set1_epi32((int)pair_words[k]);
-                    const __m512i *v = buffers->values + k * lanes;
-                    for (int l = 0; l < lanes; l++)
-                        local[l] = _mm512_dpbf16_ps(local[l], pk, (__m512bh)v[l]);
-                }
-                for (int l = 0; l < lanes; l++) row_acc[l] = local[l];
+            _mm512_storeu_ps(probs[m], p);
+        }
+        /* Rows that read all 16 keys share each value load, a block of rows at a time (as
+         * many independent accumulator chains); the others run their own lanes only. */
+        for (int m = 0; m < rows;) {
+            if (masks[m] != 0xffff) {
+                if (masks[m])
+                    edge_values(a, offsets, __builtin_ctz((unsigned)masks[m]),
+                                32 - __builtin_clz((unsigned)masks[m]), probs[m],
+                                acc + m * (KVR_MAX_DIM / 16), dim, dtype);
+                m++;
                 continue;
             }
-#endif
-            float probs[16];
-            _mm512_storeu_ps(probs, p);
-            const int skip = __builtin_ctz((unsigned)mask);
-            const int count = 32 - __builtin_clz((unsigned)mask);
-            edge_values(a, offsets, skip, count, probs, row_acc, dim, dtype);
+            const int block = dim <= 64 ? 4 : 2;
+            int together = m + block <= rows;
+            for (int r = 1; together && r < block; r++) together = masks[m + r] == 0xffff;
+            __m512 *row_acc = acc + m * (KVR_MAX_DIM / 16);
+            if (together && block == 4)
+                full_values(a, offsets, buffers->values, probs + m, row_acc, 4, dim, dtype);
+            else if (together)
+                full_values(a, offsets, buffers->values, probs + m, row_acc, 2, dim, dtype);
+            else
+                full_values(a, offsets, buffers->values, probs + m, row_acc, 1, dim, dtype);
+            m += together ? block : 1;
         }
     }
     for (int m = 0; m < rows; m++) {
