@@ -94,6 +94,9 @@ class NativeInvariantAttention(RotateThenAttend):
                                  ctypes.c_int]
         self._kernel.restype = ctypes.c_int
         self.vector_path = bool(library.kvr_vector_path())
+        self._tiles_supported = library.kvr_tiles_supported
+        self._tiles_supported.argtypes = [ctypes.c_int, ctypes.c_int]
+        self._tiles_supported.restype = ctypes.c_int
         self.num_threads = num_threads  # None: torch.get_num_threads() at each step
         self._plans: PerStepPlan[StepPlan] = PerStepPlan()
 
@@ -102,6 +105,12 @@ class NativeInvariantAttention(RotateThenAttend):
         one, several times slower than SDPA)."""
         return (self.vector_path and head_dim % 16 == 0 and head_dim <= MAX_VECTOR_HEAD_DIM
                 and num_heads // num_kv_heads <= MAX_VECTOR_GROUP)
+
+    def tiled(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this build runs a prefill's tokens in query tiles for `dtype` and
+        `head_dim` (float32; bf16 with AVX512-BF16 and head_dim % 32 == 0): 2-3x the speed
+        of SDPA in float32 (bench/bench_cpu_attention.py); else token by token."""
+        return dtype in DTYPE_CODES and bool(self._tiles_supported(DTYPE_CODES[dtype], head_dim))
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

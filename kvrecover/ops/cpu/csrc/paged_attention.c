@@ -496,6 +496,20 @@ static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
     return 0;
 }
 
+/* Whether this build runs query tiles for `dtype` and `head_dim` (else a prefill goes token
+ * by token, several times slower). */
+int kvr_tiles_supported(int dtype, int head_dim) {
+#if KVR_AVX512
+    if (head_dim % 16 || head_dim > KVR_MAX_DIM) return 0;
+    if (dtype == KVR_FLOAT32) return 1;
+#if defined(__AVX512BF16__)
+    if (dtype == KVR_BFLOAT16 && head_dim % 32 == 0) return 1;
+#endif
+#endif
+    (void)dtype, (void)head_dim;
+    return 0;
+}
+
 /* Rows (tokens x query heads of one KV head) a tile may hold; tiles of more run as
  * code 2 (the Python plan keeps under it). */
 int kvr_max_tile_rows(void) { return KVR_MAX_TILE_ROWS_ANY; }
