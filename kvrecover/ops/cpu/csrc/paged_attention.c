@@ -436,19 +436,23 @@ static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
         int64_t keys = (int64_t)a->token_position[t] + 1;
         max_keys = keys > max_keys ? keys : max_keys;
     }
-    for (int64_t i = 0; i < num_tiles; i++)
-        if (a->tile_tokens[i] < 1 || (int64_t)a->tile_tokens[i] * group > KVR_MAX_TILE_ROWS_ANY)
-            return 2;
+    int64_t tile_rows = 0; /* the most rows of a tile of several tokens */
+    for (int64_t i = 0; i < num_tiles; i++) {
+        const int64_t rows = (int64_t)a->tile_tokens[i] * group;
+        if (a->tile_tokens[i] < 1 || rows > KVR_MAX_TILE_ROWS_ANY) return 2;
+        if (a->tile_tokens[i] > 1 && rows > tile_rows) tile_rows = rows;
+    }
+    (void)tile_rows; /* read by the AVX-512 path only */
     float *scores = malloc(sizeof(float) * (size_t)(group * max_keys + a->head_dim + 16));
     if (!scores) return 1;
     float *acc = scores + group * max_keys;
 #if KVR_AVX512
     int vector = a->head_dim % 16 == 0 && a->head_dim <= KVR_MAX_DIM && group <= KVR_MAX_GROUP;
-    const int tiles = vector && tile_supported(a);
+    const int tiles = vector && tile_rows > 0 && tile_supported(a);
     KvrTileBuffers buffers = {0};
     if (tiles) {
         buffers.span = max_keys + 32;
-        buffers.scores = malloc(sizeof(float) * (size_t)(KVR_MAX_TILE_ROWS * buffers.span));
+        buffers.scores = malloc(sizeof(float) * (size_t)(tile_rows * buffers.span));
         buffers.acc = aligned_alloc(64, sizeof(__m512) * KVR_MAX_TILE_ROWS * (KVR_MAX_DIM / 16));
         buffers.keys = aligned_alloc(64, sizeof(__m512i) * KVR_MAX_DIM);
         buffers.values = aligned_alloc(64, sizeof(__m512i) * 8 * (KVR_MAX_DIM / 16));
