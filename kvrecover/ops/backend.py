@@ -19,8 +19,9 @@ bits do not depend on its batch or chunking. It selects the invariant CPU
 kernels for every dtype (the C attention kernel, or its torch fallback where it
 cannot or may not be built: `native_kernels`). bf16 and fp16 on the CPU run
 them by default too (`HALF_INVARIANT_BY_DEFAULT`); float32 without
-`batch_invariant` runs the reference (oneDNN linears, SDPA), its decode-only steps
-through the C attention kernel and its norms and rotary through the C row kernels
+`batch_invariant` runs the reference (oneDNN linears, SDPA), its attention through
+the C kernel where it builds and vectorizes the heads (decodes, and prefills in query
+tiles; SDPA for the rest) and its norms and rotary through the C row kernels
 (bit-equal to torch's: `ops.cpu.row_kernel_ops`) where they build (`native_kernels`). On Triton, models
 with experts run the invariant kernels by default (`MOE_INVARIANT_BY_DEFAULT`).
 """
@@ -141,8 +142,8 @@ def select_backend(
                              features=EVERY_BACKEND)
     native = native_kernels_default() if native_kernels is None else native_kernels
     row_ops = RowKernelOps(native_kernels=native)  # bit-equal C norms and rotary
-    # Decode steps read the cache in place (bench/NOTES.md); rotary writes into q and k,
-    # which `attend` may overwrite.
-    decode_kernel = native_cpu_attention(row_ops.rotary_in_place, native)
-    return KernelBackend("torch", TorchPagedAttention(row_ops.rotary_in_place, decode_kernel),
+    # Decodes and tiled prefills read the cache in place (bench/NOTES.md); rotary writes
+    # into q and k, which `attend` may overwrite.
+    native_kernel = native_cpu_attention(row_ops.rotary_in_place, native)
+    return KernelBackend("torch", TorchPagedAttention(row_ops.rotary_in_place, native_kernel),
                          row_ops, ReferenceStepInputs, features=EVERY_BACKEND)

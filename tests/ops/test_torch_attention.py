@@ -73,43 +73,51 @@ def test_decode_in_slices_matches_reference(monkeypatch, case, gather_bytes):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_cpu_float32_backend_matches_reference_with_its_decode_kernel(case):
-    """The CPU float32 backend sends decode-only steps to the C kernel (reading the
-    cache in place) and every other step to torch: both match the reference, stale
-    NaNs kept out."""
+def test_cpu_float32_backend_matches_reference_with_its_native_kernel(case):
+    """The CPU float32 backend sends every step of these heads (head_dim 16) to the C
+    kernel (reading the cache in place, prefills in query tiles): it matches the
+    reference, stale NaNs kept out."""
     from kvrecover.ops.backend import select_backend
     from kvrecover.ops.cpu.attention import NativeInvariantAttention
 
     attention = select_backend("auto", torch.device("cpu"), dtype=torch.float32).attention
-    assert isinstance(attention._decode_kernel, NativeInvariantAttention)
+    assert isinstance(attention._native_kernel, NativeInvariantAttention)
+    assert attention._native_kernel.tiled(torch.float32, 16)
     _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1,
                            attention=attention)
 
 
-def test_only_decode_only_steps_go_to_the_decode_kernel():
+def test_steps_go_to_the_native_kernel_only_where_it_is_fast():
     class Recording(TorchPagedAttention):
         steps: list[list[int]] = []
         head_dim = 16  # the head size it "vectorizes"
+        tiles = False  # whether it "tiles" prefills
 
         def vectorized(self, num_heads, num_kv_heads, head_dim):
             return head_dim == self.head_dim
+
+        def tiled(self, dtype, head_dim):
+            return self.tiles
 
         def forward(self, query, key, value, kv_cache, meta, *args):
             self.steps.append(meta.query_lens)
             return super().forward(query, key, value, kv_cache, meta, *args)
 
-    attention = TorchPagedAttention(decode_kernel=Recording())
+    attention = TorchPagedAttention(native_kernel=Recording())
     for case in ("decode", "mixed", "fresh_padded", "decode_equal"):
         _check_paged_attention(CASES[case], 16, 6, 2, attention=attention)
-    assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]
+    assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]  # decode-only steps
+    Recording.tiles = True
+    _check_paged_attention(CASES["mixed"], 16, 6, 2, attention=attention)
+    assert Recording.steps[2:] == [[n for _, n in CASES["mixed"]]]
     Recording.head_dim = 8  # a shape it would run on its slow path: torch keeps it
     _check_paged_attention(CASES["decode"], 16, 6, 2, attention=attention)
-    assert Recording.steps == [[1, 1, 1, 1], [1, 1, 1]]
+    assert len(Recording.steps) == 3
     from kvrecover.ops.backend import select_backend
 
     plain = select_backend("auto", torch.device("cpu"), dtype=torch.float32,
                            native_kernels=False).attention
-    assert plain._decode_kernel is None
+    assert plain._native_kernel is None
 
 
 def _check_paged_attention(requests, block_size, heads, kv_heads, fill=None, extra_blocks=0,

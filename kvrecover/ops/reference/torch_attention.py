@@ -13,8 +13,9 @@ cache layout and the groups a step is split into):
   one KV head become that head's query rows;
 - soft-capping and attention sinks (which SDPA cannot do) run as explicit ops,
   rounded as Hugging Face's eager attention rounds;
-- a step of decodes only goes to `decode_kernel` where one is given (on the CPU the
-  C kernel, which reads the cache in place: `ops.backend` passes it).
+- a step goes to `native_kernel` where one is given (on the CPU the C kernel, which
+  reads the cache in place: `ops.backend` passes it) if it vectorizes the head shape
+  and, for a step with prefills, runs them in query tiles (float32).
 """
 
 from __future__ import annotations
@@ -40,19 +41,20 @@ if TYPE_CHECKING:
 
 class TorchPagedAttention(RotateThenAttend):
     """Reference paged attention in plain torch (CPU and GPU); `attend` rotates with
-    `rotate` (the backend's rotary op) first. `decode_kernel` (optional) takes every
-    step whose requests all decode one token, for head shapes it vectorizes: its
-    `forward` writes the step's K/V and attends (`ops.backend` gives the CPU's C kernel: a decode read in place runs
-    1.6-1.7x faster than the block gather plus SDPA in a 30-layer float32 step,
-    bench/NOTES.md, issue 28 goal 6)."""
+    `rotate` (the backend's rotary op) first. `native_kernel` (optional) takes every
+    step for head shapes it vectorizes, a step with prefills only where it tiles them
+    (`tiled`): its `forward` writes the step's K/V and attends (`ops.backend` gives the
+    CPU's C kernel: a decode read in place runs 1.6-1.7x faster than the block gather
+    plus SDPA in a 30-layer float32 step, a prefill in query tiles 2-3x faster than
+    SDPA; bench/NOTES.md, issue 28 goal 6)."""
 
     name = "torch"
 
     def __init__(self, rotate: RotaryKernel = reference_rotary,
-                 decode_kernel: NativeInvariantAttention | None = None) -> None:
+                 native_kernel: NativeInvariantAttention | None = None) -> None:
         super().__init__(rotate)
         self._workspace = _GatherWorkspace()
-        self._decode_kernel = decode_kernel
+        self._native_kernel = native_kernel
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,11 +65,12 @@ class TorchPagedAttention(RotateThenAttend):
         """Write this step's K/V into the cache, then attend (over the last `window`
         positions only, unless None; scores soft-capped at `softcap`, unless None; with
         each head's `sinks` logit in its softmax, unless None); returns [T, Hq, D]."""
-        decoder = self._decode_kernel
-        if (decoder is not None and not meta.prefills
-                and decoder.vectorized(query.shape[1], key.shape[1], query.shape[2])):
-            return decoder.forward(query, key, value, kv_cache, meta, scale,
-                                               window, softcap, sinks)
+        native = self._native_kernel
+        if (native is not None
+                and native.vectorized(query.shape[1], key.shape[1], query.shape[2])
+                and (not meta.prefills or native.tiled(query.dtype, query.shape[2]))):
+            return native.forward(query, key, value, kv_cache, meta, scale, window, softcap,
+                                  sinks)
         meta = meta.with_window(window)
         scoring = _Scoring(scale, softcap, sinks)
         write_step_kv(kv_cache, meta.slot_mapping, key, value)

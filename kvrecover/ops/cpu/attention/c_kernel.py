@@ -27,6 +27,9 @@ from kvrecover.ops.reference.attention_metadata import (
 from kvrecover.ops.reference.rotary import RotateThenAttend, reference_rotary
 
 KEY_ROWS_PER_THREAD = 16384  # (query token, KV head, key) triples worth one more thread
+# A tile's rows (its tokens x the query heads of one KV head) share each key and value
+# load; KVR_MAX_TILE_ROWS_ANY in the C file bounds them.
+MAX_TILE_ROWS, MAX_TILE_TOKENS = 64, 16
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_VECTOR_HEAD_DIM, MAX_VECTOR_GROUP = 256, 16  # KVR_MAX_DIM, KVR_MAX_GROUP in the C file
 
@@ -54,6 +57,8 @@ class KvrAttentionArgs(ctypes.Structure):
         ("window", ctypes.c_int32),  # 0: no sliding window
         ("softcap", ctypes.c_float),  # 0: no soft-capping
         ("sinks", ctypes.c_void_p),  # [Hq] float32 sink logits; NULL: none
+        ("tile_first_token", ctypes.c_void_p),  # [tiles] int32
+        ("tile_tokens", ctypes.c_void_p),  # [tiles] int32
     ]
 
 
@@ -64,7 +69,9 @@ class StepPlan:
     block_tables: torch.Tensor  # [B, stride] int32, contiguous
     token_request: torch.Tensor  # [T] int32
     token_position: torch.Tensor  # [T] int32
-    num_items: int  # (token, KV head) pairs
+    tile_first_token: torch.Tensor  # [tiles] int32: consecutive tokens of one request
+    tile_tokens: torch.Tensor  # [tiles] int32
+    num_items: int  # (tile, KV head) pairs
     threads: int  # threads that take items
     grain: int  # items a thread takes at a time
 
@@ -87,6 +94,9 @@ class NativeInvariantAttention(RotateThenAttend):
                                  ctypes.c_int]
         self._kernel.restype = ctypes.c_int
         self.vector_path = bool(library.kvr_vector_path())
+        self._tiles_supported = library.kvr_tiles_supported
+        self._tiles_supported.argtypes = [ctypes.c_int, ctypes.c_int]
+        self._tiles_supported.restype = ctypes.c_int
         self.num_threads = num_threads  # None: torch.get_num_threads() at each step
         self._plans: PerStepPlan[StepPlan] = PerStepPlan()
 
@@ -95,6 +105,12 @@ class NativeInvariantAttention(RotateThenAttend):
         one, several times slower than SDPA)."""
         return (self.vector_path and head_dim % 16 == 0 and head_dim <= MAX_VECTOR_HEAD_DIM
                 and num_heads // num_kv_heads <= MAX_VECTOR_GROUP)
+
+    def tiled(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this build runs a prefill's tokens in query tiles for `dtype` and
+        `head_dim` (float32; bf16 with AVX512-BF16 and head_dim % 32 == 0): 2-3x the speed
+        of SDPA in float32 (bench/bench_cpu_attention.py); else token by token."""
+        return dtype in DTYPE_CODES and bool(self._tiles_supported(DTYPE_CODES[dtype], head_dim))
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -113,7 +129,8 @@ class NativeInvariantAttention(RotateThenAttend):
         if query.stride(-1) != 1:
             query = query.contiguous()
         plan = self._plans.get(meta, build_step_plan, meta, num_kv_heads,
-                               self.num_threads or torch.get_num_threads())
+                               self.num_threads or torch.get_num_threads(),
+                               num_heads // num_kv_heads)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()  # the kernel reads [Hq] floats
@@ -127,6 +144,7 @@ class NativeInvariantAttention(RotateThenAttend):
             plan.token_request.data_ptr(), plan.token_position.data_ptr(),
             num_heads, num_kv_heads, head_dim, kv_cache.shape[2], DTYPE_CODES[query.dtype], scale,
             window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+            plan.tile_first_token.data_ptr(), plan.tile_tokens.data_ptr(),
         )
         code = self._kernel(ctypes.byref(args), plan.num_items, plan.grain, plan.threads)
         if code:
@@ -147,8 +165,11 @@ def check_kernel_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.
                          f"({num_kv_heads})")
 
 
-def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) -> StepPlan:
-    """Each token's request and position, and how threads share the step's items."""
+def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int,
+                    group: int = 1) -> StepPlan:
+    """Each token's request and position, the step's tiles (a request's tokens in runs
+    of up to `MAX_TILE_ROWS // group`, `group` query heads per KV head) and how threads
+    share the step's items."""
     query_lens = torch.tensor(meta.query_lens)
     seq_lens = torch.tensor(meta.seq_lens)
     num_tokens = int(query_lens.sum())
@@ -156,7 +177,8 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
     first_row = torch.cumsum(query_lens, 0) - query_lens
     row_in_request = torch.arange(num_tokens) - first_row[token_request]
     token_position = (seq_lens - query_lens)[token_request] + row_in_request
-    num_items = num_tokens * num_kv_heads
+    tile_first_token, tile_tokens = step_tiles(meta.query_lens, group)
+    num_items = len(tile_tokens) * num_kv_heads
     # A parallel region costs microseconds: small steps (decodes over short contexts)
     # run on the calling thread alone.
     key_rows = int((token_position + 1).sum()) * num_kv_heads
@@ -165,9 +187,26 @@ def build_step_plan(meta: AttentionMetadata, num_kv_heads: int, threads: int) ->
         block_tables=meta.block_tables.to(device="cpu", dtype=torch.int32).contiguous(),
         token_request=token_request.to(torch.int32),
         token_position=token_position.to(torch.int32),
+        tile_first_token=torch.tensor(tile_first_token, dtype=torch.int32),
+        tile_tokens=torch.tensor(tile_tokens, dtype=torch.int32),
         num_items=num_items,
         threads=threads,
         # Small grains balance a step whose items grow with position, or a thread
         # the OS deschedules; each take is one atomic add.
         grain=max(1, num_items // (16 * threads)),
     )
+
+
+def step_tiles(query_lens: list[int], group: int) -> tuple[list[int], list[int]]:
+    """Each tile's first token and token count: every request's tokens in consecutive
+    runs of at most `min(MAX_TILE_TOKENS, MAX_TILE_ROWS // group)` (a decode: one)."""
+    size = max(1, min(MAX_TILE_TOKENS, MAX_TILE_ROWS // group))
+    firsts: list[int] = []
+    counts: list[int] = []
+    row = 0
+    for query_len in query_lens:
+        for start in range(0, query_len, size):
+            firsts.append(row + start)
+            counts.append(min(size, query_len - start))
+        row += query_len
+    return firsts, counts

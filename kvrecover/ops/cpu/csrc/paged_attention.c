@@ -24,6 +24,8 @@
 
 #include "kvr_common.h"
 
+#define KVR_MAX_TILE_ROWS_ANY 64 /* KVR_MAX_TILE_ROWS of query_tile.h, on every path */
+
 /* Mirrored by the ctypes Structure in native_attention.py: keep the order. */
 typedef struct {
     const void *query;         /* [T, Hq, D], last dim contiguous */
@@ -45,6 +47,8 @@ typedef struct {
     int32_t window;            /* sliding window in keys; 0: every key 0..position */
     float softcap;             /* scores s become softcap * tanh(s / softcap); 0: none */
     const float *sinks;        /* [Hq] per-head sink logits in the softmax; NULL: none */
+    const int32_t *tile_first_token; /* [tiles] a tile's first token */
+    const int32_t *tile_tokens;      /* [tiles] its consecutive tokens, one request's */
 } KvrAttentionArgs;
 
 /* The first key a query at `position` sees: position - window + 1 (at least 0). */
@@ -208,6 +212,45 @@ static inline __m512 dot_lanes(const KvrAttentionArgs *a, const void *query, int
     return acc;
 }
 
+/* A row's output: P.V's lanes back in d order (the bf16 pair path holds a fixed
+ * permutation of d), divided by the softmax's sum (with the sink's term), stored at
+ * `out_base`. */
+static void finish_row(const KvrAttentionArgs *a, __m512 *acc, __m512 sums, float row_max,
+                       int head, int64_t out_base) {
+    const int dim = a->head_dim, lanes = dim / 16, dtype = a->dtype;
+#if defined(__AVX512BF16__)
+    if (dtype == KVR_BFLOAT16 && dim % 32 == 0) {
+        /* Undo the pair lanes: low lane 4L+m holds d = 8L+m, high lane 4L+m holds d = 8L+4+m. */
+        int first_half[16], second_half[16];
+        for (int d = 0; d < 16; d++) {
+            int m = d % 8;
+            first_half[d] = m < 4 ? 4 * (d / 8) + m : 16 | (4 * (d / 8) + m - 4);
+            second_half[d] = m < 4 ? 4 * (2 + d / 8) + m : 16 | (4 * (2 + d / 8) + m - 4);
+        }
+        __m512i first_index = _mm512_loadu_si512(first_half);
+        __m512i second_index = _mm512_loadu_si512(second_half);
+        for (int c = 0; c < dim / 32; c++) {
+            __m512 low = acc[2 * c], high = acc[2 * c + 1];
+            acc[2 * c] = _mm512_permutex2var_ps(low, first_index, high);
+            acc[2 * c + 1] = _mm512_permutex2var_ps(low, second_index, high);
+        }
+    }
+#endif
+    float sum = _mm512_reduce_add_ps(sums);
+    if (a->sinks) sum += expf(a->sinks[head] - row_max);
+    __m512 inverse = _mm512_set1_ps(1.0f / sum);
+    for (int l = 0; l < lanes; l++) {
+        __m512 o = _mm512_mul_ps(acc[l], inverse);
+        if (dtype == KVR_FLOAT32) {
+            _mm512_storeu_ps((float *)a->out + out_base + 16 * l, o);
+        } else {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, o);
+            for (int e = 0; e < 16; e++) store_scalar(a->out, out_base + 16 * l + e, dtype, tmp[e]);
+        }
+    }
+}
+
 /* One item on the AVX-512 path; head_dim % 16 == 0, head_dim <= 256, group <= 16.
  * `prefetch`: read the item's key and value rows ahead (a decode: no other token of
  * the step shares them, so they come from memory; prefill tokens of one request find
@@ -326,42 +369,12 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
             }
         }
     }
-#if defined(__AVX512BF16__)
-    if (bf16_pairs) {
-        /* Undo the pair lanes: low lane 4L+m holds d = 8L+m, high lane 4L+m holds d = 8L+4+m. */
-        int first_half[16], second_half[16];
-        for (int d = 0; d < 16; d++) {
-            int m = d % 8;
-            first_half[d] = m < 4 ? 4 * (d / 8) + m : 16 | (4 * (d / 8) + m - 4);
-            second_half[d] = m < 4 ? 4 * (2 + d / 8) + m : 16 | (4 * (2 + d / 8) + m - 4);
-        }
-        __m512i first_index = _mm512_loadu_si512(first_half);
-        __m512i second_index = _mm512_loadu_si512(second_half);
-        for (int h = 0; h < group; h++)
-            for (int c = 0; c < dim / 32; c++) {
-                __m512 low = acc[h][2 * c], high = acc[h][2 * c + 1];
-                acc[h][2 * c] = _mm512_permutex2var_ps(low, first_index, high);
-                acc[h][2 * c + 1] = _mm512_permutex2var_ps(low, second_index, high);
-            }
-    }
-#endif
-    for (int h = 0; h < group; h++) {
-        float sum = _mm512_reduce_add_ps(sums[h]);
-        if (a->sinks) sum += expf(a->sinks[kv_head * group + h] - row_max[h]);
-        __m512 inverse = _mm512_set1_ps(1.0f / sum);
-        int64_t base = (token * a->num_heads + kv_head * group + h) * (int64_t)dim;
-        for (int l = 0; l < lanes; l++) {
-            __m512 o = _mm512_mul_ps(acc[h][l], inverse);
-            if (dtype == KVR_FLOAT32) {
-                _mm512_storeu_ps((float *)a->out + base + 16 * l, o);
-            } else {
-                float tmp[16];
-                _mm512_storeu_ps(tmp, o);
-                for (int e = 0; e < 16; e++) store_scalar(a->out, base + 16 * l + e, dtype, tmp[e]);
-            }
-        }
-    }
+    for (int h = 0; h < group; h++)
+        finish_row(a, acc[h], sums[h], row_max[h], kv_head * group + h,
+                   (token * a->num_heads + kv_head * group + h) * (int64_t)dim);
 }
+
+#include "query_tile.h"
 #endif
 
 /* One item on the portable path: the same algorithm, scalar, in the same key order. */
@@ -406,24 +419,49 @@ static void attend_item_scalar(const KvrAttentionArgs *a, int64_t token, int kv_
 
 /* Runs items of the step until none is left, taking `grain` items at a time from
  * the shared counter `next_item`: every thread of a step calls this with the same
- * counter, so a thread the OS deschedules leaves its share to the others. Which
- * thread computes an item changes none of its bits. 0 on success, 1 when out of
- * memory, 2 for a shape this build does not take. */
+ * counter, so a thread the OS deschedules leaves its share to the others. Item i is
+ * tile i % tiles for KV head i / tiles; a tile of one token runs attend_item_avx512,
+ * a longer one attend_tile_avx512 (the same bits). Which thread computes an item
+ * changes none of its bits. 0 on success, 1 when out of memory, 2 for a shape this
+ * build does not take. */
 static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t num_items,
                         int64_t grain) {
     if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || grain < 1) return 2;
     const int group = a->num_heads / a->num_kv_heads;
-    const int64_t num_tokens = num_items / a->num_kv_heads;
+    const int64_t num_tiles = num_items / a->num_kv_heads;
+    if (num_tiles < 1) return 0;
+    const int64_t num_tokens = (int64_t)a->tile_first_token[num_tiles - 1] + a->tile_tokens[num_tiles - 1];
     int64_t max_keys = 0;
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t keys = (int64_t)a->token_position[t] + 1;
         max_keys = keys > max_keys ? keys : max_keys;
     }
+    int64_t tile_rows = 0; /* the most rows of a tile of several tokens */
+    for (int64_t i = 0; i < num_tiles; i++) {
+        const int64_t rows = (int64_t)a->tile_tokens[i] * group;
+        if (a->tile_tokens[i] < 1 || rows > KVR_MAX_TILE_ROWS_ANY) return 2;
+        if (a->tile_tokens[i] > 1 && rows > tile_rows) tile_rows = rows;
+    }
+    (void)tile_rows; /* read by the AVX-512 path only */
     float *scores = malloc(sizeof(float) * (size_t)(group * max_keys + a->head_dim + 16));
     if (!scores) return 1;
     float *acc = scores + group * max_keys;
 #if KVR_AVX512
     int vector = a->head_dim % 16 == 0 && a->head_dim <= KVR_MAX_DIM && group <= KVR_MAX_GROUP;
+    const int tiles = vector && tile_rows > 0 && tile_supported(a);
+    KvrTileBuffers buffers = {0};
+    if (tiles) {
+        buffers.span = max_keys + 32;
+        buffers.scores = malloc(sizeof(float) * (size_t)(tile_rows * buffers.span));
+        buffers.acc = aligned_alloc(64, sizeof(__m512) * KVR_MAX_TILE_ROWS * (KVR_MAX_DIM / 16));
+        buffers.keys = aligned_alloc(64, sizeof(__m512i) * KVR_MAX_DIM);
+        buffers.values = aligned_alloc(64, sizeof(__m512i) * 8 * (KVR_MAX_DIM / 16));
+        if (!buffers.scores || !buffers.acc || !buffers.keys || !buffers.values) {
+            free(buffers.scores), free(buffers.acc), free(buffers.keys), free(buffers.values);
+            free(scores);
+            return 1;
+        }
+    }
 #endif
     for (;;) {
         int64_t begin = __atomic_fetch_add(next_item, grain, __ATOMIC_RELAXED);
@@ -431,23 +469,54 @@ static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
         int64_t end = begin + grain < num_items ? begin + grain : num_items;
         for (int64_t i = begin; i < end; i++) {
             /* KV head major: consecutive items share one head's keys in the caches. */
-            int64_t token = i % num_tokens;
-            int kv_head = (int)(i / num_tokens);
+            const int64_t tile = i % num_tiles;
+            const int kv_head = (int)(i / num_tiles);
+            const int64_t first = a->tile_first_token[tile];
+            const int tokens = a->tile_tokens[tile];
 #if KVR_AVX512
-            if (vector) {
-                const int32_t request = a->token_request[token];
-                const int alone = (token == 0 || a->token_request[token - 1] != request)
-                                  && (token + 1 == num_tokens || a->token_request[token + 1] != request);
-                attend_item_avx512(a, token, kv_head, scores, alone);
+            if (tiles && tokens > 1) {
+                attend_tile_avx512(a, first, tokens, kv_head, &buffers);
                 continue;
             }
 #endif
-            attend_item_scalar(a, token, kv_head, scores, acc);
+            for (int64_t token = first; token < first + tokens; token++) {
+#if KVR_AVX512
+                if (vector) {
+                    const int32_t request = a->token_request[token];
+                    const int alone = (token == 0 || a->token_request[token - 1] != request)
+                                      && (token + 1 == num_tokens || a->token_request[token + 1] != request);
+                    attend_item_avx512(a, token, kv_head, scores, alone);
+                    continue;
+                }
+#endif
+                attend_item_scalar(a, token, kv_head, scores, acc);
+            }
         }
     }
+#if KVR_AVX512
+    free(buffers.scores), free(buffers.acc), free(buffers.keys), free(buffers.values);
+#endif
     free(scores);
     return 0;
 }
+
+/* Whether this build runs query tiles for `dtype` and `head_dim` (else a prefill goes token
+ * by token, several times slower). */
+int kvr_tiles_supported(int dtype, int head_dim) {
+#if KVR_AVX512
+    if (head_dim % 16 || head_dim > KVR_MAX_DIM) return 0;
+    if (dtype == KVR_FLOAT32) return 1;
+#if defined(__AVX512BF16__)
+    if (dtype == KVR_BFLOAT16 && head_dim % 32 == 0) return 1;
+#endif
+#endif
+    (void)dtype, (void)head_dim;
+    return 0;
+}
+
+/* Rows (tokens x query heads of one KV head) a tile may hold; tiles of more run as
+ * code 2 (the Python plan keeps under it). */
+int kvr_max_tile_rows(void) { return KVR_MAX_TILE_ROWS_ANY; }
 
 /* The step's `num_items` items on `threads` OpenMP threads. Built with -fopenmp, this
  * library shares torch's OpenMP runtime (the same libgomp.so.1, already loaded), so
