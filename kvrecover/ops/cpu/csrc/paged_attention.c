@@ -374,6 +374,24 @@ static void attend_item_avx512(const KvrAttentionArgs *a, int64_t token, int kv_
                    (token * a->num_heads + kv_head * group + h) * (int64_t)dim);
 }
 
+#endif
+
+/* Whether this build runs query tiles (query_tile.h) for `dtype` and `head_dim`:
+ * float32, or bf16 with AVX512-BF16 and head_dim % 32 == 0 (attend_item_avx512's
+ * vdpbf16ps path); else a prefill goes token by token, several times slower. */
+int kvr_tiles_supported(int dtype, int head_dim) {
+#if KVR_AVX512
+    if (head_dim % 16 || head_dim > KVR_MAX_DIM) return 0;
+    if (dtype == KVR_FLOAT32) return 1;
+#if defined(__AVX512BF16__)
+    if (dtype == KVR_BFLOAT16 && head_dim % 32 == 0) return 1;
+#endif
+#endif
+    (void)dtype, (void)head_dim;
+    return 0;
+}
+
+#if KVR_AVX512
 #include "query_tile.h"
 #endif
 
@@ -448,7 +466,7 @@ static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
     float *acc = scores + group * max_keys;
 #if KVR_AVX512
     int vector = a->head_dim % 16 == 0 && a->head_dim <= KVR_MAX_DIM && group <= KVR_MAX_GROUP;
-    const int tiles = vector && tile_rows > 0 && tile_supported(a);
+    const int tiles = vector && tile_rows > 0 && kvr_tiles_supported(a->dtype, a->head_dim);
     KvrTileBuffers buffers = {0};
     if (tiles) {
         buffers.span = max_keys + 32;
@@ -499,24 +517,6 @@ static int attend_items(const KvrAttentionArgs *a, int64_t *next_item, int64_t n
     free(scores);
     return 0;
 }
-
-/* Whether this build runs query tiles for `dtype` and `head_dim` (else a prefill goes token
- * by token, several times slower). */
-int kvr_tiles_supported(int dtype, int head_dim) {
-#if KVR_AVX512
-    if (head_dim % 16 || head_dim > KVR_MAX_DIM) return 0;
-    if (dtype == KVR_FLOAT32) return 1;
-#if defined(__AVX512BF16__)
-    if (dtype == KVR_BFLOAT16 && head_dim % 32 == 0) return 1;
-#endif
-#endif
-    (void)dtype, (void)head_dim;
-    return 0;
-}
-
-/* Rows (tokens x query heads of one KV head) a tile may hold; tiles of more run as
- * code 2 (the Python plan keeps under it). */
-int kvr_max_tile_rows(void) { return KVR_MAX_TILE_ROWS_ANY; }
 
 /* The step's `num_items` items on `threads` OpenMP threads. Built with -fopenmp, this
  * library shares torch's OpenMP runtime (the same libgomp.so.1, already loaded), so

@@ -22,17 +22,6 @@
 #define KVR_MAX_TILE_ROWS KVR_MAX_TILE_ROWS_ANY
 #define KVR_ROW_BLOCK 4 /* rows that share one load of each transposed key vector */
 
-/* Whether this build runs tiles for `a`: float32, or bf16 with AVX512-BF16 and
- * head_dim % 32 == 0 (attend_item_avx512's vdpbf16ps path); anything else goes token
- * by token. */
-static inline int tile_supported(const KvrAttentionArgs *a) {
-    if (a->dtype == KVR_FLOAT32) return 1;
-#if defined(__AVX512BF16__)
-    if (a->dtype == KVR_BFLOAT16 && a->head_dim % 32 == 0) return 1;
-#endif
-    return 0;
-}
-
 /* r[i] lane j becomes r[j] lane i (32-bit elements). */
 static inline void transpose16x16(__m512i r[16]) {
     __m512i t[16], u[16];
@@ -331,8 +320,8 @@ static inline __attribute__((always_inline)) void attend_tile_body(
 }
 
 /* Tokens first_token..first_token+tokens-1 (one request, consecutive positions) for
- * `kv_head`; tokens * group <= KVR_MAX_TILE_ROWS and tile_supported(a). The common head
- * sizes get their own compiled copy. */
+ * `kv_head`; tokens * group <= KVR_MAX_TILE_ROWS and kvr_tiles_supported(a->dtype,
+ * a->head_dim). The common head sizes get their own compiled copy. */
 static void attend_tile_avx512(const KvrAttentionArgs *a, int64_t first_token, int tokens,
                                int kv_head, const KvrTileBuffers *buffers) {
     const int dim = a->head_dim;
