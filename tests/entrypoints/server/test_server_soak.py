@@ -1,14 +1,15 @@
 """Memory over many rounds of clients that leave (issue #29): the RSS of a real
 `kvrecover serve` process stops growing instead of growing with every round.
 
-What the RSS does, measured (72 leaving clients a round): it grows fast at first and
-ever slower, e.g. 470 -> 620 MiB over the first 15 rounds, then ~1 MiB a round after
-60. Not a leak: the Python objects alive stay the same in number round after round,
-and the engine alone plateaus exactly when every KV cache block has been touched once
-(its pages are mapped lazily: 48 MiB for the default cache of the tiny model); the rest
-is allocator and cache warm-up that levels off. A leak grows by the same amount every
-round, so the test compares the slope of the last rounds with that of the early ones
-(and bounds it), with a small KV cache so that its first touch is over early.
+What the RSS does, measured (72 leaving clients a round; least-squares slope of 15
+rounds): 9.8 MiB a round over rounds 0-15, 3.3 over 15-30, 2.1 over 30-45, 0.8 over
+45-60, then 0.15-0.43 from round 60 to 150 (374 -> 635 MiB in all). Not a leak: the
+Python objects alive stay the same in number round after round, and the engine alone
+plateaus exactly when every KV cache block has been touched once (its pages are mapped
+lazily: 48 MiB for the default cache of the tiny model); the rest is allocator and cache
+warm-up that levels off. A leak grows by the same amount every round, so the test
+compares the slope of the last rounds with that of the early ones (and bounds it), with
+a small KV cache so that its first touch is over early.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from serving_utils import add_chat_template, long_request, request_bytes, serve,
 
 pytestmark = pytest.mark.slow  # a separate server process, a minute or so
 
-ROUNDS = 60
+# 120 rounds, not 60: at 60 the warm-up still adds 0.8-2.3 MiB a round, and a CI run whose
+# warm-up came slower (2.9 MiB a round early, 1.5 late) failed the ratio on no leak.
+ROUNDS = 120
 EARLY_ROUNDS = range(5, 20)  # after the first few rounds, before things level off
 LAST_ROUNDS = 15
 CLIENTS_PER_ROUND = 24  # each round: this many of each kind of leaving client
-TIME_LIMIT_S = 300.0
-# Measured: ~5 MiB a round early, ~1 MiB late. A leak keeps its early slope; a leak
-# of 16 KiB per request is 1.1 MiB a round.
+TIME_LIMIT_S = 420.0
+# Measured: 3-10 MiB a round early, 0.15-0.4 over the last rounds. A leak keeps its
+# early slope; a leak of 16 KiB per request is 1.1 MiB a round.
 MAX_LAST_TO_EARLY_SLOPE = 0.5
-MAX_LAST_SLOPE_BYTES_PER_ROUND = 3 << 20
+MAX_LAST_SLOPE_BYTES_PER_ROUND = 3 << 19
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 
 
