@@ -48,6 +48,15 @@ def _utf8_safe(text: Any) -> Any:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def check_context(field: str, value: int | None, prompt_tokens: int, max_model_len: int) -> None:
+    """A 400 naming `field` when `value` new tokens plus the prompt exceed the context, as
+    vLLM answers (None, or a prompt too long by itself, is left to the engine)."""
+    if value is None or prompt_tokens >= max_model_len or value + prompt_tokens <= max_model_len:
+        return
+    raise ApiError(400, f"{field}={value} plus the prompt's {prompt_tokens} tokens exceeds the "
+                        f"model's context of {max_model_len} tokens", param=field)
+
+
 def checked_text(text: str, field: str) -> str:
     """`text`, or a 400 naming `field` when it holds a lone surrogate or a NUL."""
     try:
@@ -339,11 +348,17 @@ class ChatCompletionRequest(_GenerationFields):
             conversation.append(message)
         return conversation
 
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """The field that bounds the output and its value: `max_completion_tokens` when
+        set, else `max_tokens` (None: neither)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
     def max_new_tokens(self, room: int) -> int:
         """`max_completion_tokens` or `max_tokens`, else all the `room` left in the context."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return room if self.max_tokens is None else self.max_tokens
+        value = self.max_tokens_field()[1]
+        return room if value is None else value
 
 
 def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:

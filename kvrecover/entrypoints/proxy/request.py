@@ -63,7 +63,7 @@ CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
                      "bad_words", "response_format", "structured_outputs")
-UNBOUNDED_MAX_TOKENS = 1 << 30  # the engine caps a request at max_model_len anyway
+UNBOUNDED_MAX_TOKENS = 1 << 30  # a continuation's bound on an instance of unknown max_model_len
 
 
 @dataclass
@@ -182,9 +182,8 @@ class ProxiedRequest:
         if self.prompt_token_ids is None:
             raise ApiError(503, "the decode instance died before the prompt was known",
                            "service_unavailable", code=503)
-        remaining = UNBOUNDED_MAX_TOKENS if self.max_tokens is None else \
-            self.max_tokens - len(self.generated)
-        if remaining <= 0:
+        remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
+        if remaining is not None and remaining <= 0:
             return Piece("", [], "length")
         body = {key: self.body[key] for key in CONTINUATION_KEYS if key in self.body}
         if self.path == CHAT:  # a tool_choice that forces a grammar keeps forcing it
@@ -212,15 +211,24 @@ class ProxiedRequest:
         return {"logprobs": self.body.get("top_logprobs") or 0, "chat_logprobs": True}
 
     async def _open(self, path: str, body: dict[str, Any], continuation: bool = False) -> Piece:
+        """The first piece of `body` on the first decode candidate that serves it. A
+        continuation of a request without max_tokens (`max_tokens: None`) asks each
+        instance for the room its max_model_len leaves (an instance refuses more)."""
         context = self.context
         errors = []
         for instance in context.pool.decode_candidates()[:context.max_retries + 1]:
+            sent = body
+            if continuation and body.get("max_tokens") is None:
+                room = self._room_on(instance, len(body["prompt"]))
+                if room <= 0:
+                    return Piece("", [], "length")  # the context is full
+                sent = {**body, "max_tokens": room}
             context.metrics.count(context.metrics.requests, instance)
             instance.in_flight += 1
             check = StreamCheck(self.limits, instance, self.prompt_token_ids, self.generated,
                                 continuation)
             try:
-                self.stream, first = await open_stream(context.client, instance, path, body,
+                self.stream, first = await open_stream(context.client, instance, path, sent,
                                                        self.headers, check)
             except Retryable as error:
                 instance.in_flight -= 1
@@ -235,6 +243,12 @@ class ProxiedRequest:
         tried = "; ".join(errors) if errors else "every instance is marked down"
         raise ApiError(503, f"no instance could serve the request ({tried})",
                        "service_unavailable", code=503)
+
+    @staticmethod
+    def _room_on(instance: Instance, prompt_tokens: int) -> int:
+        if instance.max_model_len is None:
+            return UNBOUNDED_MAX_TOKENS
+        return instance.max_model_len - prompt_tokens
 
     def _failed(self, instance: Instance, error: Retryable, counter: Any) -> None:
         self.context.metrics.count(counter, instance)

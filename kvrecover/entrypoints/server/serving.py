@@ -28,6 +28,7 @@ from kvrecover.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_context,
     parse_request,
 )
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
@@ -74,6 +75,10 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
     _check_model(state, request.model)
     final_usage, continuous_usage = request.stream_usage()
     prompt = request.engine_prompt()
+    if request.max_tokens is not None:
+        prompt_tokens = len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else \
+            len(await asyncio.to_thread(state.tokenizer.encode, prompt, "prompt"))
+        check_context("max_tokens", request.max_tokens, prompt_tokens, state.max_model_len)
     params = request.sampling_params(request.max_new_tokens())
     grammar = structured_outputs_of(request.response_format, request.structured_outputs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -123,6 +128,8 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
         grammar = _tool_grammar(tools, grammar)
     prompt_ids = await asyncio.to_thread(state.chat_template.prompt_token_ids, conversation,
                                          None if tools is None else tools.template_tools())
+    field, max_tokens = request.max_tokens_field()
+    check_context(field, max_tokens, len(prompt_ids), state.max_model_len)
     room = max(1, state.max_model_len - len(prompt_ids))
     params = request.sampling_params(request.max_new_tokens(room))
     await _compile(state, grammar, "tool_choice" if forced else _grammar_field(request))

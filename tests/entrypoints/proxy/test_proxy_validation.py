@@ -303,3 +303,17 @@ def test_a_stop_token_id_that_did_not_stop_is_impossible(cluster, good):
     assert answer.status == 200 and answer.done
     assert answer.finish_reason == "stop" and answer.token_ids == truth(COMPLETIONS, stops)[1]
     assert len(answer.token_ids) == 2
+
+
+def test_a_continuation_without_max_tokens_asks_for_the_room_left(cluster, good):
+    """A chat without max_tokens, migrated, asks the next instance for no more than its
+    max_model_len leaves (an instance answers 400 to more, as vLLM)."""
+    body = request_body(CHAT, True)
+    del body["max_tokens"]
+    good.requests.clear()
+    proxy, _ = cluster(prefix_then("null"))
+    answer = ask(proxy, CHAT, body)
+    assert answer.status == 200 and answer.done, answer.error
+    assert (answer.text, answer.token_ids, answer.finish_reason) == truth(CHAT, body)
+    continued = [b for p, b in good.requests if b.get("resumed_output_tokens") == 2]
+    assert [len(b["prompt"]) + b["max_tokens"] for b in continued] == [MAX_MODEL_LEN]

@@ -138,3 +138,32 @@ def test_json_nested_but_parseable_is_a_4xx(server, normal_token_ids):
             assert 400 <= response.status_code < 500, (depth, field, response.text)
             assert response.json()["error"]["type"] == "invalid_request_error"
     assert_still_serving(server.url, normal_token_ids)
+
+
+def prompt_tokens(url: str, path: str, body: dict) -> int:
+    response = post(url, path, {**body, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "max_tokens"),
+                                        ("/v1/chat/completions", "max_tokens"),
+                                        ("/v1/chat/completions", "max_completion_tokens")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_past_the_context_is_a_400(server, normal_token_ids, path, field, stream):
+    """As vLLM: max_tokens (or max_completion_tokens) plus the prompt beyond max_model_len
+    is a 400 naming the field, the value and the limit; exactly the room left is served."""
+    base = {"prompt": "the capital of france is"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "hello there"}]}
+    base = {**base, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    room = MAX_MODEL_LEN - prompt_tokens(server.url, path, base)
+    for value in (2**63, room + 1):
+        response = post(server.url, path, {**base, field: value, "stream": stream})
+        assert_openai_error(response, 400, field)
+        message = response.json()["error"]["message"]
+        assert f"{field}={value}" in message and f"{MAX_MODEL_LEN} tokens" in message, message
+    response = post(server.url, path, {**base, field: room})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert (len(choice["token_ids"]), choice["finish_reason"]) == (room, "length")
+    assert_still_serving(server.url, normal_token_ids)
