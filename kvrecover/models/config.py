@@ -1,16 +1,19 @@
 """The model hyper-parameters every family shares, read from a Hugging Face config.
 
 A family (one file under `models/`, see `registry.py`) subclasses `ModelConfig`
-with its own fields and extends `hf_fields` to read them.
+with its own fields and extends `hf_fields` to read them, each through a `FieldReader`:
+a bad value (wrong type, out of range, missing where required) is a ValueError at
+start-up naming the field, its value and what is allowed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
@@ -36,6 +39,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     checkpoint_dtype: torch.dtype = torch.float32
     eos_token_ids: list[int] = field(default_factory=list)
+    # What an absent head_dim / tie_word_embeddings means (None: hidden_size / heads).
+    default_head_dim: ClassVar[int | None] = None
+    default_tied_embeddings: ClassVar[bool] = False
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window in tokens (None: full attention); a family with
@@ -66,116 +72,219 @@ class ModelConfig:
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        """The constructor arguments read from `raw`; a family returns these plus its own
-        (`{**super().hf_fields(raw, model_dir), "field": ...}`) and may refuse a setting."""
+        """The constructor arguments read from `raw`, each checked (`FieldReader`); a family
+        returns these plus its own (`{**super().hf_fields(raw, model_dir), "field": ...}`)
+        and may refuse a setting."""
         refuse_quantization(raw, model_dir)  # every family: quantized weights would be misread
-        num_heads = raw["num_attention_heads"]
-        rope_parameters = raw.get("rope_parameters") or {}
-        rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
-        rope_scaling = raw.get("rope_scaling") or None
-        if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
-            rope_scaling = rope_parameters
-        rope_scaling = rope_defaults(rope_scaling, raw)
-        check_rope_scaling(rope_scaling, str(Path(model_dir) / "config.json"))
-        dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        fields = FieldReader.of(raw, model_dir)
+        hidden_size = fields.positive_int("hidden_size")
+        num_heads = fields.positive_int("num_attention_heads")
+        num_kv_heads = fields.positive_int("num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            fields.fail("num_key_value_heads", f"a divisor of num_attention_heads ({num_heads})")
+        head_dim = fields.positive_int("head_dim", cls.default_head_dim)
+        if head_dim is None:  # derived, as Hugging Face does
+            if hidden_size % num_heads:
+                fields.fail("hidden_size", f"a multiple of num_attention_heads ({num_heads}) "
+                            "where head_dim is not given")
+            head_dim = hidden_size // num_heads
+        if head_dim % 2:
+            raise ValueError(f"{fields.source}: head_dim={head_dim} must be even (rotary "
+                             "embeddings turn pairs of dimensions)")
+        rope_parameters = fields.nested("rope_parameters")
+        if raw.get("rope_theta") is not None or rope_parameters is None:
+            rope_theta = fields.positive_number("rope_theta", 10000.0)
+        else:
+            rope_theta = rope_parameters.positive_number("rope_theta", 10000.0)
+        scaling = fields.nested("rope_scaling")
+        if scaling is None and rope_parameters is not None \
+                and rope_type_of(rope_parameters.raw) != "default":
+            scaling = rope_parameters
+        max_positions = fields.positive_int("max_position_embeddings", 4096)
         return dict(
             architecture=architecture_of(raw),
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            vocab_size=fields.positive_int("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=fields.positive_int("intermediate_size"),
+            num_hidden_layers=fields.positive_int("num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_scaling=rope_scaling,
-            checkpoint_dtype=getattr(torch, dtype_name, torch.float32),
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.positive_number("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=fields.flag("tie_word_embeddings", cls.default_tied_embeddings),
+            rope_scaling=checked_rope_scaling(scaling, max_positions),
+            checkpoint_dtype=checkpoint_dtype_of(fields),
             eos_token_ids=_eos_token_ids(model_dir, raw),
         )
 
 
-def rope_defaults(rope_scaling: dict[str, Any] | None,
-                  raw: dict[str, Any]) -> dict[str, Any] | None:
-    """`rope_scaling` with what Hugging Face fills in for YaRN and Llama 3: the
-    pre-training length `original_max_position_embeddings` defaults to
-    `max_position_embeddings`."""
-    if rope_type_of(rope_scaling) not in ("yarn", "llama3") or rope_scaling is None:
-        return rope_scaling
-    filled = dict(rope_scaling)
-    if filled.get("original_max_position_embeddings") is None:
-        filled["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+def checked_rope_scaling(scaling: FieldReader | None,
+                         max_positions: int) -> dict[str, Any] | None:
+    """The `rope_scaling` (or `rope_parameters`) object `scaling` reads, checked: a type
+    kvrecover computes, the fields it needs, each a number in range; with what Hugging Face
+    fills in for YaRN and Llama 3 (`original_max_position_embeddings` defaults to
+    `max_position_embeddings`)."""
+    if scaling is None or not scaling.raw:
+        return None
+    filled = dict(scaling.raw)
+    rope_type = rope_type_of(filled)
+    if rope_type in ("yarn", "llama3") and filled.get("original_max_position_embeddings") is None:
+        filled["original_max_position_embeddings"] = max_positions
+    check_rope_scaling(filled, str(scaling.source))
+    fields = FieldReader(filled, scaling.source, scaling.prefix)
+    fields.positive_number("factor", 1.0)
+    fields.positive_int("original_max_position_embeddings", max_positions)
+    low, high = (fields.positive_number(name, default) for name, default in
+                 (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)))
+    if rope_type == "llama3" and high <= low:
+        fields.fail("high_freq_factor", f"greater than low_freq_factor ({low})")
+    for name in ("beta_fast", "beta_slow", "attention_factor"):
+        fields.positive_number(name, None, nullable=True)
+    fields.flag("truncate", True)
     return filled
 
 
+def checkpoint_dtype_of(fields: FieldReader) -> torch.dtype:
+    """The weights' dtype config.json names (`torch_dtype`, or `dtype`; float32 if neither)."""
+    name = "torch_dtype" if fields.raw.get("torch_dtype") is not None else "dtype"
+    value = fields.raw.get(name) or "float32"
+    dtype = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        fields.fail(name, "a floating-point torch dtype name (float32, bfloat16, float16)")
+    return dtype
+
+
+REQUIRED: Any = object()  # a `FieldReader` default: the field must be present
+
+
+class FieldReader:
+    """Checked reads of one config.json object (the file, or a dict nested in it, named
+    by `prefix`). Each read returns the field's value (its default where absent or null;
+    None where `nullable` and null) or raises a ValueError naming the field, its value
+    and what is allowed. Every family's `hf_fields` reads config.json through one."""
+
+    def __init__(self, raw: Any, source: Path | str, prefix: str = "") -> None:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: {prefix.rstrip('.')}={raw!r} must be a JSON object"
+                             if prefix else f"{source} must hold a JSON object, got {raw!r}")
+        self.raw, self.source, self.prefix = raw, source, prefix
+
+    @classmethod
+    def of(cls, raw: dict[str, Any], model_dir: Path) -> FieldReader:
+        """A reader of the parsed config.json of checkpoint `model_dir`."""
+        return cls(raw, Path(model_dir) / "config.json")
+
+    def fail(self, name: str, allowed: str) -> NoReturn:
+        """A ValueError: field `name`'s value must be `allowed`."""
+        raise ValueError(f"{self.source}: {self.prefix}{name}={self.raw.get(name)!r} must be "
+                         f"{allowed}")
+
+    def _get(self, name: str, default: Any, nullable: bool) -> tuple[Any, bool]:
+        """(value, whether to check it): absent or null gives the default, unchecked."""
+        value = self.raw.get(name)
+        if value is None and nullable and name in self.raw:
+            return None, False
+        if value is None:
+            if default is REQUIRED:
+                raise ValueError(f"{self.source}: {self.prefix}{name} is missing (required)")
+            return default, False
+        return value, True
+
+    def positive_int(self, name: str, default: Any = REQUIRED, *,
+                     nullable: bool = False) -> Any:
+        """An integer >= 1 (head counts, sizes, windows); null -> None where `nullable`."""
+        value, check = self._get(name, default, nullable)
+        if check and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            self.fail(name, "a positive integer" + (" or null" if nullable else ""))
+        return value
+
+    def positive_number(self, name: str, default: Any = REQUIRED, *, nullable: bool = False,
+                        at_most: float | None = None) -> Any:
+        """A finite number > 0 (and <= `at_most`) as a float; null -> None where `nullable`."""
+        value, check = self._get(name, default, nullable)
+        if check and (isinstance(value, bool) or not isinstance(value, (int, float))
+                      or not math.isfinite(value) or value <= 0
+                      or (at_most is not None and value > at_most)):
+            bound = "" if at_most is None else f" at most {at_most}"
+            self.fail(name, f"a positive finite number{bound}" + (" or null" if nullable else ""))
+        return None if value is None else float(value)
+
+    def flag(self, name: str, default: bool) -> bool:
+        """true or false."""
+        value, check = self._get(name, default, False)
+        if check and not isinstance(value, bool):
+            self.fail(name, "true or false")
+        return bool(value)
+
+    def choice(self, name: str, default: Any, allowed: tuple[str, ...]) -> str:
+        """One of the strings `allowed`."""
+        value, check = self._get(name, default, False)
+        if check and value not in allowed:
+            self.fail(name, "one of " + ", ".join(allowed))
+        return str(value)
+
+    def index_list(self, name: str, count: int) -> list[int]:
+        """A list of integers in [0, count) (layer indices); absent or null: empty."""
+        value, check = self._get(name, [], False)
+        if check and (not isinstance(value, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count
+                for i in value)):
+            self.fail(name, f"a list of layer indices in [0, {count})")
+        return list(value)
+
+    def kinds_list(self, name: str, count: int, default: list[str],
+                   allowed: tuple[str, ...]) -> list[str]:
+        """A list of `count` strings, each one of `allowed` (`layer_types`)."""
+        value, check = self._get(name, default, False)
+        if check and (not isinstance(value, list) or len(value) != count):
+            self.fail(name, f"a list of one type per layer (num_hidden_layers = {count})")
+        unknown = sorted({str(kind) for kind in value if kind not in allowed})
+        if unknown:
+            raise ValueError(f"{self.source}: {self.prefix}{name} names {', '.join(unknown)}; "
+                             f"kvrecover runs {', '.join(allowed)}")
+        return list(value)
+
+    def nested(self, name: str) -> FieldReader | None:
+        """A reader of the JSON object in field `name` (None where absent or null)."""
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            self.fail(name, "a JSON object or null")
+        return FieldReader(value, self.source, f"{self.prefix}{name}.")
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
-    """The parsed `config.json` of a checkpoint folder."""
+    """The parsed `config.json` of a checkpoint folder (a JSON object, else a ValueError)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"model folder {model_dir} has no config.json")
-    return json.loads(config_path.read_text())
+    return read_json_object(config_path)
 
 
 def architecture_of(raw: dict[str, Any]) -> str:
     """The architecture name a parsed `config.json` declares (its first `architectures`)."""
     architectures = raw.get("architectures") or [raw.get("model_type", "unknown")]
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise ValueError(f"config.json: architectures={architectures!r} must be a list of "
+                         "architecture names")
     return architectures[0]
 
 
 def refuse_sliding_window(raw: dict[str, Any], model_dir: Path) -> None:
     """For families that attend over the whole context: a config asking for a window
     is a ValueError (such a model would silently diverge)."""
-    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+    asks = FieldReader.of(raw, model_dir).flag("use_sliding_window", False)
+    if asks or "sliding_attention" in (raw.get("layer_types") or []):
         raise ValueError(
             f"{Path(model_dir) / 'config.json'} asks for sliding-window attention, which "
             "kvrecover does not support; set use_sliding_window to false if the model allows it"
         )
 
 
-def sliding_window_field(raw: dict[str, Any], model_dir: Path, name: str = "sliding_window",
-                         default: int | None = None) -> int | None:
-    """`raw[name]` (`default` where absent) as a window in tokens: None, or a positive
-    int; anything else is a ValueError naming the field."""
-    value = raw.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{Path(model_dir) / 'config.json'}: {name} must be a positive "
-                         f"integer (a window in tokens) or null, got {value!r}")
-    return value
-
-
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the `layer_types` kvrecover runs
-
-
-def layer_types_field(raw: dict[str, Any], model_dir: Path, default: list[str]) -> list[str]:
-    """`raw["layer_types"]` (`default` where absent or null): one known type per layer,
-    else a ValueError naming the field."""
-    value = raw.get("layer_types") or default
-    source = Path(model_dir) / "config.json"
-    if not isinstance(value, list) or len(value) != raw["num_hidden_layers"]:
-        raise ValueError(f"{source}: layer_types must list one type per layer "
-                         f"(num_hidden_layers = {raw['num_hidden_layers']}), got {value!r}")
-    unknown = sorted({str(kind) for kind in value if kind not in LAYER_TYPES})
-    if unknown:
-        raise ValueError(f"{source}: layer_types names {', '.join(unknown)}; kvrecover runs "
-                         f"{', '.join(LAYER_TYPES)}")
-    return list(value)
-
-
-def positive_field(raw: dict[str, Any], model_dir: Path, name: str,
-                   default: float | None) -> float | None:
-    """`raw[name]` (`default` where absent) as a positive number or None (null), else a
-    ValueError naming the field (soft-caps, scalars)."""
-    value = raw.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{Path(model_dir) / 'config.json'}: {name} must be a positive "
-                         f"number or null, got {value!r}")
-    return float(value)
 
 
 def refuse_quantization(raw: dict[str, Any], model_dir: Path) -> None:
@@ -193,15 +302,33 @@ def refuse_quantization(raw: dict[str, Any], model_dir: Path) -> None:
 
 
 def _eos_token_ids(model_dir: Path, raw_config: dict[str, Any]) -> list[int]:
-    """EOS ids from generation_config.json, falling back to config.json."""
+    """EOS ids from generation_config.json, falling back to config.json; each a token id
+    (an integer >= 0, or a list of them), else a ValueError naming the file."""
     ids: list[int] = []
-    for source in (model_dir / "generation_config.json", None):
-        value = raw_config.get("eos_token_id") if source is None else None
-        if source is not None and source.is_file():
-            value = json.loads(source.read_text()).get("eos_token_id")
-        if isinstance(value, int):
-            value = [value]
-        for token_id in value or []:
+    generation = Path(model_dir) / "generation_config.json"
+    for source in (generation, Path(model_dir) / "config.json"):
+        if source == generation:
+            if not source.is_file():
+                continue
+            raw = read_json_object(source)
+        else:
+            raw = raw_config
+        value = raw.get("eos_token_id")
+        values = [value] if isinstance(value, int) else value
+        if value is not None and (not isinstance(values, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in values)):
+            FieldReader(raw, source).fail("eos_token_id", "a token id (an integer >= 0) or a "
+                                          "list of them")
+        for token_id in values or []:
             if token_id not in ids:
-                ids.append(int(token_id))
+                ids.append(token_id)
     return ids
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in file `path`, else a ValueError naming it."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    return FieldReader(raw, path).raw

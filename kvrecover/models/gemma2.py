@@ -15,17 +15,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from kvrecover.models.config import (
-    ModelConfig,
-    layer_types_field,
-    positive_field,
-    sliding_window_field,
-)
+from kvrecover.models.config import LAYER_TYPES, FieldReader, ModelConfig
 from kvrecover.models.layers import GATED_ACTIVATIONS, Attention, CausalLM, DecoderLayer, GatedMLP
 from kvrecover.ops.interface import BackendFeatures
 
@@ -36,29 +31,33 @@ if TYPE_CHECKING:
 
 def refuse_unsupported_gemma_fields(raw: dict[str, Any], model_dir: Path) -> None:
     """Settings of the Gemma configs these layers do not implement: a ValueError each."""
-    source = Path(model_dir) / "config.json"
-    if raw.get("attention_bias"):
-        raise ValueError(f"{source}: attention_bias is not supported for Gemma models")
-    if raw.get("use_bidirectional_attention"):
-        raise ValueError(f"{source}: use_bidirectional_attention is not supported")
+    fields = FieldReader.of(raw, model_dir)
+    if fields.flag("attention_bias", False):
+        raise ValueError(f"{fields.source}: attention_bias is not supported for Gemma models")
+    if fields.flag("use_bidirectional_attention", False):
+        raise ValueError(f"{fields.source}: use_bidirectional_attention is not supported")
 
 
-def gemma_fields(raw: dict[str, Any], model_dir: Path, default_layer_types: list[str],
-                 default_window: int) -> dict[str, Any]:
-    """The fields Gemma 2 and Gemma 3 share (with Hugging Face's defaults)."""
+def gemma_fields(raw: dict[str, Any], model_dir: Path, pattern: int,
+                 soft_caps: tuple[float | None, float | None]) -> dict[str, Any]:
+    """The fields Gemma 2 and Gemma 3 share (with Hugging Face's defaults): layer types
+    default to every `pattern`-th layer full, the others sliding; `soft_caps` are the
+    default attention and final soft-caps."""
     refuse_unsupported_gemma_fields(raw, model_dir)
-    scalar = positive_field(raw, model_dir, "query_pre_attn_scalar", 256)
-    activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
-    if activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"{Path(model_dir) / 'config.json'}: unsupported activation "
-                         f"{activation!r} in hidden_activation; supported: {GATED_ACTIVATIONS}")
+    fields = FieldReader.of(raw, model_dir)
+    layers = fields.positive_int("num_hidden_layers")
+    pattern_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(layers)]
     return {
-        "head_dim": raw.get("head_dim") or 256,
-        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
-        "hidden_activation": activation,
-        "query_pre_attn_scalar": 256.0 if scalar is None else scalar,
-        "sliding_window": sliding_window_field(raw, model_dir, default=default_window),
-        "layer_types": layer_types_field(raw, model_dir, default_layer_types),
+        "hidden_activation": fields.choice("hidden_activation", "gelu_pytorch_tanh",
+                                           GATED_ACTIVATIONS),
+        "query_pre_attn_scalar": fields.positive_number("query_pre_attn_scalar", 256.0),
+        "sliding_window": fields.positive_int("sliding_window", 4096, nullable=True),
+        "layer_types": fields.kinds_list("layer_types", layers, pattern_types, LAYER_TYPES),
+        "attn_logit_softcapping": fields.positive_number("attn_logit_softcapping",
+                                                         soft_caps[0], nullable=True),
+        "final_logit_softcapping": fields.positive_number("final_logit_softcapping",
+                                                          soft_caps[1], nullable=True),
     }
 
 
@@ -72,19 +71,13 @@ class Gemma2Config(ModelConfig):
     layer_types: list[str] = field(default_factory=list)
     attn_logit_softcapping: float | None = 50.0
     final_logit_softcapping: float | None = 30.0
+    default_head_dim: ClassVar[int | None] = 256
+    default_tied_embeddings: ClassVar[bool] = True
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        alternating = ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                       for i in range(raw["num_hidden_layers"])]
-        return {
-            **super().hf_fields(raw, model_dir),
-            **gemma_fields(raw, model_dir, alternating, default_window=4096),
-            "attn_logit_softcapping": positive_field(raw, model_dir, "attn_logit_softcapping",
-                                                     50.0),
-            "final_logit_softcapping": positive_field(raw, model_dir, "final_logit_softcapping",
-                                                      30.0),
-        }
+        return {**super().hf_fields(raw, model_dir),
+                **gemma_fields(raw, model_dir, 2, soft_caps=(50.0, 30.0))}
 
     def layer_windows(self) -> list[int | None]:
         return [self.sliding_window if kind == "sliding_attention" else None

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import positive_field
+from kvrecover.models.config import FieldReader, checked_rope_scaling
 from kvrecover.models.gemma2 import Gemma2Config, Gemma2ForCausalLM, gemma_fields
 from kvrecover.models.layers import Attention
-from kvrecover.models.rope import RotaryEmbedding
+from kvrecover.models.rope import RotaryEmbedding, rope_type_of
 
 if TYPE_CHECKING:
     from kvrecover.ops.interface import ModelOps
@@ -30,26 +30,32 @@ if TYPE_CHECKING:
 GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 1_000_000.0, 10_000.0  # HF Gemma3TextConfig defaults
 
 
-def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """Global and local rope bases and scalings, from either config.json form."""
-    nested = raw.get("rope_parameters") or {}
-    if "full_attention" in nested or "sliding_attention" in nested:
-        full = dict(nested.get("full_attention") or {})
-        local = dict(nested.get("sliding_attention") or {})
+def _rope_fields(fields: FieldReader) -> dict[str, Any]:
+    """Global and local rope bases and scalings, from either config.json form, checked."""
+    nested = fields.nested("rope_parameters")
+    if nested is not None and ("full_attention" in nested.raw
+                               or "sliding_attention" in nested.raw):
+        full, local = (nested.nested(kind) or FieldReader({}, fields.source, f"{kind}.")
+                       for kind in ("full_attention", "sliding_attention"))
+        full_theta = full.positive_number("rope_theta", GLOBAL_ROPE_THETA)
+        local_theta = local.positive_number("rope_theta", LOCAL_ROPE_THETA)
     else:
-        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta")}
-        local = {"rope_theta": raw.get("rope_local_base_freq")}
+        scaling = fields.nested("rope_scaling")
+        full = FieldReader({**(scaling.raw if scaling else {}),
+                            "rope_theta": fields.raw.get("rope_theta")}, fields.source,
+                           "rope_scaling.")
+        local = FieldReader({}, fields.source)
+        full_theta = fields.positive_number("rope_theta", GLOBAL_ROPE_THETA)
+        local_theta = fields.positive_number("rope_local_base_freq", LOCAL_ROPE_THETA)
+    max_positions = fields.positive_int("max_position_embeddings", 4096)
 
-    def scaling(params: dict[str, Any]) -> dict[str, Any] | None:
-        kind = params.get("rope_type", params.get("type", "default"))
-        return None if kind in (None, "default") else params
+    def scaling_of(params: FieldReader) -> dict[str, Any] | None:
+        if rope_type_of(params.raw) == "default":
+            return None
+        return checked_rope_scaling(params, max_positions)
 
-    return {
-        "rope_theta": float(full.get("rope_theta") or GLOBAL_ROPE_THETA),
-        "rope_scaling": scaling(full),
-        "local_rope_theta": float(local.get("rope_theta") or LOCAL_ROPE_THETA),
-        "local_rope_scaling": scaling(local),
-    }
+    return {"rope_theta": full_theta, "rope_scaling": scaling_of(full),
+            "local_rope_theta": local_theta, "local_rope_scaling": scaling_of(local)}
 
 
 @dataclass
@@ -63,21 +69,11 @@ class Gemma3Config(Gemma2Config):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        pattern = raw.get("sliding_window_pattern", 6)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise ValueError(f"{Path(model_dir) / 'config.json'}: sliding_window_pattern must "
-                             f"be a positive integer, got {pattern!r}")
-        pattern_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                         for i in range(raw["num_hidden_layers"])]
-        return {
-            **super(Gemma2Config, cls).hf_fields(raw, model_dir),
-            **gemma_fields(raw, model_dir, pattern_types, default_window=4096),
-            **_rope_fields(raw),
-            "attn_logit_softcapping": positive_field(raw, model_dir, "attn_logit_softcapping",
-                                                     None),
-            "final_logit_softcapping": positive_field(raw, model_dir, "final_logit_softcapping",
-                                                      None),
-        }
+        fields = FieldReader.of(raw, model_dir)
+        pattern = fields.positive_int("sliding_window_pattern", 6)
+        return {**super(Gemma2Config, cls).hf_fields(raw, model_dir),
+                **gemma_fields(raw, model_dir, pattern, soft_caps=(None, None)),
+                **_rope_fields(fields)}
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -26,15 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kvrecover.models.config import (
-    ModelConfig,
-    layer_types_field,
-    positive_field,
-    sliding_window_field,
-)
+from kvrecover.models.config import LAYER_TYPES, FieldReader, ModelConfig
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer
 from kvrecover.models.loader import CheckpointRename, attach_shard_loader
-from kvrecover.models.moe import ExpertWeights, check_routing, route_topk_logits
+from kvrecover.models.moe import ExpertWeights, route_topk_logits, routing_fields
 from kvrecover.ops.interface import BackendFeatures, ClampedSwiGLU
 
 if TYPE_CHECKING:
@@ -74,27 +69,27 @@ class GptOssConfig(ModelConfig):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         refuse_mxfp4(raw, model_dir)
-        num_experts, top_k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
-        check_routing(model_dir, "num_local_experts", num_experts, top_k)
-        alternating = ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                       for i in range(raw["num_hidden_layers"])]
+        reader = FieldReader.of(raw, model_dir)
+        num_experts, top_k = routing_fields(reader, "num_local_experts")
         fields = super().hf_fields(raw, model_dir)
+        alternating = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                       for i in range(fields["num_hidden_layers"])]
         rope_parameters = raw.get("rope_parameters") or {}
         if "rope_theta" not in raw and "rope_theta" not in rope_parameters:
             fields["rope_theta"] = ROPE_THETA
         if not raw.get("rope_scaling") and not rope_parameters.get("rope_type"):
             fields["rope_scaling"] = dict(DEFAULT_ROPE_SCALING)
-        alpha = positive_field(raw, model_dir, "swiglu_alpha", SWIGLU_ALPHA)
-        limit = positive_field(raw, model_dir, "swiglu_limit", SWIGLU_LIMIT)
         return {
             **fields,
-            "attention_bias": bool(raw.get("attention_bias", True)),
+            "attention_bias": reader.flag("attention_bias", True),
             "num_experts": num_experts,
             "num_experts_per_tok": top_k,
-            "sliding_window": sliding_window_field(raw, model_dir, default=SLIDING_WINDOW),
-            "layer_types": layer_types_field(raw, model_dir, alternating),
-            "swiglu_alpha": SWIGLU_ALPHA if alpha is None else alpha,
-            "swiglu_limit": SWIGLU_LIMIT if limit is None else limit,
+            "sliding_window": reader.positive_int("sliding_window", SLIDING_WINDOW,
+                                                  nullable=True),
+            "layer_types": reader.kinds_list("layer_types", fields["num_hidden_layers"],
+                                             alternating, LAYER_TYPES),
+            "swiglu_alpha": reader.positive_number("swiglu_alpha", SWIGLU_ALPHA),
+            "swiglu_limit": reader.positive_number("swiglu_limit", SWIGLU_LIMIT),
         }
 
     def layer_windows(self) -> list[int | None]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import ModelConfig, refuse_sliding_window
+from kvrecover.models.config import FieldReader, ModelConfig, refuse_sliding_window
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class LlamaConfig(ModelConfig):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         return {**super().hf_fields(raw, model_dir), **cls.window_fields(raw, model_dir),
-                "attention_bias": bool(raw.get("attention_bias", False))}
+                "attention_bias": FieldReader.of(raw, model_dir).flag("attention_bias", False)}
 
     @classmethod
     def window_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvrecover.models.config import sliding_window_field
+from kvrecover.models.config import FieldReader
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
 
 HF_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig default
@@ -26,8 +26,8 @@ class MistralConfig(LlamaConfig):
     @classmethod
     def window_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         # Mistral reads `sliding_window` alone (HF ignores `layer_types` here, with a warning).
-        return {"sliding_window": sliding_window_field(raw, model_dir,
-                                                       default=HF_DEFAULT_SLIDING_WINDOW)}
+        return {"sliding_window": FieldReader.of(raw, model_dir).positive_int(
+            "sliding_window", HF_DEFAULT_SLIDING_WINDOW, nullable=True)}
 
     def layer_windows(self) -> list[int | None]:
         return [self.sliding_window] * self.num_hidden_layers

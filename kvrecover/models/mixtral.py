@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import ModelConfig, sliding_window_field
+from kvrecover.models.config import FieldReader, ModelConfig
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer
 from kvrecover.models.llama import LlamaConfig
-from kvrecover.models.moe import SparseMoeBlock, check_routing, expert_renames
+from kvrecover.models.moe import SparseMoeBlock, expert_renames, routing_fields
 from kvrecover.ops.interface import BackendFeatures
 
 if TYPE_CHECKING:
@@ -37,15 +37,15 @@ class MixtralConfig(LlamaConfig):
     @classmethod
     def window_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         # Mixtral's attention slides whenever `sliding_window` is set (no separate switch).
-        return {"sliding_window": sliding_window_field(raw, model_dir)}
+        return {"sliding_window": FieldReader.of(raw, model_dir).positive_int(
+            "sliding_window", None, nullable=True)}
 
     def layer_windows(self) -> list[int | None]:
         return [self.sliding_window] * self.num_hidden_layers
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        num_experts, top_k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
-        check_routing(model_dir, "num_local_experts", num_experts, top_k)
+        num_experts, top_k = routing_fields(FieldReader.of(raw, model_dir), "num_local_experts")
         return {**super().hf_fields(raw, model_dir), "num_experts": num_experts,
                 "num_experts_per_tok": top_k}
 

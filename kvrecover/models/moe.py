@@ -16,12 +16,12 @@ columns, read alone); the block all-reduces the summed expert outputs once.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from kvrecover.models.config import FieldReader
 from kvrecover.models.layers import load_shard
 from kvrecover.models.loader import (
     CheckpointRename,
@@ -203,16 +203,15 @@ def check_expert_split(config: Any, size: int, fields: tuple[str, ...]) -> None:
                              f"{name} {value}; choose a divisor of {value}")
 
 
-def check_routing(model_dir: Path, count_field: str, num_experts: Any, top_k: Any) -> None:
-    """ValueError naming config.json's field unless `num_experts` >= 1 experts and
-    1 <= `top_k` <= `num_experts` (called by each MoE family's `hf_fields`)."""
-    config = Path(model_dir) / "config.json"
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{config}: {count_field} must be a positive integer, "
-                         f"got {num_experts!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{config}: num_experts_per_tok must be an integer in "
-                         f"[1, {count_field}={num_experts}], got {top_k!r}")
+def routing_fields(fields: FieldReader, count_field: str) -> tuple[int, int]:
+    """(experts, top-k) from config.json's `count_field` and `num_experts_per_tok`: a
+    ValueError naming the field unless 1 <= top-k <= experts (each MoE family's
+    `hf_fields`)."""
+    num_experts = fields.positive_int(count_field)
+    top_k = fields.positive_int("num_experts_per_tok")
+    if top_k > num_experts:
+        fields.fail("num_experts_per_tok", f"an integer in [1, {count_field}={num_experts}]")
+    return num_experts, top_k
 
 
 def expert_renames(block: str, projections: dict[str, str]) -> tuple[CheckpointRename, ...]:

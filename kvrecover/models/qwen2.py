@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrecover.models.config import FieldReader
 from kvrecover.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -17,7 +18,7 @@ class Qwen2Config(LlamaConfig):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         return {**super().hf_fields(raw, model_dir),
-                "attention_bias": bool(raw.get("attention_bias", True))}
+                "attention_bias": FieldReader.of(raw, model_dir).flag("attention_bias", True)}
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

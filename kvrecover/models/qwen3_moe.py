@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvrecover.models.config import ModelConfig
+from kvrecover.models.config import FieldReader, ModelConfig
 from kvrecover.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
-from kvrecover.models.moe import SparseMoeBlock, check_expert_split, check_routing, expert_renames
+from kvrecover.models.moe import SparseMoeBlock, check_expert_split, expert_renames, routing_fields
 from kvrecover.models.qwen3 import Qwen3Config
 from kvrecover.ops.interface import BackendFeatures
 
@@ -40,18 +40,15 @@ class Qwen3MoeConfig(Qwen3Config):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         count_field = "num_experts" if "num_experts" in raw else "num_local_experts"
-        num_experts, top_k = raw.get(count_field), raw.get("num_experts_per_tok")
-        check_routing(model_dir, count_field, num_experts, top_k)
-        config = Path(model_dir) / "config.json"
-        moe_size, step = raw.get("moe_intermediate_size"), raw.get("decoder_sparse_step", 1)
-        for name, value in (("moe_intermediate_size", moe_size), ("decoder_sparse_step", step)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{config}: {name} must be a positive integer, got {value!r}")
-        return {**super().hf_fields(raw, model_dir), "num_experts": num_experts,
-                "num_experts_per_tok": top_k, "moe_intermediate_size": moe_size,
-                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
-                "decoder_sparse_step": step,
-                "mlp_only_layers": [int(i) for i in raw.get("mlp_only_layers") or []]}
+        common = super().hf_fields(raw, model_dir)
+        fields = FieldReader.of(raw, model_dir)
+        num_experts, top_k = routing_fields(fields, count_field)
+        return {**common, "num_experts": num_experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": fields.positive_int("moe_intermediate_size"),
+                "norm_topk_prob": fields.flag("norm_topk_prob", False),
+                "decoder_sparse_step": fields.positive_int("decoder_sparse_step", 1),
+                "mlp_only_layers": fields.index_list("mlp_only_layers",
+                                                     common["num_hidden_layers"])}
 
     def is_sparse(self, layer_index: int) -> bool:
         """Whether layer `layer_index` has experts (Hugging Face's rule)."""

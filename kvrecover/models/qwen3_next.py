@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from kvrecover.models.config import ModelConfig
+from kvrecover.models.config import FieldReader, ModelConfig
 from kvrecover.models.gated_attention import GatedAttention, row_sigmoid
 from kvrecover.models.gated_deltanet import GatedDeltaNet
 from kvrecover.models.layers import CausalLM, DecoderLayer, GatedMLP
@@ -30,8 +30,8 @@ from kvrecover.models.loader import CheckpointRename
 from kvrecover.models.moe import (
     SparseMoeBlock,
     check_expert_split,
-    check_routing,
     expert_renames,
+    routing_fields,
 )
 from kvrecover.models.parallel_layers import SINGLE_RANK, TensorParallelGroup
 from kvrecover.models.recurrent_state import StateSpec
@@ -47,32 +47,17 @@ LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_h
                  "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
-def _positive(raw: dict[str, Any], source: Path, name: str, default: int | None = None) -> int:
-    value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
-    return value
-
-
-def hybrid_layer_types(raw: dict[str, Any], source: Path) -> list[str]:
+def hybrid_layer_types(fields: FieldReader) -> list[str]:
     """config.json's `layer_types` (or Hugging Face's default from
     `full_attention_interval`), checked: one known type per layer, one full layer at least."""
-    count = raw["num_hidden_layers"]
-    value = raw.get("layer_types")
-    if value is None:
-        interval = _positive(raw, source, "full_attention_interval", 4)
-        value = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(count)]
-    if not isinstance(value, list) or len(value) != count:
-        raise ValueError(f"{source}: layer_types must list one type per layer "
-                         f"(num_hidden_layers = {count}), got {value!r}")
-    unknown = sorted({str(kind) for kind in value if kind not in HYBRID_LAYER_TYPES})
-    if unknown:
-        raise ValueError(f"{source}: layer_types names {', '.join(unknown)}; this family "
-                         f"runs {', '.join(HYBRID_LAYER_TYPES)}")
+    count = fields.positive_int("num_hidden_layers")
+    interval = fields.positive_int("full_attention_interval", 4)
+    default = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(count)]
+    value = fields.kinds_list("layer_types", count, default, HYBRID_LAYER_TYPES)
     if FULL_ATTENTION not in value:
-        raise ValueError(f"{source}: layer_types has no full_attention layer; kvrecover needs "
-                         "at least one (its KV cache holds the prefix)")
-    return list(value)
+        raise ValueError(f"{fields.source}: layer_types has no full_attention layer; kvrecover "
+                         "needs at least one (its KV cache holds the prefix)")
+    return value
 
 
 @dataclass
@@ -97,36 +82,35 @@ class Qwen3NextConfig(ModelConfig):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-        source = Path(model_dir) / "config.json"
-        linear = {name: _positive(raw, source, name) for name in LINEAR_FIELDS}
+        reader = FieldReader.of(raw, model_dir)
+        fields = super().hf_fields(raw, model_dir)
+        linear = {name: reader.positive_int(name) for name in LINEAR_FIELDS}
         if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
-            raise ValueError(f"{source}: linear_num_value_heads "
-                             f"({linear['linear_num_value_heads']}) must be a multiple of "
-                             f"linear_num_key_heads ({linear['linear_num_key_heads']})")
-        fields = {**super().hf_fields(raw, model_dir), **linear,
-                  "layer_types": hybrid_layer_types(raw, source),
-                  "attention_bias": bool(raw.get("attention_bias", False))}
-        rope = raw.get("rope_parameters") or {}
-        factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
-        if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or isinstance(factor, bool):
-            raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-        fields["partial_rotary_factor"] = float(factor)
+            reader.fail("linear_num_value_heads", "a multiple of linear_num_key_heads "
+                        f"({linear['linear_num_key_heads']})")
+        fields = {**fields, **linear, "layer_types": hybrid_layer_types(reader),
+                  "attention_bias": reader.flag("attention_bias", False)}
+        rope = reader.nested("rope_parameters")
+        if rope is not None and rope.raw.get("partial_rotary_factor") is not None:
+            factor = rope.positive_number("partial_rotary_factor", at_most=1.0)
+        else:
+            factor = reader.positive_number("partial_rotary_factor", 0.25, at_most=1.0)
+        fields["partial_rotary_factor"] = factor
         if int(fields["head_dim"] * factor) % 2:
-            raise ValueError(f"{source}: head_dim * partial_rotary_factor must be even")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act must be 'silu', got {raw['hidden_act']!r}")
-        return {**fields, **cls.moe_fields(raw, source)}
+            raise ValueError(f"{reader.source}: head_dim * partial_rotary_factor must be even")
+        reader.choice("hidden_act", "silu", ("silu",))
+        return {**fields, **cls.moe_fields(reader)}
 
     @classmethod
-    def moe_fields(cls, raw: dict[str, Any], source: Path) -> dict[str, Any]:
+    def moe_fields(cls, fields: FieldReader) -> dict[str, Any]:
         """The experts' fields (Qwen3-Next: experts when `num_experts` > 0)."""
-        num_experts = raw.get("num_experts", 0)
-        if not num_experts:
+        if fields.raw.get("num_experts") in (0, None):
             return {}
-        return {**expert_fields(raw, source, num_experts),
-                "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
-                "decoder_sparse_step": _positive(raw, source, "decoder_sparse_step", 1),
-                "mlp_only_layers": [int(i) for i in raw.get("mlp_only_layers") or []]}
+        return {**expert_fields(fields),
+                "norm_topk_prob": fields.flag("norm_topk_prob", True),
+                "decoder_sparse_step": fields.positive_int("decoder_sparse_step", 1),
+                "mlp_only_layers": fields.index_list("mlp_only_layers",
+                                                     fields.raw["num_hidden_layers"])}
 
     def recurrent_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION]
@@ -141,14 +125,13 @@ class Qwen3NextConfig(ModelConfig):
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-def expert_fields(raw: dict[str, Any], source: Path, num_experts: Any) -> dict[str, Any]:
-    """The routed and shared experts' sizes, checked."""
-    top_k = raw.get("num_experts_per_tok")
-    check_routing(source.parent, "num_experts", num_experts, top_k)
+def expert_fields(fields: FieldReader) -> dict[str, Any]:
+    """The routed and shared experts' counts and sizes, checked."""
+    num_experts, top_k = routing_fields(fields, "num_experts")
     return {"num_experts": num_experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": _positive(raw, source, "moe_intermediate_size"),
-            "shared_expert_intermediate_size": _positive(raw, source,
-                                                         "shared_expert_intermediate_size")}
+            "moe_intermediate_size": fields.positive_int("moe_intermediate_size"),
+            "shared_expert_intermediate_size": fields.positive_int(
+                "shared_expert_intermediate_size")}
 
 
 @dataclass
@@ -156,7 +139,7 @@ class Qwen3_5Config(Qwen3NextConfig):
     """Qwen3.5's dense text config: no experts."""
 
     @classmethod
-    def moe_fields(cls, raw: dict[str, Any], source: Path) -> dict[str, Any]:
+    def moe_fields(cls, fields: FieldReader) -> dict[str, Any]:
         return {}
 
 
@@ -165,8 +148,8 @@ class Qwen3_5MoeConfig(Qwen3NextConfig):
     """Qwen3.5-MoE's text config: experts in every layer, top-k always renormalised."""
 
     @classmethod
-    def moe_fields(cls, raw: dict[str, Any], source: Path) -> dict[str, Any]:
-        return {**expert_fields(raw, source, raw.get("num_experts")), "norm_topk_prob": True}
+    def moe_fields(cls, fields: FieldReader) -> dict[str, Any]:
+        return {**expert_fields(fields), "norm_topk_prob": True}
 
 
 def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:

@@ -117,14 +117,14 @@ def test_gemma2_defaults_are_hfs(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"layer_types": ["sliding_attention"] * 2}, "layer_types must list one type per layer"),
+    ({"layer_types": ["sliding_attention"] * 2}, "layer_types=.* must be a list of one type per layer"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
      "layer_types names chunked_attention"),
-    ({"attn_logit_softcapping": 0}, "attn_logit_softcapping must be a positive number"),
-    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping must be a positive number"),
-    ({"sliding_window": 0}, "sliding_window must be a positive integer"),
-    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
-    ({"hidden_activation": "relu"}, "unsupported activation 'relu'"),
+    ({"attn_logit_softcapping": 0}, "attn_logit_softcapping=.* must be a positive finite number"),
+    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping=.* must be a positive finite number"),
+    ({"sliding_window": 0}, "sliding_window=.* must be a positive integer"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=.* must be a positive finite number"),
+    ({"hidden_activation": "relu"}, "hidden_activation='relu' must be one of silu"),
     ({"attention_bias": True}, "attention_bias is not supported"),
 ])
 def test_bad_gemma2_configs_are_refused_naming_the_field(tmp_path, fields, message):

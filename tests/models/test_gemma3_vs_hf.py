@@ -123,11 +123,11 @@ def test_gemma3_defaults_and_the_pattern_fallback_are_hfs(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"layer_types": ["full_attention"] * 6}, "layer_types must list one type per layer"),
+    ({"layer_types": ["full_attention"] * 6}, "layer_types=.* must be a list of one type per layer"),
     ({"layer_types": ["full_attention"] * 6 + ["global"]}, "layer_types names global"),
-    ({"sliding_window_pattern": 0}, "sliding_window_pattern must be a positive integer"),
-    ({"sliding_window": -1}, "sliding_window must be a positive integer"),
-    ({"final_logit_softcapping": 0.0}, "final_logit_softcapping must be a positive number"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern=.* must be a positive integer"),
+    ({"sliding_window": -1}, "sliding_window=.* must be a positive integer"),
+    ({"final_logit_softcapping": 0.0}, "final_logit_softcapping=.* must be a positive finite number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
 ])
 def test_bad_gemma3_configs_are_refused_naming_the_field(tmp_path, fields, message):

@@ -211,10 +211,10 @@ def test_an_mxfp4_checkpoint_is_refused_with_what_to_use(tiny_gpt_oss, tmp_path)
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"num_experts_per_tok": 9}, r"num_experts_per_tok must be an integer in "
-                                 r"\[1, num_local_experts=8\], got 9"),
-    ({"swiglu_limit": -1.0}, "swiglu_limit must be a positive number"),
-    ({"layer_types": ["full_attention"]}, "layer_types must list one type per layer"),
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be an integer in "
+                                 r"\[1, num_local_experts=8\]"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit=.* must be a positive finite number"),
+    ({"layer_types": ["full_attention"]}, "layer_types=.* must be a list of one type per layer"),
 ])
 def test_a_config_that_cannot_run_is_refused_by_field(tiny_gpt_oss, tmp_path, changes,
                                                       message):

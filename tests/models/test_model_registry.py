@@ -4,6 +4,7 @@ architecture is refused with the list of known ones. No checkpoint weights neede
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -73,7 +74,7 @@ IDENTITIES = {
 
 def checkpoint_config(tmp_path: Path, architecture: str, **fields) -> Path:
     folder = tmp_path / architecture
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "config.json").write_text(
         json.dumps({"architectures": [architecture], **BASE, **fields}))
     return folder
@@ -211,8 +212,12 @@ def test_full_attention_families_refuse_sliding_windows(tmp_path, architecture):
 
 
 def test_a_model_without_decoder_layers_is_refused_by_name(tmp_path):
-    config = load_model_config(checkpoint_config(tmp_path, "LlamaForCausalLM",
-                                                 num_hidden_layers=0))
+    with pytest.raises(ValueError, match="num_hidden_layers=0 must be a positive integer"):
+        load_model_config(checkpoint_config(tmp_path, "LlamaForCausalLM", num_hidden_layers=0))
+    # A config built in code (not read from config.json) is refused by the model.
+    config = dataclasses.replace(
+        load_model_config(checkpoint_config(tmp_path / "ok", "LlamaForCausalLM")),
+        num_hidden_layers=0)
     model = build_model(config, select_backend("torch", torch.device("cpu")), max_positions=64)
     with pytest.raises(ValueError, match="no decoder layers.*num_hidden_layers"):
         model(torch.tensor([3, 4]), torch.tensor([0, 1]), [], None)
