@@ -66,6 +66,15 @@ class KVCacheGroup:
                    for i in range(first, last))
 
 
+    def reads_any(self, position: int, block_size: int, table: Sequence[int],
+                  blocks: frozenset[int] | set[int]) -> bool:
+        """Whether the query at `position` read a key below it from one of `blocks`
+        (through this group's table)."""
+        first = self.first_needed_block(position, block_size)
+        last = min(-(-position // block_size), len(table))
+        return any(table[i] in blocks for i in range(first, last))
+
+
 def build_kv_groups(layer_windows: Sequence[int | None],
                     recurrent_layers: Collection[int] = ()) -> tuple[KVCacheGroup, ...]:
     """The groups of a model whose layer i has window `layer_windows[i]` (None: full);

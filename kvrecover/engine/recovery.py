@@ -219,6 +219,14 @@ class KVLoadRecovery:
                 if block_id in invalid:
                     limit = index * block_size
                     break
+        first_invalid = limit
+        computed_from = self._computed_on_load(request)
+        if computed_from is not None and computed_from < limit and any(
+                group.reads_any(computed_from, block_size, table, invalid)
+                for group, table in windowed):
+            # The tokens this step computed on top of a sync load read an invalid block
+            # through a window (and every later token reads them): none of them is valid.
+            limit = computed_from
         candidates = [limit] if limit == computed else []
         candidates += range((min(limit, computed - 1) // block_size) * block_size, -1, -block_size)
         state_at = self.recurrent_state_at
@@ -226,9 +234,18 @@ class KVLoadRecovery:
             if position > limit:
                 continue
             if (state_at is not None and 0 < position < computed
-                    and not state_at(request, position, limit)):
+                    and not state_at(request, position, first_invalid)):
                 continue
             if all(group.can_resume_at(position, block_size, table, invalid, NULL_BLOCK_ID)
                    for group, table in windowed):
                 return position
         return 0
+
+    @staticmethod
+    def _computed_on_load(request: Request) -> int | None:
+        """Where the tokens computed in the same step as the request's sync load start
+        (the load's end), when that step computed any; None otherwise."""
+        if request.pending_external is None:
+            return None
+        end = request.pending_external[1]
+        return end if end < request.num_computed_tokens else None
