@@ -10,10 +10,15 @@ vocabulary size and `max_model_len` (from its `/health`), the prompt and the
 tokens already sent. Rejected is only the provably impossible:
 - a token id outside [0, vocab_size), or a prompt other than the one expected;
 - more tokens than `max_tokens`, or than `max_model_len` leaves room for;
-- `finish_reason: "length"` before either limit is reached;
-- `finish_reason: "stop"` under `ignore_eos` with no stop string and no stop
-  token id as the last token (EOS, a stop string or a stop token id may end any
-  other request early);
+- `finish_reason: "length"` before either limit is reached, or before
+  `max_tokens` on an instance that did not say its `max_model_len` (nothing
+  then shows the context was reached);
+- `finish_reason: "stop"` that no stop condition explains: under `ignore_eos`
+  with no stop string and no stop token id as the last token, or before
+  `min_tokens` with no stop string (which bans EOS and stop token ids until
+  then). EOS, a stop string or a stop token id may end any other request early,
+  and a grammar (`response_format`, `structured_outputs`, `tools`) may end one
+  when complete, so neither rule applies to a grammar's request;
 - a stop token id that did not end the request;
 - a finish reason the engine never gives (only "stop" and "length").
 Either failure is a `ValueError` (`ShapeError` or `ImpossibleOutput`), which the
@@ -40,6 +45,7 @@ from kvrecover.entrypoints.proxy.instances import Instance
 # Without a vocabulary size from the instance: no engine stores token ids wider than int32.
 MAX_TOKEN_ID_UNKNOWN_VOCAB = (1 << 31) - 1
 ENGINE_FINISH_REASONS = ("stop", "length")
+GRAMMAR_KEYS = ("response_format", "structured_outputs", "tools")  # may end a request early
 
 
 Choice = TypeVar("Choice", ChatStreamChoice, CompletionChoice, ChatChoice)
@@ -112,6 +118,8 @@ class RequestLimits:
     ignore_eos: bool
     has_stop_strings: bool
     stop_token_ids: frozenset[int]
+    min_tokens: int = 0
+    has_grammar: bool = False
 
     @classmethod
     def of(cls, body: dict[str, Any], max_tokens: int | None) -> RequestLimits:
@@ -120,9 +128,12 @@ class RequestLimits:
         stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
         stop_ids = body.get("stop_token_ids")
         stop_ids = stop_ids if isinstance(stop_ids, list) else []
+        min_tokens = body.get("min_tokens")
         return cls(max_tokens if isinstance(max_tokens, int) else None,
                    body.get("ignore_eos") is True, any(stops),
-                   frozenset(i for i in stop_ids if isinstance(i, int)))
+                   frozenset(i for i in stop_ids if isinstance(i, int)),
+                   min_tokens if isinstance(min_tokens, int) else 0,
+                   any(body.get(k) is not None for k in GRAMMAR_KEYS))
 
 
 @dataclass
@@ -164,11 +175,20 @@ class StreamCheck:
         if piece.finish_reason == "length" and not self._at_a_limit(total, room):
             raise ImpossibleOutput(f"finish_reason 'length' after {total} tokens "
                                    f"(max_tokens={limits.max_tokens}, room={room})")
-        if piece.finish_reason == "stop" and limits.ignore_eos and not limits.has_stop_strings:
-            last = ids[-1] if ids else (self.generated[-1] if self.generated else None)
-            if last not in limits.stop_token_ids:
-                raise ImpossibleOutput("finish_reason 'stop' under ignore_eos without a stop "
-                                       "string or stop token id")
+        if piece.finish_reason == "stop" and not limits.has_stop_strings \
+                and not limits.has_grammar:
+            self._check_stop(ids, total)
+
+    def _check_stop(self, ids: list[int], total: int) -> None:
+        """A `stop` finish of a request without stop strings or a grammar."""
+        limits = self.limits
+        if total < limits.min_tokens:
+            raise ImpossibleOutput(f"finish_reason 'stop' after {total} tokens, before "
+                                   f"min_tokens={limits.min_tokens}")
+        last = ids[-1] if ids else (self.generated[-1] if self.generated else None)
+        if limits.ignore_eos and last not in limits.stop_token_ids:
+            raise ImpossibleOutput("finish_reason 'stop' under ignore_eos without a stop "
+                                   "string or stop token id")
 
     def _check_prompt(self, piece: Piece) -> None:
         got = piece.prompt_token_ids
@@ -189,8 +209,11 @@ class StreamCheck:
         return self.instance.max_model_len - len(self.prompt)
 
     def _at_a_limit(self, total: int, room: int | None) -> bool:
-        if self.limits.max_tokens is not None and total >= self.limits.max_tokens:
-            return True
+        if self.limits.max_tokens is not None:
+            if total >= self.limits.max_tokens:
+                return True
+            if room is None:  # before max_tokens only the context explains it: unknown here
+                return False
         return room is None or total >= room  # an unknown room may have been reached
 
 

@@ -285,6 +285,14 @@ def test_legitimate_early_stops_are_forwarded(cluster, stream):
     answer = ask(proxy, COMPLETIONS, body)
     assert (answer.status, answer.finish_reason) == (200, "stop")
 
+    # A grammar ends a request when complete, under ignore_eos too.
+    body = request_body(COMPLETIONS, stream, max_tokens=20,
+                        structured_outputs={"regex": "[a-z]{3}"})
+    proxy, _ = cluster(stopped_after(3, "stop"), decode_good=False)
+    answer = ask(proxy, COMPLETIONS, body)
+    assert (answer.status, answer.finish_reason) == (200, "stop")
+    assert answer.token_ids == truth(COMPLETIONS, body)[1][:3]
+
     prompt = list(range(1, MAX_MODEL_LEN - 2))  # room for 3 tokens of the 20 asked
     body = {**request_body(COMPLETIONS, stream, max_tokens=20), "prompt": prompt}
     proxy, _ = cluster(stopped_after(3, "length"), decode_good=False)
@@ -317,3 +325,51 @@ def test_a_continuation_without_max_tokens_asks_for_the_room_left(cluster, good)
     assert (answer.text, answer.token_ids, answer.finish_reason) == truth(CHAT, body)
     continued = [b for p, b in good.requests if b.get("resumed_output_tokens") == 2]
     assert [len(b["prompt"]) + b["max_tokens"] for b in continued] == [MAX_MODEL_LEN]
+
+
+def silent_health(events) -> Callable[[str, str, Any], Reply]:
+    """`scripted(events)` on an instance whose /health names no limits (not kvrecover's)."""
+    inner = scripted(events)
+
+    def handler(method: str, path: str, body: Any) -> Reply:
+        if method == "GET" and path == "/health":
+            return Reply(200, b'{"status": "ok"}')
+        return inner(method, path, body)
+    return handler
+
+
+EARLY_ENDS = {  # (instance, request) where the instance ends after 3 of 20 tokens
+    "length, its max_model_len unknown": (silent_health(stopped_after(3, "length")), {}),
+    "stop before min_tokens": (scripted(stopped_after(3, "stop")),
+                               {"ignore_eos": False, "min_tokens": 10}),
+}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(EARLY_ENDS))
+def test_an_early_end_nothing_explains_is_migrated_or_an_error(good, path, stream, case):
+    """Greedy, max_tokens 20: an instance that ends after 3 tokens with a finish reason
+    no limit or stop condition of the request explains is broken. With a good
+    instance the request is migrated (the exact tokens); alone, it is an error."""
+    handler, extra = EARLY_ENDS[case]
+    body = request_body(path, stream, max_tokens=20, **extra)
+    for with_good in (True, False):
+        good.requests.clear()
+        bad = FakeUpstream(handler)
+        proxy = InProcessProxy([], [bad.url] + ([good.url] if with_good else []))
+        try:
+            answer = ask(proxy, path, body)
+        finally:
+            proxy.close()
+            bad.close()
+        if with_good:
+            assert answer.status == 200, answer.error
+            assert (answer.text, answer.token_ids, answer.finish_reason) == truth(path, body)
+            assert len(answer.token_ids) == 20
+            assert bad.requests and good.requests
+        elif stream:  # its first pieces were sent: the stream ends with an error event
+            assert answer.status == 200 and not answer.done and answer.error is not None
+            assert answer.finish_reason is None
+        else:
+            assert answer.status == 503 and answer.error["type"] == "service_unavailable"
