@@ -159,6 +159,7 @@ class SchedulerConfig:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _MAX_SEED = 2**63 - 1
+RANK_TIMEOUT_S = 30.0  # rank_timeout_s's default (worker/parallel_runner.py's RankSpec too)
 
 
 def _device_problem(device: str) -> str | None:
@@ -232,6 +233,11 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "ranks the model is sharded over, one process each (gloo on the CPU, NCCL on "
         "GPUs: one GPU per rank)", int, minimum=1, metavar="N")
+    rank_timeout_s: float = option(
+        RANK_TIMEOUT_S, "seconds a tensor-parallel rank may keep rank 0 waiting (in a "
+        "step's collective, or for its step report) before the engine fails every request, "
+        "naming the rank (a stopped or hung one); start-up (weights, kernel builds) has a "
+        "deadline of its own", float, above=0, metavar="S")
 
     def __post_init__(self) -> None:
         self.model = path_or_none(self.model)

@@ -63,8 +63,7 @@ class RankProcess:
         """The rank's next message within `timeout_s`; a `RankFailedError` naming
         the rank if it died, failed or did not answer in time."""
         if not wait([self.channel], timeout_s):
-            raise RankFailedError(f"rank {self.rank} did not answer within {timeout_s:g} s "
-                                  f"({waiting_for})")
+            raise self.missed_deadline(timeout_s, waiting_for)
         try:
             message = unpack(self.channel.recv_bytes())
         except (EOFError, OSError) as error:
@@ -74,6 +73,11 @@ class RankProcess:
             raise RankFailedError(f"rank {self.rank} failed while {waiting_for}: "
                                   f"{message.body}")
         return message
+
+    def missed_deadline(self, timeout_s: float, waiting_for: str) -> RankFailedError:
+        """The error for this rank not answering within `timeout_s` while `waiting_for`."""
+        return RankFailedError(f"rank {self.rank} missed its {timeout_s:g} s deadline "
+                               f"(stopped or hung?) while {waiting_for}")
 
     def failure_within(self, timeout_s: float, waiting_for: str) -> RankFailedError | None:
         """The rank's failure if within `timeout_s` it dies or reports one; None if it

@@ -16,13 +16,14 @@ every rank process and raises `RankFailedError`; the runner is then closed.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.config import KVTransferConfig
+from kvrecover.config import RANK_TIMEOUT_S, KVTransferConfig
 from kvrecover.distributed.errors import RankFailedError
 from kvrecover.distributed.group import DistributedGroup, create_process_group
 from kvrecover.distributed.messages import RankReport, pack
@@ -43,8 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 300.0  # a rank's start-up: interpreter, rendezvous, its weights
-STEP_TIMEOUT_S = 120.0  # a collective, or a rank's report after rank 0 finished a step
+START_TIMEOUT_S = 300.0  # a rank's start-up: interpreter, rendezvous, weights, kernel builds
 STOP_GRACE_S = 5.0  # a rank's exit after the shutdown message, before it is killed
 RANK_MODULE = "kvrecover.worker.rank_worker"
 
@@ -69,7 +69,10 @@ class RankSpec:
     rank: int = 0
     store_port: int = 0
     start_timeout_s: float = START_TIMEOUT_S
-    step_timeout_s: float = STEP_TIMEOUT_S
+    # A collective's wait, or a rank's step report after rank 0 finished the step
+    # (EngineArgs.rank_timeout_s); JIT compiles run on every rank at once, so a first
+    # step's compiling hardly shifts one rank against another.
+    rank_timeout_s: float = RANK_TIMEOUT_S
     # A hybrid model's recurrent-state pool (`ModelRunner`'s options of the same names):
     # every rank keeps the slots and checkpoints of its own heads' states, and applies
     # the step's slot and checkpoint records as rank 0 does.
@@ -103,7 +106,7 @@ class TensorParallelRunner:
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
-        self.step_timeout_s = spec.step_timeout_s
+        self.rank_timeout_s = spec.rank_timeout_s
         self.reports = RankReports(spec.size)
         self.ranks: list[RankProcess] = []
         self.group: DistributedGroup | None = None
@@ -120,7 +123,7 @@ class TensorParallelRunner:
             for process in self.ranks:
                 process.receive(timeout, "starting")
             group = create_process_group(store, 0, spec.size, spec.device,
-                                         spec.step_timeout_s)
+                                         spec.rank_timeout_s)
             self.group = DistributedGroup(group, 0, spec.size,
                                           fixed_order=spec.batch_invariant)
             self.watch = RankWatch([p.process.pid for p in self.ranks], self.group.abort)
@@ -186,11 +189,12 @@ class TensorParallelRunner:
         try:
             for process in self.ranks:
                 process.send(payload)
+            started = time.monotonic()
             try:
                 output = self.runner.execute(scheduler_output)
             except Exception as error:  # a collective broke, or rank 0's own forward raised
-                raise self._cause(error) from error
-            reports = [process.receive(self.step_timeout_s, "running a step").body
+                raise self._cause(error, time.monotonic() - started) from error
+            reports = [process.receive(self.rank_timeout_s, "running a step").body
                        for process in self.ranks]
         except RankFailedError as failure:
             self._fail(failure)
@@ -247,13 +251,22 @@ class TensorParallelRunner:
             self._fail(failure)
             raise
 
-    def _cause(self, error: Exception) -> RankFailedError:
-        """The failure behind rank 0's error: a rank that died or failed says so on its
-        channel right away; otherwise rank 0's own forward raised."""
+    def _cause(self, error: Exception, waited_s: float) -> RankFailedError:
+        """The failure behind rank 0's error after `waited_s` in its forward: a rank that
+        died or failed says so on its channel right away; after the deadline, a rank that
+        stays silent is the one a collective waited for (stopped or hung); otherwise rank
+        0's own forward raised."""
+        failures, silent = [], []
         for process in self.ranks:
             failure = process.failure_within(1.0, "running a step")
-            if failure is not None:
-                return failure
+            if failure is None:
+                silent.append(process)
+            else:
+                failures.append(failure)
+        if silent and waited_s >= 0.9 * self.rank_timeout_s:  # the others timed out too
+            return silent[0].missed_deadline(self.rank_timeout_s, "running a step")
+        if failures:
+            return failures[0]
         return RankFailedError(f"rank 0's forward failed: {type(error).__name__}: {error}")
 
     def _fail(self, failure: RankFailedError) -> None:

@@ -44,7 +44,7 @@ def run_rank(fd: int) -> int:
         store = join_store(spec.store_port, spec.start_timeout_s)
         channel.send_bytes(pack("joining"))
         process_group = create_process_group(store, spec.rank, spec.size, spec.device,
-                                             spec.step_timeout_s)
+                                             spec.rank_timeout_s)
         group = DistributedGroup(process_group, spec.rank, spec.size,
                                  fixed_order=spec.batch_invariant)
         runner = spec.build_runner(group)
