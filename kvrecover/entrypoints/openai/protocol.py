@@ -1,8 +1,8 @@
 """OpenAI-compatible request records, their validation, and the error format.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a
-coercion; text with a lone surrogate or a NUL, in a prompt, a message, a stop
-string, is a 400 naming the field) and turned into a prompt plus `SamplingParams`
+coercion; a lone surrogate in a prompt, a message or a stop string, or a NUL outside
+a stop string, is a 400 naming the field) and turned into a prompt plus `SamplingParams`
 for the engine. Every error leaves the server as `{"error": {"message", "type",
 "code", "param"}}`.
 """
@@ -63,6 +63,14 @@ def checked_text(text: str, field: str) -> str:
         check_text(text, field)
     except ValueError as error:
         raise ApiError(400, str(error), param=field) from error
+    return text
+
+
+def checked_stop(text: str, field: str) -> str:
+    """A stop string, or a 400 naming `field` when it holds a lone surrogate (which no
+    output holds). A NUL may be in one: it is never tokenized, only matched against
+    decoded text, which can hold it (a byte-level token of byte 0)."""
+    checked_text(text.replace("\x00", " "), field)  # the same message and position
     return text
 
 
@@ -139,8 +147,8 @@ class _GenerationFields(BaseModel):
         if self.stop is None:
             return []
         if isinstance(self.stop, str):
-            return [checked_text(self.stop, "stop")] if self.stop else []
-        return [checked_text(s, f"stop[{i}]") for i, s in enumerate(self.stop) if s]
+            return [checked_stop(self.stop, "stop")] if self.stop else []
+        return [checked_stop(s, f"stop[{i}]") for i, s in enumerate(self.stop) if s]
 
     def output_logprobs(self) -> int | None:
         """Top logprobs per output token, or None for none (per endpoint)."""

@@ -69,3 +69,24 @@ def test_resumed_text_continues_across_a_split_character(tokenizer, split):
     deltas.append(second.update(rest, "engine text of the new tokens alone"))
     assert sent + "".join(deltas) == full
     assert not any("\ufffd" in d for d in [sent, *deltas])
+
+
+def test_stop_strings_of_unusual_characters_match_the_decoded_text(tokenizer):
+    """Lone combining marks, NULs, U+FFFD (a byte that is no UTF-8) and control
+    characters, at every offset: the text up to the first occurrence, streamed."""
+    nul = next(i for i in range(384) if tokenizer.decode([i]) == "\x00")  # not encodable
+    token_ids = tokenizer.encode("e\u0301 \u0301x") + [nul] + \
+        tokenizer.encode("y a\u0308\x12 \u0301") + [nul, nul] + tokenizer.encode("z") + \
+        tokenizer.encode("\u00e9")[:1] + tokenizer.encode(" q\u0301 end")
+    text = tokenizer.decode(token_ids)
+    assert "\ufffd" in text and "\x00" in text and " \u0301" in text
+    for length in range(1, 5):
+        for start in range(len(text) - length + 1):
+            stop = text[start:start + length]
+            detokenizer = IncrementalDetokenizer(tokenizer, stop=[stop])
+            sent = ""
+            for n in range(1, len(token_ids) + 1):
+                sent += detokenizer.update(token_ids[:n], text if n == len(token_ids) else None)
+                if detokenizer.stopped:
+                    break
+            assert (sent, detokenizer.stopped) == (text[:text.find(stop)], True), repr(stop)

@@ -363,3 +363,38 @@ def test_kv_load_failure_policy_fail_is_an_http_error(model_dir, stored_kv, tmp_
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
         process.kill()
+
+
+# Outputs of the tiny model holding unusual characters: control characters and U+FFFD
+# (bytes that are no UTF-8), and with NUL-token bias (190 is byte 0x00) runs of NULs.
+UNUSUAL_OUTPUTS = [
+    {"prompt": PROMPTS[0]},
+    {"prompt": PROMPTS[0], "logit_bias": {"190": 1.2},
+     "allowed_token_ids": [363, 71, 274, 326, 244, 380, 11, 80, 260, 288, 190, 138, 225]},
+]
+
+
+@pytest.mark.parametrize("extra", UNUSUAL_OUTPUTS, ids=["plain", "nul"])
+def test_stop_strings_cut_from_the_output_match_whatever_they_hold(server, extra):
+    """Every substring of 1-4 characters of a 30-token output, as a stop string, gives
+    the output up to its first occurrence (streamed and not), and a prefix of its tokens."""
+    sdk = client(server.url)
+    body = {"model": "tiny", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    text, token_ids = whole["choices"][0]["text"], whole["choices"][0]["token_ids"]
+    assert len(token_ids) == 30 and "\ufffd" in text
+    assert "\x00" in text or extra is UNUSUAL_OUTPUTS[0]
+    stops = sorted({text[i:i + n] for n in range(1, 5) for i in range(len(text) - n + 1)})
+    fields = {k: v for k, v in body.items() if k not in ("model", "prompt", "max_tokens",
+                                                         "temperature", "return_token_ids")}
+    for stop in stops:
+        want = text[:text.find(stop)]
+        got = sdk.completions.create(model="tiny", prompt=extra["prompt"], max_tokens=30,
+                                     temperature=0, stop=[stop], extra_body=fields)
+        choice = got.choices[0]
+        assert (choice.text, choice.finish_reason) == (want, "stop"), repr(stop)
+        streamed = stream_completion(sdk, model="tiny", prompt=extra["prompt"], max_tokens=30,
+                                     temperature=0, stop=[stop], extra_body=fields)
+        assert streamed[::2] == (want, "stop"), repr(stop)
+        assert streamed[1] == token_ids[:len(streamed[1])] and streamed[1], repr(stop)
