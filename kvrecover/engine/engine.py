@@ -412,6 +412,7 @@ def _model_runner(config: ResolvedConfig) -> ModelRunner | TensorParallelRunner:
         num_state_checkpoints=num_state_checkpoints(config),
         max_num_seqs=config.scheduler_config.max_num_seqs,
         max_num_seqs_fixed=args.max_num_seqs is not None,
+        rank_timeout_s=args.rank_timeout_s,
     ))
 
 

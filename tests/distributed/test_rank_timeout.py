@@ -4,7 +4,6 @@ option `rank_timeout_s` bounds how long rank 0 waits for it, and the error names
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import signal
@@ -15,7 +14,6 @@ from conftest import random_prompts
 
 from kvrecover import LLM, SamplingParams
 from kvrecover.config import RANK_TIMEOUT_S, EngineArgs, add_engine_flags
-from kvrecover.engine import engine as engine_module
 from kvrecover.worker.parallel_runner import RankSpec
 
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -43,11 +41,8 @@ def test_rank_timeout_is_a_flag():
 
 def test_a_stopped_rank_fails_every_request_within_the_deadline_naming_it(tiny_llama,
                                                                           monkeypatch):
-    # The runner's deadline as the engine passes it (EngineArgs.rank_timeout_s).
-    monkeypatch.setattr(engine_module, "RankSpec",
-                        functools.partial(RankSpec, rank_timeout_s=RANK_TIMEOUT))
     llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=64,
-              tensor_parallel_size=2)
+              tensor_parallel_size=2, rank_timeout_s=RANK_TIMEOUT)
     assert llm.engine.model_runner.rank_timeout_s == RANK_TIMEOUT
     rank = llm.engine.model_runner.ranks[0].process
     try:
