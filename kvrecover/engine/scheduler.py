@@ -61,6 +61,8 @@ class Scheduler:
                                 recurrent_state_at=None if state_checkpoints is None
                                 else state_checkpoints.can_resume)
         self.recovery = self.kv_loads.recovery
+        # A windowed group holds only its window: a smaller chunk needs fewer blocks.
+        self._windowed = any(kv_manager.windowed)
         self.loads = self.kv_loads.tracker
         # A hybrid model's recurrent-state checkpoints: a prefix is reused only with its state.
         self.state_checkpoints = state_checkpoints
@@ -142,8 +144,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(compute_limit(request) - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new):
+            wanted = min(compute_limit(request) - request.num_computed_tokens, budget)
+            num_new = self._allocate_or_preempt(request, wanted)
+            if num_new is None:
                 break  # the request itself was preempted: it was the last running one
             scheduled.append(self._slice(request, num_new))
             budget -= num_new
@@ -226,17 +229,42 @@ class Scheduler:
         output.kv_connector_metadata = self.kv_loads.build_connector_meta(output)
         return output
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
-        """Grow the request's blocks, preempting the newest running requests if needed."""
-        while not self.kv_manager.allocate(request, num_tokens):
-            if self.running[-1] is request and self._release_parked_blocks(
-                    request, num_tokens, None):
-                return True  # restarting parked requests beats preempting the last runner
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> int | None:
+        """Grow the request's blocks for `num_new` more tokens, preempting the newest
+        running requests if needed; returns how many tokens it got blocks for (fewer when
+        only a smaller chunk fits), None when it preempted the request itself."""
+        start = request.num_computed_tokens
+        while not self.kv_manager.allocate(request, start + num_new):
+            if self.running[-1] is request:
+                # A smaller chunk beats preempting the last runner: a windowed group
+                # needs fewer blocks for it, and a restart would lose the prefill so far.
+                smaller = self._fitting_chunk(request, start, num_new)
+                if smaller and self.kv_manager.allocate(request, start + smaller):
+                    return smaller
+                if self._release_parked_blocks(request, start + num_new, None):
+                    return num_new  # restarting parked requests beats preempting it
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
-                return False
-        return True
+                return None
+        return num_new
+
+    def _fitting_chunk(self, request: Request, start: int, num_new: int,
+                       hits: PrefixHit | None = None, load_end: int | None = None) -> int:
+        """The largest chunk below `num_new` tokens whose blocks the request (computed up
+        to `start`) can get now; 0 when not even one token fits, or when the model has
+        no window (every block of the request is needed in the end, whatever the chunk).
+        The blocks a chunk needs grow with its length, so a bisection finds it."""
+        if not self._windowed:
+            return 0
+        low, high = 0, num_new - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.kv_manager.can_allocate(request, start + middle, hits, load_end):
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
@@ -289,9 +317,15 @@ class Scheduler:
             num_needed = num_local + num_external + num_new
             load_end = num_local + num_external if num_external else None
             if not self.kv_manager.allocate(request, num_needed, hits, load_end):
-                # Nothing runs: make room from parked requests, else wait (small caches
-                # are slower, never stuck).
-                if scheduled or not self._release_parked_blocks(
+                # Nothing runs: a smaller first chunk (a windowed group holds only its
+                # window), else room from parked requests, else wait (small caches are
+                # slower, never stuck).
+                smaller = 0 if scheduled or load_async else self._fitting_chunk(
+                    request, num_needed - num_new, num_new, hits, load_end)
+                if smaller and self.kv_manager.allocate(
+                        request, num_needed - num_new + smaller, hits, load_end):
+                    num_new = smaller
+                elif scheduled or not self._release_parked_blocks(
                         request, num_needed, hits, load_end):
                     self.waiting.appendleft(request)
                     stalled = request
@@ -328,8 +362,14 @@ class Scheduler:
         if self.transfers_in_flight():
             return  # a load or send will finish (or pass its deadline) and free blocks
         self.waiting.remove(request)
-        self._end_with_error(request, "the KV cache blocks it needs are held by async KV "
-                                      "loads or sends that the connector never confirmed")
+        if self.loads.orphans or self.kv_loads.sends.holds:
+            self._end_with_error(request, "the KV cache blocks it needs are held by async KV "
+                                          "loads or sends that the connector never confirmed")
+            return
+        # Admission checked that the request fits alone: only a bug gets here.
+        free = self.kv_manager.pool.num_free_blocks
+        self._end_with_internal_error(request, f"the KV cache has no room for its next chunk "
+                                               f"({free} free blocks)")
 
     def _claim(self, request: Request, num_local: int, num_hit_blocks: int, num_external: int) -> None:
         """Count local hits and claim the external tokens."""
