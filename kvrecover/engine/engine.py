@@ -379,11 +379,17 @@ def _fit_state_slots(scheduler_config: SchedulerConfig,
 def hybrid_checkpoints(config: ResolvedConfig) -> StateCheckpoints:
     """A hybrid model's scheduler-side state checkpoints; with a connector, the boundaries
     every `state_interval_blocks` that it stores (producer) and, if it keeps a failed
-    load's resume state (`keeps_resume_states`), resumes from (consumer)."""
+    load's resume state (`keeps_resume_states`), resumes from (consumer).
+
+    Under tensor parallelism a failed load resumes only from a checkpoint every rank
+    holds (or 0): each rank's connector keeps a resume state by its *own* first failed
+    block, so a block that failed on one rank leaves the others without the state the
+    union of their reports would resume from (rule 9: one rollback point for all)."""
     plan = config.connector
     transfer = None if plan is None else plan.transfer
     interval = None if transfer is None else transfer.state_interval_blocks
-    resumes = plan is not None and plan.connector_class.resume_states_kept(plan.transfer)
+    resumes = (plan is not None and config.args.tensor_parallel_size == 1
+               and plan.connector_class.resume_states_kept(plan.transfer))
     return StateCheckpoints(
         num_state_checkpoints(config), config.args.block_size,
         store_interval=interval if transfer is not None and transfer.is_producer else None,
