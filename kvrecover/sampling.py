@@ -83,7 +83,8 @@ class SamplingParams:
     `repetition_penalty` (over prompt and output: positive logits divided, negative
     multiplied, as in Hugging Face and vLLM), `presence_penalty` and
     `frequency_penalty` (over the output, as in OpenAI); then a grammar mask (when
-    one is set); then temperature, top-k, top-p. `logprobs` and `prompt_logprobs`
+    one is set); then temperature, min-p (as vLLM: after temperature, before top-k),
+    top-k, top-p. `logprobs` and `prompt_logprobs`
     report the model's own distribution (float32 `log_softmax` of the raw logits,
     before any of those steps), as vLLM does by default. `n` completions share the
     prompt's full KV blocks through the prefix cache; choice i draws from
@@ -138,6 +139,9 @@ class SamplingParams:
     bad_words: list[str] | None = option(
         None, "words never generated (as vLLM: each word's token sequence, with and "
         "without a leading space)", list, nullable=True, check=_bad_words_problem, flag=False)
+    min_p: float = option(
+        0.0, "drop the tokens less likely than min_p times the most likely one (after "
+        "temperature); 0 disables", float, minimum=0, maximum=1, flag=False)
 
     resumed_output_tokens: int = option(
         0, "the prompt's last tokens that are earlier output of this request (one a proxy "

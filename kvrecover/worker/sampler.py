@@ -8,7 +8,7 @@ There is one implementation for both. A step's logits pass, in order:
 1. the requests' logits processors (`worker/logits_processors.py`: biases, bans,
    penalties), batched on the device;
 2. the token masks in `Sampler.token_masks` (a grammar's bitmask hooks in here);
-3. greedy, or temperature, top-k and top-p and a seeded draw (`Sampler.sample`).
+3. greedy, or temperature, min-p, top-k and top-p and a seeded draw (`Sampler.sample`).
 Logprobs are taken from the raw logits, before step 1 (`worker/logprobs.py`).
 Only a request with a bad word of several tokens needs the host (its last outputs):
 the scheduler keeps it off chained overlapped steps (`LogitsSpec.needs_output_on_host`).
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from kvrecover.step_messages import ScheduledRequest
 
 INVALID_DISTRIBUTION = (
-    "sampling failed: the distribution holds inf or nan (temperature, top-k or top-p "
-    "out of range)"
+    "sampling failed: the distribution holds inf or nan (temperature, min-p, top-k or "
+    "top-p out of range)"
 )
 
 
@@ -173,6 +173,9 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, whether the distribution was valid), both 0-d tensors on the device."""
         logits = logits / p.temperature
+        if p.min_p > 0.0:  # vLLM's min-p: relative to the most likely token's probability
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < probs.max() * p.min_p, float("-inf"))
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -10,17 +10,27 @@ for the engine. Every error leaves the server as `{"error": {"message", "type",
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvrecover.sampling import MAX_LOGPROBS, SamplingParams
 from kvrecover.tokenizer import check_text
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is a 413
 # Names the tool-call parser of an answer whose tool calls stay raw text (`raw_tool_calls`).
 TOOL_CALL_PARSER_HEADER = "x-kvrecover-tool-call-parser"
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a `seed` is a signed 64-bit integer, as in vLLM
+# vLLM's older structured-output fields -> the `structured_outputs` kind each one is.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+# Names, comma-separated, the request's fields the server does not know and ignored.
+IGNORED_FIELDS_HEADER = "x-kvrecover-ignored-fields"
 
 
 class ApiError(Exception):
@@ -134,9 +144,62 @@ class _GenerationFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's
-    # Structured outputs (checked by `openai/structured.py`): OpenAI's and vLLM's fields.
+    min_p: float | None = None  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's
+    # vLLM's, accepted only at their no-op values (no beam search, one sample per choice).
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # Structured outputs (checked by `openai/structured.py`): OpenAI's and vLLM's fields,
+    # and vLLM's older `guided_*` spelling of `structured_outputs` (`structured_fields`).
     response_format: Any = None
     structured_outputs: Any = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_fields(self) -> tuple[Any, Any, str | None]:
+        """(`response_format`, `structured_outputs`, the field that set them): a
+        `guided_*` field becomes `structured_outputs` of its kind; two of them, or one
+        with `response_format` or `structured_outputs`, are a 400 naming it."""
+        guided = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if not guided:
+            if self.response_format is not None:
+                return self.response_format, self.structured_outputs, "response_format"
+            if self.structured_outputs is not None:
+                return None, self.structured_outputs, "structured_outputs"
+            return None, None, None
+        name = guided[-1]
+        if len(guided) > 1:
+            raise ApiError(400, f"give one of {', '.join(GUIDED_FIELDS)}, not "
+                                f"{' and '.join(guided)}", param=name)
+        for other in ("response_format", "structured_outputs"):
+            if getattr(self, other) is not None:
+                raise ApiError(400, f"give {name} or {other}, not both", param=name)
+        value = getattr(self, name)
+        if name == "guided_json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ApiError(400, f"guided_json must be a JSON schema (an object or its "
+                                    f"JSON text): {error}", param=name) from error
+        return None, {GUIDED_FIELDS[name]: value}, name
+
+    def check_unsupported(self) -> None:
+        """A 400 naming a vLLM field set to what kvrecover does not do: `best_of` other
+        than `n`, beam search, and `length_penalty` (used by beam search only)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of={self.best_of} is not supported: each choice is "
+                                f"one sample (best_of must equal n={self.n}, or be left out)",
+                           param="best_of")
+        if self.use_beam_search:
+            raise ApiError(400, "use_beam_search is not supported (no beam search)",
+                           param="use_beam_search")
+        if self.length_penalty != 1.0:
+            raise ApiError(400, f"length_penalty={self.length_penalty} needs beam search, "
+                                "which is not supported (leave it at 1)",
+                           param="length_penalty")
 
     def stream_usage(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk); see `stream_usage`."""
@@ -159,11 +222,20 @@ class _GenerationFields(BaseModel):
         with `logprobs` asks too), or None."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters; a bad value is an ApiError naming the field."""
+    def sampling_params(self, max_tokens: int, max_tokens_field: str = "max_tokens"
+                        ) -> SamplingParams:
+        """The engine's sampling parameters; a bad value is an ApiError naming the field
+        (`max_tokens_field`: the request's field that `max_tokens` came from)."""
+        self.check_unsupported()
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ApiError(400, f"stop takes at most 4 strings, got {len(self.stop)}",
                            param="stop")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ApiError(400, f"seed must be a signed 64-bit integer (in [{SEED_RANGE[0]}, "
+                                f"{SEED_RANGE[1]}]), got {self.seed}", param="seed")
+        if max_tokens >= 0 and self.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens={self.min_tokens} must be at most "
+                                f"{max_tokens_field}={max_tokens}", param="min_tokens")
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -184,10 +256,14 @@ class _GenerationFields(BaseModel):
                 logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
+                min_p=0.0 if self.min_p is None else self.min_p,
             )
         except ValueError as error:
-            param = str(error).split(" ", 1)[0]
-            raise ApiError(400, str(error), param=param) from error
+            message = str(error)
+            param = message.split(" ", 1)[0]
+            if param == "max_tokens" and max_tokens_field != param:
+                param, message = max_tokens_field, max_tokens_field + message[len("max_tokens"):]
+            raise ApiError(400, message, param=param) from error
 
     def _logit_bias(self) -> dict[int, float] | None:
         """`logit_bias` with its keys (JSON strings) as token ids; a 400 otherwise."""
@@ -210,6 +286,9 @@ class CompletionRequest(_GenerationFields):
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
+    # Chat's fields, a 400 naming them here (`check_unsupported`): not silently ignored.
+    max_completion_tokens: Any = None
+    top_logprobs: Any = None
     # kvrecover's own: write the logprobs in chat's shape (a chat request the proxy
     # continues as a completion).
     chat_logprobs: bool = False
@@ -232,6 +311,18 @@ class CompletionRequest(_GenerationFields):
             raise ApiError(400, "resumed_output_tokens must be >= 0 and shorter than a "
                                 f"token-id prompt, got {count}", param="resumed_output_tokens")
         return list(prompt[-count:])
+
+    def check_unsupported(self) -> None:
+        """Also a 400 for chat's `max_completion_tokens` and `top_logprobs`."""
+        if self.max_completion_tokens is not None:
+            raise ApiError(400, "max_completion_tokens is a chat completions field; "
+                                "/v1/completions takes max_tokens",
+                           param="max_completion_tokens")
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is a chat completions field; /v1/completions "
+                                "takes logprobs: <number of top logprobs>",
+                           param="top_logprobs")
+        super().check_unsupported()
 
     def output_logprobs(self) -> int | None:
         """`logprobs`: top logprobs per token (OpenAI allows 0..5; kvrecover up to 20)."""
@@ -320,6 +411,9 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: int | None = None
     tools: Any = None  # checked by `openai/tools.py`
     tool_choice: Any = None
+    # vLLM's: the answer starts with the last message's content when that message is the
+    # assistant's (`echoed_text`).
+    echo: bool = False
     # kvrecover's own (the proxy's): leave tool calls as the model's text in `content`
     # and name the parser in the TOOL_CALL_PARSER_HEADER header.
     raw_tool_calls: bool = False
@@ -368,6 +462,13 @@ class ChatCompletionRequest(_GenerationFields):
         value = self.max_tokens_field()[1]
         return room if value is None else value
 
+    def echoed_text(self, conversation: list[dict[str, Any]]) -> str | None:
+        """With `echo`, the text the answer starts with: the last message's content when
+        it is the assistant's (the role the answer has), as vLLM; else None."""
+        if not self.echo or not conversation or conversation[-1]["role"] != "assistant":
+            return None
+        return conversation[-1]["content"] or None
+
 
 def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls` for the chat template: each
@@ -393,6 +494,41 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
         rendered.append({**call, "type": "function",
                          "function": {"name": function["name"], "arguments": arguments}})
     return rendered
+
+
+MAX_WARNED_FIELDS = 1000  # names warned about; past them, no more warnings (memory)
+MAX_IGNORED_HEADER_CHARS = 2000  # the header names the first fields that fit
+_warned_fields: set[str] = set()
+
+
+def ignored_fields(model: type[BaseModel], body: dict[str, Any]) -> list[str]:
+    """The fields of a request `body` that `model` does not know, sorted: ignored, as
+    vLLM ignores them, with a warning logged once per field name (the server names them
+    in the IGNORED_FIELDS_HEADER header of its answer, `ignored_fields_header`)."""
+    unknown = sorted(str(key) for key in body if key not in model.model_fields)
+    for name in unknown:
+        if name not in _warned_fields and len(_warned_fields) < MAX_WARNED_FIELDS:
+            _warned_fields.add(name)
+            logger.warning("ignoring the unknown request field %r (logged once per field "
+                           "name; answers name their ignored fields in %s)",
+                           _utf8_safe(name), IGNORED_FIELDS_HEADER)
+    return unknown
+
+
+def ignored_fields_header(names: list[str]) -> dict[str, str]:
+    """The IGNORED_FIELDS_HEADER header naming `names` (none: no header): comma-separated,
+    each percent-encoded (a comma, a space or a non-ASCII character in a name cannot
+    break the header), as many as fit in MAX_IGNORED_HEADER_CHARS, then `...`."""
+    if not names:
+        return {}
+    value = ""
+    for name in names:
+        quoted = quote(name, safe="")
+        if len(value) + len(quoted) + 1 > MAX_IGNORED_HEADER_CHARS:
+            value += ",..."
+            break
+        value = f"{value},{quoted}" if value else quoted
+    return {IGNORED_FIELDS_HEADER: value}
 
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:

@@ -5,7 +5,8 @@ scheme), so streaming costs O(new tokens), and text that ends inside a multi-byt
 character (a trailing U+FFFD) is held back until the character is complete: no
 chunk carries broken UTF-8. While `stop` strings are set, the last
 `len(longest stop) - 1` characters are held back too, so no part of a stop
-string is ever sent.
+string is ever sent; with `include_stop` (vLLM's `include_stop_str_in_output`) the
+text ends with the stop string that ended it.
 
 `resume` continues the text of an earlier generation whose tokens now end the
 prompt (a request migrated by the proxy): a character split across the two
@@ -23,9 +24,11 @@ PREFIX_WINDOW = 5  # tokens decoded before the new ones, so word-start spaces su
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None,
+                 include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.include_stop = include_stop
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # all stable text decoded so far (stop truncation applied)
         self.sent = 0  # characters of `text` already handed out
@@ -87,7 +90,9 @@ class IncrementalDetokenizer:
         if not self.stop:
             return
         start = max(0, self.sent - self.hold_back)
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        found = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop)
+                 if i >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            index, stop = min(found, key=lambda match: match[0])  # the first in the list on ties
+            self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
             self.stopped = True

@@ -29,6 +29,8 @@ from kvrecover.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     check_context,
+    ignored_fields,
+    ignored_fields_header,
     parse_request,
 )
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
@@ -72,6 +74,7 @@ def _check_model(state: ServingState, model: str | None) -> None:
 async def create_completion(state: ServingState, http: Request, body: Any) -> Response:
     """Answer one `/v1/completions` request."""
     request = parse_request(CompletionRequest, body)
+    headers = ignored_fields_header(ignored_fields(CompletionRequest, body))
     _check_model(state, request.model)
     final_usage, continuous_usage = request.stream_usage()
     prompt = request.engine_prompt()
@@ -80,7 +83,7 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
             len(await asyncio.to_thread(state.tokenizer.encode, prompt, "prompt"))
         check_context("max_tokens", request.max_tokens, prompt_tokens, state.max_model_len)
     params = request.sampling_params(request.max_new_tokens())
-    grammar = structured_outputs_of(request.response_format, request.structured_outputs)
+    grammar, grammar_field = _grammar_of(request)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     resumed = request.resumed_token_ids()
     resumed_text = request.resumed_output_text if resumed else ""
@@ -90,10 +93,11 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
             params = replace(params, seed=resumed_request_seed(params.seed, len(resumed)))
         if grammar is not None:  # the grammar resumes where the first instance left it
             grammar = replace(grammar, replay_prompt_tokens=len(resumed))
-    await _compile(state, grammar, _grammar_field(request))
+    await _compile(state, grammar, grammar_field)
     params = replace(params, structured_outputs=grammar)
     generations = await _start(state, http, request_id, prompt, params, request.stop_strings(),
-                               "completions", resumed, resumed_text)
+                               "completions", resumed, resumed_text,
+                               request.include_stop_str_in_output)
     echo = None
     if request.echo:
         prompt_ids = generations[0].prompt_token_ids
@@ -105,19 +109,19 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
                             request.prompt_logprobs is not None) for g in generations]
     writer = OpenAIResponse(False, state.model_name, ChoicesProgress(generations),
                             request.return_token_ids, final_usage, continuous_usage, request_id)
-    return await _answer(generations, interleave(chunks), writer, request.stream)
+    return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 
 
 async def create_chat_completion(state: ServingState, http: Request, body: Any) -> Response:
     """Answer one `/v1/chat/completions` request."""
     request = parse_request(ChatCompletionRequest, body)
+    headers = ignored_fields_header(ignored_fields(ChatCompletionRequest, body))
     _check_model(state, request.model)
     final_usage, continuous_usage = request.stream_usage()
     conversation = request.conversation()
     tools = ToolRequest.of(request.tools, request.tool_choice)
-    grammar = structured_outputs_of(request.response_format, request.structured_outputs)
+    grammar, grammar_field = _grammar_of(request)
     answer = None
-    headers = {}
     forced = tools is not None and tools.grammar() is not None
     if tools is not None:
         parser = await asyncio.to_thread(state.chat_template.tool_parser)
@@ -131,13 +135,16 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     field, max_tokens = request.max_tokens_field()
     check_context(field, max_tokens, len(prompt_ids), state.max_model_len)
     room = max(1, state.max_model_len - len(prompt_ids))
-    params = request.sampling_params(request.max_new_tokens(room))
-    await _compile(state, grammar, "tool_choice" if forced else _grammar_field(request))
+    params = request.sampling_params(request.max_new_tokens(room), field)
+    await _compile(state, grammar, "tool_choice" if forced else grammar_field)
     params = replace(params, structured_outputs=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generations = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
-                               params, request.stop_strings(), "chat")
-    chunks = [choice_chunks(g, _formatter(state, params, True), None,
+                               params, request.stop_strings(), "chat",
+                               include_stop=request.include_stop_str_in_output)
+    echoed = request.echoed_text(conversation)
+    echo = None if echoed is None else EchoedPrompt(echoed, False)
+    chunks = [choice_chunks(g, _formatter(state, params, True), echo,
                             request.prompt_logprobs is not None) for g in generations]
     writer = OpenAIResponse(True, state.model_name, ChoicesProgress(generations),
                             request.return_token_ids, final_usage, continuous_usage, request_id,
@@ -145,8 +152,19 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 
 
-def _grammar_field(request: CompletionRequest | ChatCompletionRequest) -> str:
-    return "response_format" if request.response_format is not None else "structured_outputs"
+def _grammar_of(request: CompletionRequest | ChatCompletionRequest
+                ) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's grammar and the field that asked for it (`response_format`,
+    `structured_outputs` or a `guided_*` one): a bad spec is a 400 naming that field."""
+    response_format, structured_outputs, field = request.structured_fields()
+    try:
+        return structured_outputs_of(response_format, structured_outputs), \
+            field or "structured_outputs"
+    except ApiError as error:
+        if field is not None and field.startswith("guided_"):
+            error.param = field
+            error.message = f"{field}: {error.message}"
+        raise
 
 
 async def _compile(state: ServingState, grammar: StructuredOutputsParams | None,
@@ -158,7 +176,8 @@ async def _compile(state: ServingState, grammar: StructuredOutputsParams | None,
     try:
         await asyncio.to_thread(state.loop.llm.compile_grammar, grammar)
     except ValueError as error:
-        raise ApiError(400, str(error), param=field) from error
+        message = f"{field}: {error}" if field.startswith("guided_") else str(error)
+        raise ApiError(400, message, param=field) from error
 
 
 def _tool_grammar(tools: ToolRequest, grammar: StructuredOutputsParams | None
@@ -183,12 +202,12 @@ def _formatter(state: ServingState, params: SamplingParams, chat: bool,
 async def _start(state: ServingState, http: Request, request_id: str,
                  prompt: str | dict[str, list[int]], params: SamplingParams,
                  stop: list[str], endpoint: str, resumed: list[int] | None = None,
-                 resumed_text: str = "") -> list[Generation]:
+                 resumed_text: str = "", include_stop: bool = False) -> list[Generation]:
     """Submit the request and wait for every choice's first output (or the error)."""
     streams = state.loop.add_choices(request_id, prompt, params) if params.n > 1 else [None]
     generations = []
     for index, stream in enumerate(streams):
-        detokenizer = IncrementalDetokenizer(state.tokenizer, stop)
+        detokenizer = IncrementalDetokenizer(state.tokenizer, stop, include_stop)
         if resumed:
             detokenizer.resume(resumed, resumed_text)
         generations.append(Generation(
