@@ -233,9 +233,12 @@ class _GenerationFields(BaseModel):
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ApiError(400, f"seed must be a signed 64-bit integer (in [{SEED_RANGE[0]}, "
                                 f"{SEED_RANGE[1]}]), got {self.seed}", param="seed")
-        if max_tokens >= 0 and self.min_tokens > max_tokens:
+        # A continuation's resumed tokens count as output toward min_tokens (and max_tokens
+        # is what is left), as the engine counts them.
+        bound = max_tokens + self.resumed_output_count()
+        if max_tokens >= 0 and self.min_tokens > bound:
             raise ApiError(400, f"min_tokens={self.min_tokens} must be at most "
-                                f"{max_tokens_field}={max_tokens}", param="min_tokens")
+                                f"{max_tokens_field}={bound}", param="min_tokens")
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -264,6 +267,10 @@ class _GenerationFields(BaseModel):
             if param == "max_tokens" and max_tokens_field != param:
                 param, message = max_tokens_field, max_tokens_field + message[len("max_tokens"):]
             raise ApiError(400, message, param=param) from error
+
+    def resumed_output_count(self) -> int:
+        """Output tokens of an earlier generation that end the prompt (completions')."""
+        return 0
 
     def _logit_bias(self) -> dict[int, float] | None:
         """`logit_bias` with its keys (JSON strings) as token ids; a 400 otherwise."""
@@ -298,6 +305,9 @@ class CompletionRequest(_GenerationFields):
     # per-token sampling seeds continue from that position.
     resumed_output_tokens: int = 0
     resumed_output_text: str = ""
+
+    def resumed_output_count(self) -> int:
+        return max(0, self.resumed_output_tokens)
 
     def resumed_token_ids(self) -> list[int]:
         """The resumed output tokens (the prompt's tail); a 400 when they do not fit."""

@@ -278,3 +278,18 @@ def test_unknown_fields_are_ignored_with_a_warning_and_named_in_a_header(url, ca
         "model": "tiny", "messages": CHAT, "max_tokens": 2, "stream": True, "yy_unknown": 0})
     assert streamed.status_code == 200
     assert streamed.headers[IGNORED_FIELDS_HEADER] == "yy_unknown"
+
+
+def test_a_continuations_resumed_tokens_count_toward_min_tokens(url):
+    """A request the proxy migrated: its resumed tokens are output already, so its
+    min_tokens is bounded by them plus the max_tokens left (the engine counts them)."""
+    first = token_ids(completion(url, max_tokens=8, extra_body={"ignore_eos": True})
+                      .choices[0])
+    ids = completion(url, max_tokens=1).choices[0].model_extra["prompt_token_ids"]
+    fields = {"prompt": ids + first[:5], "max_tokens": 3,
+              "extra_body": {"resumed_output_tokens": 5, "ignore_eos": True}}
+    rest = completion(url, **{**fields, "extra_body": {**fields["extra_body"],
+                                                       "min_tokens": 8}}).choices[0]
+    assert token_ids(rest) == first[5:]
+    assert_400(lambda: completion(url, **{**fields, "extra_body": {
+        **fields["extra_body"], "min_tokens": 9}}), "min_tokens")
