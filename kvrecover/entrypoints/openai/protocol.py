@@ -4,7 +4,10 @@ Requests are validated strictly (a string where a number belongs is a 400, not a
 coercion; a lone surrogate in a prompt, a message or a stop string, or a NUL outside
 a stop string, is a 400 naming the field) and turned into a prompt plus `SamplingParams`
 for the engine. Every error leaves the server as `{"error": {"message", "type",
-"code", "param"}}`.
+"code", "param"}}`. A field vLLM or OpenAI define is honoured or, where kvrecover does
+not do what it asks (beam search, `best_of` above `n`, chat's fields on completions),
+a 400 naming it; a field nobody defines is ignored, as vLLM ignores it, with a warning
+once per name and the IGNORED_FIELDS_HEADER header on the answer (`ignored_fields`).
 """
 
 from __future__ import annotations
