@@ -64,6 +64,10 @@ def unsupported(keyword: str, path: str, why: str = "") -> ValueError:
                       f"{': ' + why if why else ''} (it cannot be enforced)")
 
 
+def invalid(keyword: str, path: str, what: str) -> ValueError:
+    return ValueError(f"JSON schema keyword {keyword!r} at {path} {what}")
+
+
 def enforceable_schema(schema: Any) -> dict[str, Any]:
     """The schema (a dict or its JSON text) as one xgrammar enforces exactly; a ValueError
     naming the keyword and its path, or saying the schema is unsatisfiable."""
@@ -83,7 +87,7 @@ def enforceable_schema(schema: Any) -> dict[str, Any]:
     for key in ("$defs", "definitions"):
         value = schema.get(key, {})
         if not isinstance(value, dict):
-            raise ValueError(f"{key} at $ must be an object")
+            raise invalid(key, "$", "must be an object")
         for name, item in value.items():
             defs[f"#/{key}/{name}"] = _normalize(item, f"$.{key}.{name}")
     result = _normalize(schema, "$", root=True)
@@ -131,8 +135,8 @@ def _types_of(schema: dict[str, Any], path: str) -> list[str] | None:
         return None
     kinds = kind if isinstance(kind, list) else [kind]
     if not kinds or not all(isinstance(k, str) and k in TYPES for k in kinds):
-        raise ValueError(f"type at {path} must be one of {', '.join(TYPES)} or a list of "
-                         f"them, got {kind!r:.80}")
+        raise invalid("type", path, f"must be one of {', '.join(TYPES)} or a list of "
+                      f"them, got {kind!r:.80}")
     return list(dict.fromkeys(kinds))
 
 
@@ -177,7 +181,7 @@ def _normalize(schema: Any, path: str, root: bool = False) -> dict[str, Any]:
     if "allOf" in body:
         parts = body.pop("allOf")
         if not isinstance(parts, list) or not parts:
-            raise ValueError(f"allOf at {path} must be a non-empty list of schemas")
+            raise invalid("allOf", path, "must be a non-empty list of schemas")
         merged: Any = body
         for index, part in enumerate(parts):
             merged = _merge(merged, _strip(part, f"{path}.allOf[{index}]"), path)
@@ -194,7 +198,7 @@ def _normalize(schema: Any, path: str, root: bool = False) -> dict[str, Any]:
     if "oneOf" in body:
         branches = body.pop("oneOf")
         if not isinstance(branches, list) or not branches:
-            raise ValueError(f"oneOf at {path} must be a non-empty list of schemas")
+            raise invalid("oneOf", path, "must be a non-empty list of schemas")
         if len(branches) > 1 and not _disjoint(branches, path):
             raise unsupported("oneOf", path, "its branches may overlap (only a oneOf whose "
                                              "branches have disjoint types is)")
@@ -204,7 +208,7 @@ def _normalize(schema: Any, path: str, root: bool = False) -> dict[str, Any]:
     if "anyOf" in body:
         branches = body.pop("anyOf")
         if not isinstance(branches, list) or not branches:
-            raise ValueError(f"anyOf at {path} must be a non-empty list of schemas")
+            raise invalid("anyOf", path, "must be a non-empty list of schemas")
         options: list[dict[str, Any]] = []
         last: Unsatisfiable | None = None
         for index, branch in enumerate(branches):
@@ -285,7 +289,7 @@ def _values(body: dict[str, Any], types: list[str] | None, path: str) -> dict[st
     values: list[Any] | None = None
     if "enum" in body:
         if not isinstance(body["enum"], list) or not body["enum"]:
-            raise ValueError(f"enum at {path} must be a non-empty list")
+            raise invalid("enum", path, "must be a non-empty list")
         values = list(body["enum"])
     if "const" in body:
         const = body["const"]
@@ -333,23 +337,25 @@ def _number(given: dict[str, Any], kind: str, path: str) -> dict[str, Any]:
                                                   "integer is")
         if multiple != 1:
             out["multipleOf"] = int(multiple)
+    if kind == "integer":  # as whole inclusive bounds (xgrammar refuses 2.5 for an integer)
+        lows = [math.ceil(out.pop("minimum"))] if "minimum" in out else []
+        if "exclusiveMinimum" in out:
+            lows.append(math.floor(out.pop("exclusiveMinimum")) + 1)
+        highs = [math.floor(out.pop("maximum"))] if "maximum" in out else []
+        if "exclusiveMaximum" in out:
+            highs.append(math.ceil(out.pop("exclusiveMaximum")) - 1)
+        lo, hi = max(lows, default=None), min(highs, default=None)
+        if lo is not None and hi is not None and lo > hi:
+            raise Unsatisfiable(path, "no integer lies between the bounds")
+        out.update({k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None})
+        return out
     low = max([v for v in (out.get("minimum"), out.get("exclusiveMinimum")) if v is not None],
               default=None)
     high = min([v for v in (out.get("maximum"), out.get("exclusiveMaximum")) if v is not None],
                default=None)
-    if low is not None and high is not None:
-        if kind == "integer":
-            lo = math.ceil(out["minimum"]) if "minimum" in out else -math.inf
-            if "exclusiveMinimum" in out:
-                lo = max(lo, math.floor(out["exclusiveMinimum"]) + 1)
-            hi = math.floor(out["maximum"]) if "maximum" in out else math.inf
-            if "exclusiveMaximum" in out:
-                hi = min(hi, math.ceil(out["exclusiveMaximum"]) - 1)
-            if lo > hi:
-                raise Unsatisfiable(path, "no integer lies between the bounds")
-        elif low > high or (low == high and ("exclusiveMinimum" in out
-                                             or "exclusiveMaximum" in out)):
-            raise Unsatisfiable(path, "no number lies between the bounds")
+    if low is not None and high is not None and (low > high or low == high and low in (
+            out.get("exclusiveMinimum"), out.get("exclusiveMaximum"))):
+        raise Unsatisfiable(path, "no number lies between the bounds")
     return out
 
 
@@ -358,7 +364,7 @@ def _count(given: dict[str, Any], key: str, path: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} at {path} must be an integer >= 0, got {value!r:.40}")
+        raise invalid(key, path, f"must be an integer >= 0, got {value!r:.40}")
     return value
 
 
@@ -370,7 +376,7 @@ def _string(given: dict[str, Any], path: str) -> dict[str, Any]:
     pattern = given.get("pattern")
     if pattern is not None:
         if not isinstance(pattern, str):
-            raise ValueError(f"pattern at {path} must be a string")
+            raise invalid("pattern", path, "must be a string")
         if low is not None or high is not None:
             raise unsupported("minLength" if low is not None else "maxLength", path,
                               "beside a pattern (write the length into the pattern)")
@@ -417,7 +423,7 @@ def _array(given: dict[str, Any], path: str) -> dict[str, Any]:
         raise Unsatisfiable(path, "minItems is above maxItems")
     prefix = given.get("prefixItems", [])
     if not isinstance(prefix, list):
-        raise ValueError(f"prefixItems at {path} must be a list of schemas")
+        raise invalid("prefixItems", path, "must be a list of schemas")
     items: list[dict[str, Any]] = []
     for index, item in enumerate(prefix):
         if high is not None and index >= high:
@@ -455,7 +461,7 @@ def _array(given: dict[str, Any], path: str) -> dict[str, Any]:
         out["maxItems"] = high
     unique = given.get("uniqueItems", False)
     if not isinstance(unique, bool):
-        raise ValueError(f"uniqueItems at {path} must be a boolean")
+        raise invalid("uniqueItems", path, "must be a boolean")
     if unique and (high is None or high > 1):
         raise unsupported("uniqueItems", path, "only with maxItems <= 1")
     return out
@@ -464,10 +470,10 @@ def _array(given: dict[str, Any], path: str) -> dict[str, Any]:
 def _object(given: dict[str, Any], path: str) -> dict[str, Any]:
     properties = given.get("properties", {})
     if not isinstance(properties, dict):
-        raise ValueError(f"properties at {path} must be an object")
+        raise invalid("properties", path, "must be an object")
     required = given.get("required", [])
     if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
-        raise ValueError(f"required at {path} must be a list of strings")
+        raise invalid("required", path, "must be a list of strings")
     required = list(dict.fromkeys(required))
     extra: Any = given.get("additionalProperties", True)
     # Which other names the schema allows: any (absent), those of extra_schema, or none.
@@ -504,7 +510,7 @@ def _object(given: dict[str, Any], path: str) -> dict[str, Any]:
                                                  "many and no others are allowed")
     dependent = given.get("dependentRequired", {})
     if not isinstance(dependent, dict):
-        raise ValueError(f"dependentRequired at {path} must be an object")
+        raise invalid("dependentRequired", path, "must be an object")
     for key, needed in dependent.items():
         possible = key in out_properties or extra_schema is not None
         if possible and key not in required and not set(needed) <= set(required):
