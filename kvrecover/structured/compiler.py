@@ -106,17 +106,21 @@ class GrammarCompiler:
 
 # xgrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n]: raw
 # control characters (U+0000-U+001F but CR and LF) inside the string, JSON that does
-# not parse. Every other string rule it writes already bans them.
-UNSAFE_STRING_CHARACTERS = r'[^\"\\\r\n]'
-SAFE_STRING_CHARACTERS = r'[^\0-\x1f\"\\]'
+# not parse. Both that class and the one of other strings also admit the UTF-8 bytes of
+# a surrogate code point (ED A0-BF xx), text that decodes to three U+FFFD (a string of
+# two characters as five). Both become characters that JSON writes raw, and only those.
+STRING_CHARACTERS = {r'[^\"\\\r\n]': r'[^\0-\x1f\"\\\ud800-\udfff]',
+                     r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\\ud800-\udfff]'}
 
 
 def json_grammar(schema: dict[str, Any]) -> str:
     """The EBNF of compact JSON that `schema` (from `enforceable_schema`) admits, with no
-    raw control character in any string."""
+    raw control character or surrogate in any string."""
     grammar = str(load_xgrammar().Grammar.from_json_schema(
         schema, any_whitespace=False, strict_mode=True))
-    return grammar.replace(UNSAFE_STRING_CHARACTERS, SAFE_STRING_CHARACTERS)
+    for unsafe, safe in STRING_CHARACTERS.items():
+        grammar = grammar.replace(unsafe, safe)
+    return grammar
 
 
 def choice_grammar(choices: list[str]) -> str:

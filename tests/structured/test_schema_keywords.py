@@ -196,3 +196,19 @@ def test_a_grammar_without_an_end_is_refused_at_compile_time(tiny_llama, llm, gr
     # Grammars that do end still compile.
     compiler.compile(Spec(grammar='root ::= a\na ::= "x" a | "y"'))
     compiler.compile(Spec(grammar='root ::= "a" [b-c]* ("d" | e)?\ne ::= e "x"'))
+
+
+def test_no_surrogate_bytes_inside_a_json_string(llm):
+    # xgrammar's string characters admitted the UTF-8 bytes of a surrogate (ED A7 AD
+    # here): '["|\ufffd\ufffd\ufffd"]', four characters where maxLength is 2.
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 2},
+              "minItems": 1, "maxItems": 1}
+    prompts = random_prompts(2, [7, 19], VOCAB, seed=9)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts] * 4, [
+        SamplingParams(temperature=1.0, seed=seed + i, max_tokens=60,
+                       structured_outputs=Spec(json=schema)) for seed in range(4) for i in (0, 1)])
+    for output in outputs:
+        text = output.outputs[0].text
+        assert "\ufffd" not in text
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.Draft202012Validator(schema).validate(json.loads(text))
