@@ -117,9 +117,13 @@ class LLM:
                                 for i in range(params.n)]
                    for request_id, params in zip(request_ids, sampling_params)}
         results: dict[str, RequestOutput] = {}
+        num_choices = sum(len(ids) for ids in choices.values())
         try:
             with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:
-                while self.engine.has_unfinished():
+                # A producer that keeps blocks for a consumer to pull returns at once;
+                # later steps (or `close`) hand them back.
+                while self.engine.has_unfinished() and not (
+                        len(results) == num_choices and self.engine.awaits_only_sends()):
                     for output in self.engine.step():
                         if output.finished:
                             results[output.request_id] = output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,6 +41,9 @@ class RequestOutput:
     error_type: str | None = None  # "kv_load_failed" or "internal_error" with an error
     # With `prompt_logprobs`: one per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A producer's P2P connector: the reference a consumer pulls this prompt's KV with
+    # (vLLM's `kv_transfer_params`), set once the request finished.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def choice_request_id(request_id: str, index: int, n: int) -> str:

@@ -143,6 +143,11 @@ class SamplingParams:
         0.0, "drop the tokens less likely than min_p times the most likely one (after "
         "temperature); 0 disables", float, minimum=0, maximum=1, flag=False)
 
+    kv_transfer_params: dict[str, Any] | None = option(
+        None, "a P2P KV reference (vLLM's field names): a consumer's connector pulls the "
+        "prompt's KV from the producer it names (`kv_transfer/p2p/`)", dict, nullable=True,
+        flag=False, repr=False)
+
     resumed_output_tokens: int = option(
         0, "the prompt's last tokens that are earlier output of this request (one a proxy "
         "migrated): penalties, min_tokens and bad words count them as output", int,

@@ -204,6 +204,14 @@ class Engine:
             return False
         return self._in_flight is not None or self.scheduler.has_unfinished()
 
+    def awaits_only_sends(self) -> bool:
+        """Whether all that keeps `has_unfinished` true is blocks held for a connector's
+        sends of ended requests (a P2P producer's kept prompts, until pulled or their
+        lease ends): no request, no step in flight, no unconfirmed load."""
+        scheduler = self.scheduler
+        return (self._in_flight is None and not scheduler.waiting and not scheduler.running
+                and not scheduler.loads.awaiting_confirmation())
+
     def snapshot(self) -> EngineSnapshot:
         """The counters, queue sizes and KV cache use now; call between steps."""
         return EngineSnapshot.of(self.scheduler, self.stats)
@@ -349,6 +357,7 @@ class Engine:
             error=request.error,
             error_type=request.error_type,
             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
+            kv_transfer_params=request.kv_transfer_params,
         )
 
 

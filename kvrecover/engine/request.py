@@ -88,6 +88,8 @@ class Request:
         self.connector_consulted = False  # asked the connector since (re)start
         self.num_kv_load_failures = 0
         self.pending_external: tuple[int, int] | None = None  # token range being loaded
+        # What the connector returned for the request when it ended (a P2P reference).
+        self.kv_transfer_params: dict | None = None
         # Valid loaded token ranges above num_computed_tokens that recovery kept after a
         # hole (scope "blocks", `recompute_gaps.py`): skipped, not computed, when reached.
         self.kept_ranges: list[tuple[int, int]] = []

@@ -119,6 +119,16 @@ class SchedulerConnector:
         if answer is not True:
             self.errors.report(kind, f"returned {answer!r}, not a bool; the blocks are freed")
             return False
+        try:
+            params = self._call("kv_transfer_params", self.connector.kv_transfer_params,
+                                request_view(request), effect="no reference is handed out")
+        except ConnectorError:
+            return True
+        if params is not None and not isinstance(params, dict):
+            self.errors.report("kv_transfer_params", f"returned {type(params).__name__}, not a "
+                               "dict; no reference is handed out")
+            params = None
+        request.kv_transfer_params = params
         return True
 
     def connector_stats(self) -> dict[str, int]:

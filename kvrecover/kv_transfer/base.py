@@ -218,6 +218,12 @@ class KVConnectorBase:
         until the worker reports the request in `finished_sending`."""
         return False
 
+    def kv_transfer_params(self, request: KVRequestView) -> dict[str, Any] | None:
+        """Scheduler calls this right after `request_finished` returned True: the
+        reference a consumer pulls the kept blocks with (a JSON-able dict, handed out as
+        `RequestOutput.kv_transfer_params`), or None."""
+        return None
+
     # ----- worker role --------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Worker calls this once with the per-layer cache tensors

@@ -19,6 +19,7 @@ _REGISTRY: dict[str, str] = {
     "RedisConnector": "kvrecover.kv_transfer.redis_connector:RedisConnector",
     "TieredConnector": "kvrecover.kv_transfer.tiered:TieredConnector",
     "MultiConnector": "kvrecover.kv_transfer.tiered:TieredConnector",
+    "NixlConnector": "kvrecover.kv_transfer.p2p.nixl_connector:NixlConnector",
 }
 
 

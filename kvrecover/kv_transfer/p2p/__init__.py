@@ -1,0 +1,1 @@
+"""Point-to-point KV transfer: a consumer pulls a producer's kept blocks (NIXL)."""

@@ -1,0 +1,460 @@
+"""NixlConnector: the decode instance pulls the prefill instance's KV blocks over NIXL.
+
+Producer (`kv_producer`, or `kv_both` for a request with `do_remote_decode`): when a
+request ends, its full prompt blocks are kept (`request_finished` returns True) and a
+reference is handed out (`kv_transfer_params`: vLLM's field names, `params.py`). The
+worker role registers the KV cache with a NIXL agent and serves the side channel
+(`side_channel.py`): the handshake, a check of each pull (the reference must still be
+held, its blocks and prompt must match) answered with the blocks' checksums, and the
+release. A kept prompt is freed on release or when its lease (`lease_s`) ends,
+reported in `finished_sending`.
+
+Consumer (`kv_consumer`): a request whose `kv_transfer_params` has `do_remote_prefill`
+claims the referenced prompt blocks after those it holds locally; the worker role
+checks the reference with the producer, handshakes once per producer agent (again
+when the producer restarted: a new agent), reads every block of the step with NIXL
+READ in one transfer per producer, verifies each block's checksum and releases the
+reference. Anything that fails (unreachable producer, unknown or reused reference,
+out-of-range ids, another layout, a read that errors or outlives `load_timeout_s`, a
+checksum mismatch) makes those blocks invalid: the engine recomputes them (rule 10).
+
+This first version serves models of one full-attention KV cache group at
+tensor_parallel_size 1 (windowed and hybrid models refuse it at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from kvrecover.config import KVTransferConfig
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.base import (
+    SETTING_LABEL,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from kvrecover.kv_transfer.p2p.params import RemoteReference, parse_reference, wants_remote_prefill
+from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
+from kvrecover.options import option, validate
+
+if TYPE_CHECKING:
+    from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIDE_CHANNEL_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
+POLL_INTERVAL_S = 0.001
+
+
+@dataclass(frozen=True)
+class NixlSettings:
+    """`kv_connector_extra_config` keys of the NixlConnector."""
+
+    side_channel_host: str = option(
+        "127.0.0.1", "the address a producer's side channel listens on and hands out", str)
+    side_channel_port: int = option(
+        DEFAULT_SIDE_CHANNEL_PORT, "the port of a producer's side channel", int,
+        minimum=1, maximum=65535)
+    engine_id: str | None = option(
+        None, "the producer's engine id in its references (default host:port)", str,
+        nullable=True)
+    async_load: bool = option(
+        False, "pull in a background thread while the request waits", bool)
+    load_timeout_s: float = option(
+        30.0, "bound on each pull: blocks not verified by then are invalid", float,
+        above=0, maximum=1e6)
+    lease_s: float = option(
+        120.0, "a producer frees a kept prompt no consumer released after this long",
+        float, above=0, maximum=1e6)
+
+    def __post_init__(self) -> None:
+        validate(self, SETTING_LABEL)
+
+
+@dataclass
+class Pull:
+    """One request's pull in a step: its local blocks <- the producer's blocks from
+    position `first` of the reference on."""
+
+    request_id: str
+    block_ids: list[int]
+    reference: RemoteReference
+    first: int
+    last_block_hash: str
+    is_async: bool
+
+
+@dataclass
+class NixlMetadata(KVConnectorMetadata):
+    """A step's pulls (consumer) and newly kept prompts (producer: handle -> (block
+    ids, hex chain hash of each))."""
+
+    pulls: list[Pull] = field(default_factory=list)
+    holds: dict[str, tuple[list[int], list[str]]] = field(default_factory=dict)
+
+    def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
+        return {p.request_id: (p.block_ids, p.is_async) for p in self.pulls}
+
+
+@dataclass
+class _Hold:
+    block_ids: list[int]
+    block_hashes: list[str]
+    deadline: float
+
+
+@dataclass
+class _Peer:
+    agent: str
+    num_blocks: int
+    block_half_nbytes: int
+    regions: list[tuple[int, int]]  # each cache tensor's (K base, V base) address
+
+
+def _nixl_agent(name: str):
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError as error:  # pragma: no cover - the pinned wheel is installed
+        raise ValueError("NixlConnector needs the nixl package (pip install nixl-cu12)") \
+            from error
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+class NixlConnector(KVConnectorBase):
+    """P2P KV transfer over NIXL (see the module docstring)."""
+
+    settings_class = NixlSettings
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
+        super().__init__(config, role, layout)
+        if layout.tensor_parallel_size > 1:
+            raise ValueError("NixlConnector serves tensor_parallel_size 1 for now (each "
+                             "rank would need its own side channel and agent)")
+        settings: NixlSettings = self.settings
+        self.load_timeout_s = settings.load_timeout_s
+        if config.is_producer:  # the engine keeps stepping for a release until the lease ends
+            self.load_timeout_s = max(settings.load_timeout_s, settings.lease_s + 1.0)
+        self.host = settings.side_channel_host
+        self.port = settings.side_channel_port
+        self.engine_id = settings.engine_id or f"{self.host}:{self.port}"
+        self.block_size = layout.block_size
+        # Scheduler role.
+        self._references: dict[str, RemoteReference] = {}
+        self._pulls: list[Pull] = []
+        self._holds: dict[str, tuple[list[int], list[str]]] = {}
+        self._params: dict[str, dict[str, Any]] = {}
+        # Worker role.
+        self._caches: list[torch.Tensor] = []
+        self._agent: Any = None
+        self._agent_name = ""
+        self._server: SideChannelServer | None = None
+        self._lock = threading.Lock()
+        self._held: dict[str, _Hold] = {}
+        self._released: set[str] = set()
+        self._peers: dict[str, _Peer] = {}
+        self._invalid: set[int] = set()
+        self._async: dict[str, threading.Thread] = {}
+        self._async_invalid: dict[str, set[int]] = {}
+        self._pulled_blocks = 0
+
+    # ----- scheduler role -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: KVRequestView,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.sampling_params.kv_transfer_params
+        if not self.config.is_consumer or not wants_remote_prefill(params):
+            return 0, False
+        reference = parse_reference(params)
+        if reference.fingerprint != self.layout.fingerprint:
+            logger.warning("request %s: its KV reference is of another model or layout; "
+                           "the prompt is computed here", request.request_id)
+            return 0, False
+        self._references[request.request_id] = reference
+        loadable = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        remote = min(len(reference.block_ids) * self.block_size, loadable)
+        return max(0, remote - num_computed_tokens), self.settings.async_load
+
+    def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        reference = self._references.pop(request.request_id, None)
+        if reference is None or num_external_tokens <= 0:
+            return
+        first = request.num_computed_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        self._pulls.append(Pull(
+            request.request_id, list(block_ids[first:first + count]), reference, first,
+            request.block_hashes[first + count - 1].hex(), self.settings.async_load))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
+        metadata = NixlMetadata(self._pulls, self._holds)
+        self._pulls, self._holds = [], {}
+        return metadata
+
+    def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
+        self._references.pop(request.request_id, None)
+        params = request.sampling_params.kv_transfer_params
+        asked = params.get("do_remote_decode") if isinstance(params, dict) else None
+        # A producer keeps every prompt unless told not to; kv_both only those asked for.
+        keeps = asked is True or (self.config.kv_role == "kv_producer" and asked is not False)
+        if not self.config.is_producer or not keeps:
+            return False
+        num_blocks = min((request.num_prompt_tokens - 1) // self.block_size,
+                         request.num_computed_tokens // self.block_size, len(block_ids))
+        if num_blocks <= 0:
+            return False
+        handle = f"{request.request_id}@{secrets.token_hex(8)}"  # never reused
+        kept = list(block_ids[:num_blocks])
+        self._holds[handle] = (kept, [h.hex() for h in request.block_hashes[:num_blocks]])
+        self._params[request.request_id] = RemoteReference(
+            self.engine_id, handle, tuple(kept), self.host, self.port, 1,
+            self.layout.fingerprint).as_params()
+        return True
+
+    def kv_transfer_params(self, request: KVRequestView) -> dict[str, Any] | None:
+        return self._params.pop(request.request_id, None)
+
+    # ----- worker role: both sides ------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self._caches = kv_caches
+        if any(not c.is_contiguous() or c.shape[0] != 2 for c in kv_caches):
+            raise ValueError("NixlConnector needs contiguous [2, blocks, ...] cache tensors")
+        self._agent_name = f"kvrecover-{self.engine_id}-{secrets.token_hex(6)}"
+        self._agent = _nixl_agent(self._agent_name)
+        self._agent.register_memory(list(kv_caches))
+        if self.config.is_producer:
+            self._server = SideChannelServer(self.host, self.port, self._serve)
+
+    def _half_nbytes(self) -> int:
+        cache = self._caches[0]
+        return cache[0, 0].numel() * cache.element_size()
+
+    def _checksums(self, block_ids: list[int]) -> list[int]:
+        sums = []
+        for block_id in block_ids:
+            digest = xxhash.xxh3_64()
+            for cache in self._caches:
+                for half in (0, 1):
+                    digest.update(cache[half, block_id].view(torch.uint8).numpy().data)
+            sums.append(digest.intdigest())
+        return sums
+
+    # ----- worker role: producer ----------------------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        holds = self._get_metadata_of(NixlMetadata).holds
+        if holds:
+            deadline = time.monotonic() + self.settings.lease_s
+            with self._lock:
+                for handle, (block_ids, hashes) in holds.items():
+                    self._held[handle] = _Hold(block_ids, hashes, deadline)
+
+    def _serve(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The side channel's answers (a thread of the server)."""
+        op = message.get("op")
+        if op == "handshake":
+            cache = self._caches[0]
+            half = self._half_nbytes()
+            num_blocks = cache.shape[1]
+            return {"ok": True, "engine_id": self.engine_id, "agent": self._agent_name,
+                    "metadata": self._agent.get_agent_metadata().hex(),
+                    "block_size": self.block_size, "fingerprint": self.layout.fingerprint,
+                    "num_blocks": num_blocks, "block_half_nbytes": half,
+                    "regions": [[c.data_ptr(), c.data_ptr() + num_blocks * half]
+                                for c in self._caches]}
+        handle = message.get("handle")
+        if not isinstance(handle, str):
+            return {"ok": False, "reason": "no reference handle"}
+        with self._lock:
+            hold = self._held.get(handle)
+            if op == "release":
+                if hold is not None:
+                    del self._held[handle]
+                    self._released.add(handle.rsplit("@", 1)[0])
+                return {"ok": True}
+            if op != "check":
+                return {"ok": False, "reason": f"unknown op {op!r}"}
+            if hold is None:
+                return {"ok": False, "reason": "unknown, released or expired reference"}
+            first, block_ids = message.get("first"), message.get("block_ids")
+            if (not isinstance(first, int) or not isinstance(block_ids, list) or first < 0
+                    or not block_ids or hold.block_ids[first:first + len(block_ids)] != block_ids):
+                return {"ok": False, "reason": "the blocks are not those of the reference"}
+            if hold.block_hashes[first + len(block_ids) - 1] != message.get("last_block_hash"):
+                return {"ok": False, "reason": "the reference is of another prompt"}
+            return {"ok": True, "agent": self._agent_name,
+                    "checksums": self._checksums(block_ids)}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        if self.config.is_producer:
+            now = time.monotonic()
+            with self._lock:
+                for handle in [h for h, hold in self._held.items() if hold.deadline <= now]:
+                    logger.info("KV reference %s was not pulled within its lease", handle)
+                    del self._held[handle]
+                    self._released.add(handle.rsplit("@", 1)[0])
+                sending, self._released = self._released, set()
+        receiving = {request_id for request_id, thread in self._async.items()
+                     if not thread.is_alive()}
+        for request_id in receiving:
+            del self._async[request_id]
+            self._invalid |= self._async_invalid.pop(request_id, set())
+        return sending or None, receiving or None
+
+    # ----- worker role: consumer ----------------------------------------------------------
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        pulls = self._get_metadata_of(NixlMetadata).pulls
+        sync = [p for p in pulls if not p.is_async]
+        if sync:
+            self._invalid |= self._pull(sync)
+        for pull in (p for p in pulls if p.is_async):
+            thread = threading.Thread(target=self._pull_async, args=(pull,), daemon=True,
+                                      name=f"kvrecover-nixl-pull-{pull.request_id}")
+            self._async[pull.request_id] = thread
+            thread.start()
+
+    def _pull_async(self, pull: Pull) -> None:
+        self._async_invalid[pull.request_id] = self._pull([pull])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_connector_stats(self) -> dict[str, int]:
+        pulled, self._pulled_blocks = self._pulled_blocks, 0
+        return {"kv_nixl_pulled_blocks": pulled} if pulled else {}
+
+    def _pull(self, pulls: list[Pull]) -> set[int]:
+        """Pull and verify `pulls`; returns the local blocks that are not valid."""
+        deadline = time.monotonic() + self.settings.load_timeout_s
+        invalid: set[int] = set()
+        checked: list[tuple[Pull, _Peer, list[int]]] = []
+        for pull in pulls:
+            try:
+                peer, checksums = self._check(pull)
+                checked.append((pull, peer, checksums))
+            except (SideChannelError, ValueError) as error:
+                logger.warning("request %s: KV pull from %s refused: %s", pull.request_id,
+                               pull.reference.engine_id, error)
+                invalid.update(pull.block_ids)
+        by_agent: dict[str, list[tuple[Pull, _Peer, list[int]]]] = {}
+        for item in checked:
+            by_agent.setdefault(item[1].agent, []).append(item)
+        for agent, items in by_agent.items():
+            if not self._read(agent, items, deadline):
+                for pull, _, _ in items:
+                    invalid.update(pull.block_ids)
+                continue
+            for pull, _, expected in items:
+                got = self._checksums(pull.block_ids)
+                bad = [b for b, x, y in zip(pull.block_ids, got, expected) if x != y]
+                if bad:
+                    logger.warning("request %s: %d pulled KV block(s) fail their checksum",
+                                   pull.request_id, len(bad))
+                invalid.update(bad)
+                self._pulled_blocks += len(pull.block_ids) - len(bad)
+        # Done with each reference that checked out, read or not: the producer frees it. A
+        # refused one is left to its lease (it may be someone else's, or not be at all).
+        for pull, _, _ in checked:
+            try:
+                call(pull.reference.host, pull.reference.port,
+                     {"op": "release", "handle": pull.reference.request_id}, timeout_s=1.0)
+            except SideChannelError:
+                pass
+        return invalid
+
+    def _check(self, pull: Pull) -> tuple[_Peer, list[int]]:
+        """Ask the producer whether the reference still holds these blocks; its answer's
+        checksums, and the peer (handshaking when its agent is new)."""
+        reference = pull.reference
+        remote_ids = list(reference.block_ids[pull.first:pull.first + len(pull.block_ids)])
+        if len(remote_ids) != len(pull.block_ids):
+            raise ValueError("the reference names fewer blocks than the claim")
+        answer = call(reference.host, reference.port,
+                      {"op": "check", "handle": reference.request_id, "first": pull.first,
+                       "block_ids": remote_ids, "last_block_hash": pull.last_block_hash})
+        if answer.get("ok") is not True:
+            raise ValueError(str(answer.get("reason", "refused")))
+        checksums = answer.get("checksums")
+        if not isinstance(checksums, list) or len(checksums) != len(remote_ids):
+            raise ValueError("the producer's checksums do not match the blocks")
+        peer = self._peers.get(reference.engine_id)
+        if peer is None or peer.agent != answer.get("agent"):
+            peer = self._handshake(reference)
+            self._peers[reference.engine_id] = peer
+        if any(b >= peer.num_blocks for b in remote_ids):
+            raise ValueError("block ids outside the producer's cache")
+        return peer, checksums
+
+    def _handshake(self, reference: RemoteReference) -> _Peer:
+        answer = call(reference.host, reference.port, {"op": "handshake"})
+        if answer.get("ok") is not True:
+            raise ValueError(f"handshake refused: {answer.get('reason')}")
+        if answer.get("fingerprint") != self.layout.fingerprint or \
+                answer.get("block_size") != self.block_size:
+            raise ValueError("the producer's KV layout is not this engine's")
+        regions = answer.get("regions")
+        if (not isinstance(regions, list) or len(regions) != len(self._caches)
+                or answer.get("block_half_nbytes") != self._half_nbytes()):
+            raise ValueError("the producer's cache regions do not match this engine's")
+        agent = self._agent.add_remote_agent(bytes.fromhex(str(answer["metadata"])))
+        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        if name != answer.get("agent"):
+            raise ValueError("the producer's agent metadata names another agent")
+        return _Peer(name, int(answer["num_blocks"]), int(answer["block_half_nbytes"]),
+                     [(int(k), int(v)) for k, v in regions])
+
+    def _read(self, agent: str, items: list[tuple[Pull, _Peer, list[int]]],
+              deadline: float) -> bool:
+        """One NIXL READ of every block of `items` from `agent`; whether it completed."""
+        half = self._half_nbytes()
+        local, remote = [], []
+        for pull, peer, _ in items:
+            remote_ids = pull.reference.block_ids[pull.first:pull.first + len(pull.block_ids)]
+            for cache, (k_base, v_base) in zip(self._caches, peer.regions):
+                mine = (cache.data_ptr(), cache.data_ptr() + cache.shape[1] * half)
+                for local_id, remote_id in zip(pull.block_ids, remote_ids):
+                    for base, remote_base in zip(mine, (k_base, v_base)):
+                        local.append((base + local_id * half, half, 0))
+                        remote.append((remote_base + remote_id * half, half, 0))
+        handle = None
+        try:
+            local_descs = self._agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, agent, b"")
+            state = self._agent.transfer(handle)
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(POLL_INTERVAL_S)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                logger.warning("NIXL read of %d blocks from %s: %s", len(local) // 2, agent,
+                               "failed" if state == "ERR" else "past its deadline")
+            return state == "DONE"
+        except Exception as error:  # a transfer that cannot be posted is a failed pull
+            logger.warning("NIXL read from %s could not run: %r", agent, error)
+            return False
+        finally:
+            if handle is not None:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001 - an in-flight handle may refuse
+                    pass
+
+    def shutdown(self) -> None:
+        for thread in list(self._async.values()):
+            thread.join(timeout=self.settings.load_timeout_s)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._agent = None
+        self._caches = []

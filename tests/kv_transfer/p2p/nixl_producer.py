@@ -1,0 +1,43 @@
+"""A NIXL producer in its own process, for the P2P tests.
+
+    python nixl_producer.py MODEL PORT LEASE_S PROMPTS_JSON
+
+Prefills each prompt (max_tokens 1), prints a line "REF <json>" per prompt with its
+`kv_transfer_params`, then keeps the engine stepping (serving pulls and releases) until
+stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
+are still kept.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import sys
+import time
+
+from kvrecover import LLM, KVTransferConfig, SamplingParams
+
+
+def main() -> None:
+    model, port, lease_s, prompts = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
+        json.loads(sys.argv[4])
+    transfer = KVTransferConfig("NixlConnector", "kv_producer",
+                                {"side_channel_port": port, "lease_s": lease_s})
+    llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=1))
+    for output in outputs:
+        print("REF", json.dumps(output.kv_transfer_params), flush=True)
+    engine = llm.engine
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        if engine.has_unfinished():
+            engine.step()
+        if select.select([sys.stdin], [], [], 0.005)[0] and not sys.stdin.readline():
+            break  # stdin closed: the test is done
+    print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
