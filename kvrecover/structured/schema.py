@@ -381,7 +381,7 @@ def _string(given: dict[str, Any], path: str) -> dict[str, Any]:
             raise unsupported("minLength" if low is not None else "maxLength", path,
                               "beside a pattern (write the length into the pattern)")
         _check_pattern(pattern, path)
-        out["pattern"] = pattern
+        out["pattern"] = _without_surrogates(pattern)
     if low:
         out["minLength"] = low
     if high is not None:
@@ -413,6 +413,46 @@ def _check_pattern(pattern: str, path: str) -> None:
             index += 2
         else:
             index += 1
+
+
+NO_SURROGATE = "\\ud800-\\udfff"
+
+
+def _without_surrogates(pattern: str) -> str:
+    """`pattern` with `.`, `[^...]`, `\\D`, `\\W` and `\\S` kept off surrogate code points
+    (xgrammar's JSON-string regexes admit their UTF-8 bytes: text of U+FFFD)."""
+    out: list[str] = []
+    index, in_class, negated = 0, False, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            escape = pattern[index:index + 2]
+            if escape in ("\\D", "\\W", "\\S"):
+                inner = {"\\D": "0-9", "\\W": "A-Za-z0-9_", "\\S": " \\t\\n\\r\\f\\v"}[escape]
+                if in_class:
+                    raise unsupported("pattern", "$", f"{escape} inside a class")
+                escape = f"[^{inner}{NO_SURROGATE}]"
+            out.append(escape)
+            index += 2
+            continue
+        if in_class:
+            if char == "]" and not (out and out[-1] in ("[", "[^")):
+                if negated:
+                    out.append(NO_SURROGATE)
+                in_class = False
+            out.append(char)
+        elif char == "[":
+            negated = pattern[index + 1:index + 2] == "^"
+            out.append("[^" if negated else "[")
+            index += 2 if negated else 1
+            in_class = True
+            continue
+        elif char == ".":
+            out.append(f"[^{NO_SURROGATE}]")
+        else:
+            out.append(char)
+        index += 1
+    return "".join(out)
 
 
 def _array(given: dict[str, Any], path: str) -> dict[str, Any]:

@@ -198,10 +198,12 @@ def test_a_grammar_without_an_end_is_refused_at_compile_time(tiny_llama, llm, gr
     compiler.compile(Spec(grammar='root ::= "a" [b-c]* ("d" | e)?\ne ::= e "x"'))
 
 
-def test_no_surrogate_bytes_inside_a_json_string(llm):
+@pytest.mark.parametrize("string", [{"maxLength": 2}, {"pattern": "^.{0,2}$"},
+                                    {"pattern": "^[^a]{0,2}$"}])
+def test_no_surrogate_bytes_inside_a_json_string(llm, string):
     # xgrammar's string characters admitted the UTF-8 bytes of a surrogate (ED A7 AD
     # here): '["|\ufffd\ufffd\ufffd"]', four characters where maxLength is 2.
-    schema = {"type": "array", "items": {"type": "string", "maxLength": 2},
+    schema = {"type": "array", "items": {"type": "string", **string},
               "minItems": 1, "maxItems": 1}
     prompts = random_prompts(2, [7, 19], VOCAB, seed=9)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts] * 4, [
