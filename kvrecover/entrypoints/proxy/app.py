@@ -9,7 +9,9 @@ instance could serve is a plain 503, never a 200 that ends badly. Everything it
 forwards was checked first (`checks.py`); even a bug of its own is an
 OpenAI-format 500 (or an error event in a started stream), never plain text. A client that
 leaves (streamed or not) has its upstream request closed, so the instance aborts
-it; with `stream_options.include_usage` the stream ends with a usage chunk.
+it; with `stream_options.include_usage` the stream ends with a usage chunk. The
+decode instance's `x-kvrecover-ignored-fields` header (the request's unknown fields)
+comes with the answer, whole or streamed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from starlette.background import BackgroundTask
 
 from kvrecover.entrypoints.openai.http import install_error_handlers, read_json_body
 from kvrecover.entrypoints.openai.interleave import interleave
-from kvrecover.entrypoints.openai.protocol import ApiError, parse_stream_usage
+from kvrecover.entrypoints.openai.protocol import (
+    IGNORED_FIELDS_HEADER,
+    ApiError,
+    parse_stream_usage,
+)
 from kvrecover.entrypoints.openai.responses import OpenAIResponse
 from kvrecover.entrypoints.openai.shapes import ModelList, ShapeError, load_json, parse_shape
 from kvrecover.entrypoints.openai.tools import ToolAnswer, ToolRequest
@@ -159,7 +165,11 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                                 *usage, request_id=f"proxy-{uuid.uuid4().hex}",
                                 tools=None if tools is None else
                                 ToolAnswer(tools, choices[0].tool_call_parser))
-        headers = {"x-kvrecover-decode-instance": choices[0].decode_stream.instance.url}
+        upstream = choices[0].decode_stream
+        headers = {"x-kvrecover-decode-instance": upstream.instance.url}
+        ignored = upstream.response.headers.get(IGNORED_FIELDS_HEADER)
+        if ignored:  # the client's unknown fields, as the instance named them
+            headers[IGNORED_FIELDS_HEADER] = ignored
         pieces = interleave([_chain(index, first, proxied.pieces(first)) for index, (proxied, first)
                              in enumerate(zip(choices, firsts))])
         if body.get("stream"):

@@ -17,7 +17,7 @@ tokens already sent. Rejected is only the provably impossible:
   with no stop string and no stop token id as the last token, or before
   `min_tokens` with no stop string (which bans EOS and stop token ids until
   then). EOS, a stop string or a stop token id may end any other request early,
-  and a grammar (`response_format`, `structured_outputs`, `tools`) may end one
+  and a grammar (`response_format`, `structured_outputs`, `guided_*`, `tools`) may end one
   when complete, so neither rule applies to a grammar's request;
 - a stop token id that did not end the request;
 - a finish reason the engine never gives (only "stop" and "length").
@@ -45,7 +45,9 @@ from kvrecover.entrypoints.proxy.instances import Instance
 # Without a vocabulary size from the instance: no engine stores token ids wider than int32.
 MAX_TOKEN_ID_UNKNOWN_VOCAB = (1 << 31) - 1
 ENGINE_FINISH_REASONS = ("stop", "length")
-GRAMMAR_KEYS = ("response_format", "structured_outputs", "tools")  # may end a request early
+# Fields whose grammar may end a request early (vLLM's `guided_*` spell `structured_outputs`).
+GRAMMAR_KEYS = ("response_format", "structured_outputs", "tools", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar")
 
 
 Choice = TypeVar("Choice", ChatStreamChoice, CompletionChoice, ChatChoice)

@@ -59,10 +59,16 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 # What a continuation keeps of the original request (besides the prompt). Penalties
 # count the resumed tokens as output (`resumed_output_tokens`), as does `min_tokens`.
-CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
-                     "bad_words", "response_format", "structured_outputs")
+# `echo` is not kept: the echoed text reached the client with the first piece.
+CONTINUATION_KEYS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                     "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+                     "response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
+# What the prefill request (`max_tokens=1`) leaves out: fields that conflict with it
+# (a `min_tokens` above 1 is a 400) or that only the client's answer needs.
+PREFILL_DROPPED_KEYS = ("stream_options", "max_completion_tokens", "min_tokens")
 UNBOUNDED_MAX_TOKENS = 1 << 30  # a continuation's bound on an instance of unknown max_model_len
 
 
@@ -91,6 +97,7 @@ class ProxiedRequest:
         self.stream: UpstreamStream | None = None
         self.max_tokens = self._max_tokens()
         self.limits = RequestLimits.of(body, self.max_tokens)
+        self.echoed = echoed_text(path, body)
 
     def _max_tokens(self) -> int | None:
         body = self.body
@@ -105,8 +112,8 @@ class ProxiedRequest:
         body = {**self.body, "max_tokens": 1, "stream": False, "return_token_ids": True}
         if self.path == CHAT and self.body.get("tools") is not None:
             body["raw_tool_calls"] = True  # its answer is read for the prompt ids alone
-        body.pop("stream_options", None)
-        body.pop("max_completion_tokens", None)
+        for key in PREFILL_DROPPED_KEYS:
+            body.pop(key, None)
         context = self.context
         for instance in context.pool.prefill_candidates()[:context.max_retries + 1]:
             context.metrics.count(context.metrics.requests, instance)
@@ -193,12 +200,22 @@ class ProxiedRequest:
         body.update(prompt=self.prompt_token_ids + self.generated, max_tokens=remaining,
                     stream=True, return_token_ids=True,
                     resumed_output_tokens=len(self.generated),
-                    resumed_output_text="".join(self.sent_text))
+                    resumed_output_text=self._sent_output_text())
         body.update(self._continued_logprobs())
         piece = await self._open(COMPLETIONS, body, continuation=True)
         piece.prompt_token_ids = None  # the continuation's prompt is not the client's
         piece.prompt_logprobs = None  # nor are its prompt logprobs (the first piece had them)
         return piece
+
+    def _sent_output_text(self) -> str:
+        """The output text that reached the client, without the echoed text the first
+        piece began with (`echo`): the continuation's text continues the output. An echo
+        the proxy cannot spell (a token-id prompt) stays; the instance then resumes after
+        all the resumed tokens' text, so nothing is sent twice."""
+        sent = "".join(self.sent_text)
+        if self.echoed and sent.startswith(self.echoed):
+            return sent[len(self.echoed):]
+        return sent
 
     def _continued_logprobs(self) -> dict[str, Any]:
         """The logprobs a continuation (a completion) asks for: the client's, in the
@@ -272,6 +289,29 @@ class ProxiedRequest:
             stream.instance.in_flight -= 1
             await stream.close()
 
+
+
+def echoed_text(path: str, body: dict[str, Any]) -> str | None:
+    """The text an instance puts before the output under `echo` (None: none, or none the
+    proxy can spell): a completion's text prompt; a chat's last message when it is the
+    assistant's (its content, text parts joined), as the server echoes it."""
+    if body.get("echo") is not True:
+        return None
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) \
+            or messages[-1].get("role") != "assistant":
+        return None
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        parts = [p.get("text") if isinstance(p, dict) else None for p in content]
+        texts = [t for t in parts if isinstance(t, str)]
+        return "".join(texts) if len(texts) == len(parts) else None
+    return content if isinstance(content, str) else None
 
 
 def choice_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,15 +1,18 @@
 """Issue 41 item 4's fields through `kvrecover proxy` (one in-process server as both
-its prefill and its decode instance). What the proxy (not owned here) still has to do
-is marked `xfail(strict=True)`: each such test passes once the proxy does it, and the
-strict marker then fails, so the marker is removed with the fix."""
+its prefill and its decode instance). The proxy's prefill request
+(`max_tokens=1`) drops `min_tokens`; a `guided_*` grammar may end a request early; the
+instance's `x-kvrecover-ignored-fields` header reaches the client."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from conftest import build_tiny_model
 from serving_utils import Process, add_chat_template, free_port, in_process_server
 from structured_helpers import CHOICES
+
+from kvrecover.entrypoints.openai.protocol import IGNORED_FIELDS_HEADER
 
 pytestmark = pytest.mark.slow  # a server and a proxy process
 
@@ -49,19 +52,31 @@ def test_fields_the_proxy_passes_through(urls):
         assert ids(proxy, **extra) == ids(server, **extra)
 
 
-@pytest.mark.xfail(strict=True, reason="the proxy's prefill request (max_tokens=1) keeps "
-                   "the client's min_tokens, which the server refuses as above max_tokens: "
-                   "proxy/request.py `prefill` should drop min_tokens")
 def test_min_tokens_through_the_proxy(urls):
     server, proxy = urls
     assert ids(proxy, min_tokens=5) == ids(server, min_tokens=5)
 
 
-@pytest.mark.xfail(strict=True, reason="proxy/checks.py GRAMMAR_KEYS lacks the guided_* "
-                   "fields: a guided request that ends early under ignore_eos is taken for "
-                   "an impossible stop, and proxy/request.py CONTINUATION_KEYS lacks them "
-                   "too: the continuation runs without the grammar, to `length`")
 def test_a_guided_request_that_ends_early_under_ignore_eos(urls):
     server, proxy = urls
     extra = {"guided_choice": CHOICES, "ignore_eos": True, "max_tokens": 60}
     assert ids(proxy, **extra) == ids(server, **extra)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,request_body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+])
+def test_the_ignored_fields_header_through_the_proxy(urls, stream, path, request_body):
+    server, proxy = urls
+    body = {**request_body, "model": "tiny", "max_tokens": 4, "temperature": 0,
+            "stream": stream, "zeta_field": 1, "alpha field": True}
+    for url in (server, proxy):
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as response:
+            response.read()
+            assert response.status_code == 200, response.text
+            assert response.headers[IGNORED_FIELDS_HEADER] == "alpha%20field,zeta_field"
+    plain = {k: v for k, v in body.items() if k not in ("zeta_field", "alpha field")}
+    response = httpx.post(f"{proxy}{path}", json=plain, timeout=120)
+    assert response.status_code == 200 and IGNORED_FIELDS_HEADER not in response.headers
