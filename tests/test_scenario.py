@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -25,11 +26,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=1200)
 
 
-def run_passing_scenario(model, workdir) -> str:
+def run_passing_scenario(model, workdir, *extra: str) -> str:
     """Run the scenario on `model`; check it passed, the recovered outputs equal the
     baseline and both failure phases really failed and recovered. Returns the baseline."""
     result = run_cli("scenario", "--model", str(model), "--device", "cpu",
-                     "--workdir", str(workdir))
+                     "--workdir", str(workdir), *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
     baseline = (workdir / scenario.DECODE_OUTPUT).read_text()
@@ -45,6 +46,21 @@ def run_passing_scenario(model, workdir) -> str:
 @pytest.mark.slow  # four processes, each loading the model
 def test_scenario_on_tiny_model(long_context_model, tmp_path):
     run_passing_scenario(long_context_model, tmp_path)
+
+
+@pytest.mark.slow  # a NIXL prefill process per decode phase
+def test_scenario_over_nixl(long_context_model, tmp_path):
+    """Prefill and decode in two processes, the KV pulled over NIXL (UCX on loopback),
+    the first pull failing through the fault injector around the NixlConnector."""
+    pytest.importorskip("nixl_cu12")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    baseline = run_passing_scenario(long_context_model, tmp_path, "--store",
+                                    f"nixl://127.0.0.1:{port}")
+    stats = json.loads((tmp_path / "decode_output.stats.json").read_text())
+    assert stats["prompt_tokens_external"] > 0 and stats["kv_nixl_pulled_blocks"] > 0
+    assert baseline.count("Token ids: [") == 4
 
 
 @pytest.fixture(scope="module")
