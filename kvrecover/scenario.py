@@ -143,7 +143,9 @@ def _serve_pulls(llm) -> None:
     while time.monotonic() < end:
         if engine.has_unfinished():
             engine.step()
-        if select.select([sys.stdin], [], [], 0 if engine.has_unfinished() else 0.01)[0] \
+        # Idle but for kept blocks: poll for pulls every 10 ms, not in a busy loop.
+        idle = not engine.has_unfinished() or engine.awaits_only_sends()
+        if select.select([sys.stdin], [], [], 0.01 if idle else 0)[0] \
                 and not sys.stdin.readline():
             return
 

@@ -239,14 +239,13 @@ class NixlConnector(KVConnectorBase):
         return cache[0, 0].numel() * cache.element_size()
 
     def _checksums(self, block_ids: list[int]) -> list[int]:
-        sums = []
-        for block_id in block_ids:
-            digest = xxhash.xxh3_64()
-            for cache in self._caches:
-                for half in (0, 1):
-                    digest.update(cache[half, block_id].view(torch.uint8).numpy().data)
-            sums.append(digest.intdigest())
-        return sums
+        """xxh3 of each block's K and V in every cache tensor (one gather, then one hash
+        per block over its bytes laid out block-major: both sides compute it so)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        gathered = torch.stack([cache.index_select(1, index) for cache in self._caches])
+        rows = gathered.transpose(0, 2).contiguous().view(len(block_ids), -1)
+        raw = rows.view(torch.uint8).numpy()
+        return [xxhash.xxh3_64_intdigest(raw[i].data) for i in range(len(block_ids))]
 
     # ----- worker role: producer ----------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:

@@ -33,7 +33,9 @@ def main() -> None:
     while time.monotonic() < end:
         if engine.has_unfinished():
             engine.step()
-        if select.select([sys.stdin], [], [], 0.005)[0] and not sys.stdin.readline():
+        idle = not engine.has_unfinished() or engine.awaits_only_sends()  # no busy loop
+        if select.select([sys.stdin], [], [], 0.01 if idle else 0)[0] \
+                and not sys.stdin.readline():
             break  # stdin closed: the test is done
     print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)
     llm.close()
