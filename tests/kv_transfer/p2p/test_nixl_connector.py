@@ -36,9 +36,10 @@ def free_port() -> int:
 class Producer:
     """The producer process: its references, and the count it still holds at the end."""
 
-    def __init__(self, model: Path, lease_s: float = 60.0) -> None:
+    def __init__(self, model: Path, lease_s: float = 60.0, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.process = subprocess.Popen(
-            [sys.executable, str(PRODUCER), str(model), str(free_port()), str(lease_s),
+            [sys.executable, str(PRODUCER), str(model), str(self.port), str(lease_s),
              json.dumps(PROMPTS)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -178,3 +179,33 @@ def test_malformed_or_foreign_params_compute_the_prompt_here(tiny_llama, baselin
     assert ids == baseline and all(o.error is None for o in outputs)
     assert stats.get("kv_nixl_pulled_blocks", 0) == 5
     producer.kill()
+
+
+def test_a_restarted_producer_is_handshaken_again_and_its_old_references_refused(
+        tiny_llama, baseline):
+    """Same address, new process: a new agent and new memory. The consumer (one engine
+    for all three pulls) never reads the old registration."""
+    transfer = KVTransferConfig("NixlConnector", "kv_consumer", {"load_timeout_s": 10.0})
+    llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=128,
+              kv_transfer_config=transfer, enable_prefix_caching=False)
+
+    def pull(references):
+        params = []
+        for reference in references:
+            each = copy.copy(PARAMS)
+            each.kv_transfer_params = reference
+            params.append(each)
+        before = llm.stats.get("kv_nixl_pulled_blocks", 0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return [o.outputs[0].token_ids for o in outputs], \
+            llm.stats.get("kv_nixl_pulled_blocks", 0) - before
+
+    first = Producer(tiny_llama)
+    old = first.references
+    assert pull(old) == (baseline, 12)  # handshake with the first agent
+    first.kill()
+    second = Producer(tiny_llama, port=first.port)
+    assert pull(old) == (baseline, 0)  # unknown to the new process: recomputed
+    assert pull(second.references) == (baseline, 12)  # a new agent: handshaken again
+    assert second.finish() == 0
+    llm.close()
