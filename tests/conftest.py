@@ -160,6 +160,21 @@ MOE_CHECKPOINTS["tiny_gpt_oss"] = dict(
     sliding_window=24, swiglu_limit=1.0, rope_parameters=GPT_OSS_ROPE, adjust=gpt_oss_vectors)
 
 
+# Windowed families with a window of 24 tokens (as tiny_gpt_oss's), for the recovery and
+# scheduling tests of rule 8: build_tiny_model(folder, **WINDOWED_CHECKPOINTS[name]).
+WINDOWED_CHECKPOINTS = {
+    "mistral": dict(model_type="mistral", seed=7, sliding_window=24),
+    "gemma2": dict(model_type="gemma2", seed=9, sliding_window=24, head_dim=16,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, tie_word_embeddings=True, num_hidden_layers=4),
+    "gemma3": dict(model_type="gemma3_text", seed=13, sliding_window=24, head_dim=16,
+                   num_hidden_layers=4, query_pre_attn_scalar=24, rope_local_base_freq=500.0,
+                   tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention"]),
+}
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt_oss(tmp_path_factory) -> Path:
     """gpt-oss: biased attention with sinks, alternating windows, YaRN, clamped experts."""

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model
+from conftest import WINDOWED_CHECKPOINTS, build_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_recovery import PARAMS, as_inputs, make_prompts, token_ids
@@ -27,23 +27,11 @@ from kvrecover import LLM, KVTransferConfig
 from kvrecover.kv_layout import group_block_key, update_block_hashes
 from kvrecover.kv_transfer.block_store import SUFFIX
 
-WINDOW = 24
 BLOCK = 8
 # make_prompts()[0] has 130 tokens: 16 loadable blocks; a windowed group loads 6 of them.
 NUM_PROMPT_BLOCKS = 16
 
-LAYOUTS = {
-    "llama": dict(model_type="llama", seed=3),
-    "mistral": dict(model_type="mistral", seed=7, sliding_window=WINDOW),
-    "gemma2": dict(model_type="gemma2", seed=9, sliding_window=WINDOW, head_dim=16,
-                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=3.0, tie_word_embeddings=True, num_hidden_layers=4),
-    "gemma3": dict(model_type="gemma3_text", seed=13, sliding_window=WINDOW, head_dim=16,
-                   num_hidden_layers=4, query_pre_attn_scalar=24, rope_local_base_freq=500.0,
-                   tie_word_embeddings=True,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                "sliding_attention"]),
-}
+LAYOUTS = {"llama": dict(model_type="llama", seed=3), **WINDOWED_CHECKPOINTS}
 
 
 def engine(model: Path, kv: KVTransferConfig | None = None) -> LLM:

@@ -11,31 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model, random_prompts
+from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 
-WINDOW = 24
 BLOCK = 8
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-FAMILIES = {
-    "mistral": dict(model_type="mistral", seed=7, sliding_window=WINDOW),
-    "gemma2": dict(model_type="gemma2", seed=9, sliding_window=WINDOW, head_dim=16,
-                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=3.0, tie_word_embeddings=True, num_hidden_layers=4),
-    "gemma3": dict(model_type="gemma3_text", seed=13, sliding_window=WINDOW, head_dim=16,
-                   num_hidden_layers=4, query_pre_attn_scalar=24, rope_local_base_freq=500.0,
-                   tie_word_embeddings=True,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                "sliding_attention"]),
-}
 
 
-@pytest.fixture(scope="module", params=[*FAMILIES, "gpt_oss"])
+@pytest.fixture(scope="module", params=[*WINDOWED_CHECKPOINTS, "gpt_oss"])
 def model(request, tmp_path_factory) -> Path:
     if request.param == "gpt_oss":
         return request.getfixturevalue("tiny_gpt_oss")  # window 24 too
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), **FAMILIES[request.param])
+    return build_tiny_model(tmp_path_factory.mktemp(request.param),
+                            **WINDOWED_CHECKPOINTS[request.param])
 
 
 def engine(model: Path, num_kv_blocks: int | None = None, kv=None) -> LLM:
