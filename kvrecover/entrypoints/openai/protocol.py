@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvrecover.kv_transfer.p2p.params import parse_reference, wants_remote_prefill
 from kvrecover.sampling import MAX_LOGPROBS, SamplingParams
 from kvrecover.tokenizer import check_text
 
@@ -161,6 +162,20 @@ class _GenerationFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's P2P reference (`kv_transfer/p2p/params.py`): a consumer pulls the prompt's
+    # KV from the producer it names (`do_remote_prefill`), checked at request time.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def checked_kv_transfer_params(self) -> dict[str, Any] | None:
+        """`kv_transfer_params`; a pull (`do_remote_prefill: true`) whose reference is
+        malformed (a field missing or of the wrong type or range) is a 400 naming it."""
+        params = self.kv_transfer_params
+        if wants_remote_prefill(params):
+            try:
+                parse_reference(params)
+            except ValueError as error:
+                raise ApiError(400, str(error), param="kv_transfer_params") from error
+        return params
 
     def structured_fields(self) -> tuple[Any, Any, str | None]:
         """(`response_format`, `structured_outputs`, the field that set them): a
@@ -263,6 +278,7 @@ class _GenerationFields(BaseModel):
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 min_p=0.0 if self.min_p is None else self.min_p,
+                kv_transfer_params=self.checked_kv_transfer_params(),
             )
         except ValueError as error:
             message = str(error)

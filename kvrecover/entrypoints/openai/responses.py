@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -109,6 +109,10 @@ class OpenAIResponse:
     # A chat request with tools: choice 0's calls' writer (each other choice of `n`
     # gets a fresh one of the same request and parser: its text is parsed on its own).
     tools: ToolAnswer | None = None
+    # The server's: a P2P producer's reference to the prompt's kept blocks (vLLM's
+    # `kv_transfer_params`), read when the answer (or a chunk with a finish reason) is
+    # written; it goes at the top level of the body, or of that chunk.
+    kv_transfer_params: Callable[[], dict[str, Any] | None] | None = None
     _choice_tools: dict[int, ToolAnswer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,9 +165,16 @@ class OpenAIResponse:
             choice["token_ids"] = fragment.token_ids
             if first:
                 self._add_prompt_ids(body, choice)
+        if fragment.finish_reason is not None:
+            self._add_kv_transfer_params(body)
         if self.continuous_usage:
             body["usage"] = usage(self.progress)
         return body
+
+    def _add_kv_transfer_params(self, body: dict[str, Any]) -> None:
+        params = None if self.kv_transfer_params is None else self.kv_transfer_params()
+        if params is not None:
+            body["kv_transfer_params"] = params
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of a stream with `include_usage`: no choices, the usage."""
@@ -203,6 +214,7 @@ class OpenAIResponse:
                 choice["token_ids"] = gathered.token_ids
             body["choices"].append(choice)
         body["usage"] = usage(self.progress)
+        self._add_kv_transfer_params(body)
         return body
 
     async def collect(self, fragments: AsyncGenerator[Fragment, None]) -> dict[str, Any]:

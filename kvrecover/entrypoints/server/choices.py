@@ -50,6 +50,12 @@ class ChoicesProgress:
     def num_output_tokens(self) -> int:
         return sum(g.num_output_tokens for g in self.generations)
 
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """A P2P producer's reference to the prompt's kept blocks (the first choice's
+        that has one, once it finished), or None."""
+        return next((g.kv_transfer_params for g in self.generations
+                     if g.kv_transfer_params is not None), None)
+
 
 async def choice_chunks(generation: Generation, formatter: LogprobsFormatter | None,
                         echo: EchoedPrompt | None, vllm_prompt_logprobs: bool

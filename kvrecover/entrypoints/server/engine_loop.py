@@ -4,8 +4,10 @@ The engine is not thread-safe, so exactly one thread owns it. HTTP handlers talk
 to that thread through a command queue (add, abort, snapshot); the thread adds
 and aborts requests between steps and hands each step's outputs back to the
 asyncio loop in one batch. An idle thread woken by a request gathers the rest of a
-burst of arrivals (a few ms) before stepping, so they share one prefill step. A
-request the engine rejects (a prompt too long, a bad token id, a lone surrogate)
+burst of arrivals (a few ms) before stepping, so they share one prefill step. An
+engine whose only work is blocks held for a connector's sends (a P2P producer's kept
+prompts, until pulled or their lease ends) keeps stepping, SENDS_WAIT_S apart, so a
+producer serves pulls and releases while no request runs. A request the engine rejects (a prompt too long, a bad token id, a lone surrogate)
 comes back as a finished output with `error_type` "invalid_request_error", one whose
 adding raises anything else as "internal_error", and the loop goes on; a step that
 raises ends the loop (`alive` turns False) and fails every open request with
@@ -37,6 +39,9 @@ IDLE_WAIT_S = 0.05  # how long the idle thread blocks on the command queue per t
 # step, instead of the first alone while the others queue behind it.
 BURST_GAP_S = 0.003
 BURST_MAX_S = 0.02
+# An engine whose only work is blocks held for a connector's sends (a P2P producer's
+# kept prompts) steps this often for their reports, and waits for commands between.
+SENDS_WAIT_S = 0.005
 
 
 @dataclass
@@ -158,7 +163,14 @@ class EngineLoop:
         engine = self.llm.engine
         try:
             while not self._stopping.is_set():
-                self._drain_commands(block=not engine.has_unfinished())
+                # Only blocks held for a connector's sends (a P2P producer's kept
+                # prompts, until pulled or their lease ends): step for their reports,
+                # a short wait apart, instead of spinning on empty steps.
+                unfinished = engine.has_unfinished()
+                if unfinished and engine.awaits_only_sends():
+                    self._drain_commands(block=True, timeout=SENDS_WAIT_S)
+                else:
+                    self._drain_commands(block=not unfinished)
                 if engine.has_unfinished():
                     self._deliver(engine.step())
                 failure = engine.check_health()  # a tensor-parallel rank may have died
@@ -175,12 +187,12 @@ class EngineLoop:
         except Exception:
             logger.exception("closing the engine failed")
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
         burst_end = None
         while True:
             try:
                 if block:
-                    command = self._commands.get(timeout=IDLE_WAIT_S)
+                    command = self._commands.get(timeout=timeout)
                 elif burst_end is not None:
                     command = self._commands.get(
                         timeout=max(0.0, min(BURST_GAP_S, burst_end - time.monotonic())))

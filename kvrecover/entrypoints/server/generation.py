@@ -69,6 +69,9 @@ class Generation:
         self.index = index  # the choice this generation is, of the request's `n`
         self.num_sent_tokens = 0
         self.finish_reason: str | None = None
+        # A P2P producer's reference to the prompt's kept blocks (vLLM's field), set
+        # from the finished output.
+        self.kv_transfer_params: dict | None = None
         self._stream: OutputStream | None = stream  # None: `first` adds the request
         self._pending: RequestOutput | None = None
         self._arrival = time.monotonic()
@@ -162,6 +165,8 @@ class Generation:
         self.num_sent_tokens = max(self.num_sent_tokens, len(token_ids))
         text = self.detokenizer.update(token_ids, completion.text if output.finished else None)
         finish = completion.finish_reason if output.finished else None
+        if output.finished and output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         if self.detokenizer.stopped and not output.finished:
             self.loop.abort(self.request_id)
             finish = "stop"

@@ -107,8 +107,10 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
     offset = sum(len(t) for t in state.tokenizer.token_texts(resumed)) if resumed else 0
     chunks = [choice_chunks(g, _formatter(state, params, request.chat_logprobs, offset), echo,
                             request.prompt_logprobs is not None) for g in generations]
-    writer = OpenAIResponse(False, state.model_name, ChoicesProgress(generations),
-                            request.return_token_ids, final_usage, continuous_usage, request_id)
+    progress = ChoicesProgress(generations)
+    writer = OpenAIResponse(False, state.model_name, progress, request.return_token_ids,
+                            final_usage, continuous_usage, request_id,
+                            kv_transfer_params=progress.kv_transfer_params)
     return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 
 
@@ -146,9 +148,10 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     echo = None if echoed is None else EchoedPrompt(echoed, False)
     chunks = [choice_chunks(g, _formatter(state, params, True), echo,
                             request.prompt_logprobs is not None) for g in generations]
-    writer = OpenAIResponse(True, state.model_name, ChoicesProgress(generations),
-                            request.return_token_ids, final_usage, continuous_usage, request_id,
-                            tools=answer)
+    progress = ChoicesProgress(generations)
+    writer = OpenAIResponse(True, state.model_name, progress, request.return_token_ids,
+                            final_usage, continuous_usage, request_id, tools=answer,
+                            kv_transfer_params=progress.kv_transfer_params)
     return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 
 
