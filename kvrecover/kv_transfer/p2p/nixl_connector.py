@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
 POLL_INTERVAL_S = 0.001
+# A producer progresses its agent (NIXL's own progress thread is off: it spins a core
+# even when idle) only while a checked pull may be reading it, this often.
+SERVE_POLL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ def _nixl_agent(name: str):
         raise ValueError("NixlConnector needs the nixl package (pip install nixl-cu12)") \
             from error
     logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 class NixlConnector(KVConnectorBase):
@@ -159,6 +162,12 @@ class NixlConnector(KVConnectorBase):
         self._agent: Any = None
         self._agent_name = ""
         self._server: SideChannelServer | None = None
+        # Producer: handle -> until when a checked pull may still read it (progressed by
+        # `_progress_pulls`); set when the first one starts.
+        self._reading: dict[str, float] = {}
+        self._reading_now = threading.Event()
+        self._closing = threading.Event()
+        self._progress: threading.Thread | None = None
         self._lock = threading.Lock()
         self._held: dict[str, _Hold] = {}
         self._released: set[str] = set()
@@ -233,6 +242,28 @@ class NixlConnector(KVConnectorBase):
         self._agent.register_memory(list(kv_caches))
         if self.config.is_producer:
             self._server = SideChannelServer(self.host, self.port, self._serve)
+            self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
+                                              name="kvrecover-nixl-progress")
+            self._progress.start()
+
+    def _progress_pulls(self) -> None:
+        """Drive the producer's UCX worker while a consumer may be reading from it (a
+        read's target must progress on some transports), idle otherwise."""
+        while not self._closing.is_set():
+            if not self._reading_now.wait(timeout=0.1):
+                continue
+            with self._lock:
+                now = time.monotonic()
+                for handle in [h for h, until in self._reading.items() if until <= now]:
+                    del self._reading[handle]
+                if not self._reading:
+                    self._reading_now.clear()
+                    continue
+            try:
+                self._agent.get_new_notifs()  # progresses the agent's backends
+            except Exception:  # noqa: BLE001 - a closing agent; the loop ends with it
+                pass
+            time.sleep(SERVE_POLL_S)
 
     def _half_nbytes(self) -> int:
         cache = self._caches[0]
@@ -279,6 +310,7 @@ class NixlConnector(KVConnectorBase):
                 if hold is not None:
                     del self._held[handle]
                     self._released.add(handle.rsplit("@", 1)[0])
+                self._reading.pop(handle, None)
                 return {"ok": True}
             if op != "check":
                 return {"ok": False, "reason": f"unknown op {op!r}"}
@@ -290,6 +322,8 @@ class NixlConnector(KVConnectorBase):
                 return {"ok": False, "reason": "the blocks are not those of the reference"}
             if hold.block_hashes[first + len(block_ids) - 1] != message.get("last_block_hash"):
                 return {"ok": False, "reason": "the reference is of another prompt"}
+            self._reading[handle] = time.monotonic() + self.settings.load_timeout_s
+            self._reading_now.set()
             return {"ok": True, "agent": self._agent_name,
                     "checksums": self._checksums(block_ids)}
 
@@ -450,6 +484,9 @@ class NixlConnector(KVConnectorBase):
                     pass
 
     def shutdown(self) -> None:
+        self._closing.set()
+        if self._progress is not None:
+            self._progress.join(timeout=5)
         for thread in list(self._async.values()):
             thread.join(timeout=self.settings.load_timeout_s)
         if self._server is not None:
