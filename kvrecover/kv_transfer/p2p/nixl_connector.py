@@ -126,12 +126,17 @@ class _Peer:
 
 def _nixl_agent(name: str):
     try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError as error:  # pragma: no cover - the pinned wheel is installed
         raise ValueError("NixlConnector needs the nixl package (pip install nixl-cu12)") \
             from error
     logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    # STRICT: the agent is called from several threads (async pulls, the side channel's
+    # server, the producer's progress loop); NIXL's default without a listener is
+    # unsynchronised, and concurrent calls corrupted UCX's state (crashes, hung reads).
+    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                               sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    return nixl_agent(name, config)
 
 
 class NixlConnector(KVConnectorBase):
