@@ -1,8 +1,10 @@
 """NixlConnector: the decode instance pulls the prefill instance's KV blocks over NIXL.
 
 Producer (`kv_producer`, or `kv_both` for a request with `do_remote_decode`): when a
-request ends, its full prompt blocks are kept (`request_finished` returns True) and a
-reference is handed out (`kv_transfer_params`: vLLM's field names, `params.py`). The
+request ends, its full prompt blocks are kept in every KV cache group (`request_finished`
+returns True; a windowed group's are those it still holds) and a reference is handed
+out (`kv_transfer_params`: vLLM's field names, a block list per group for a model with
+windows, `params.py`). The
 worker role registers the KV cache with a NIXL agent and serves the side channel
 (`side_channel.py`): the handshake, a check of each pull (the reference must still be
 held, its blocks and prompt must match) answered with the blocks' checksums, and the
@@ -10,7 +12,13 @@ release. A kept prompt is freed on release or when its lease (`lease_s`) ends,
 reported in `finished_sending`.
 
 Consumer (`kv_consumer`): a request whose `kv_transfer_params` has `do_remote_prefill`
-claims the referenced prompt blocks after those it holds locally; the worker role
+claims the referenced prompt blocks after those it holds locally, up to the last
+position where every full-attention group's block and every windowed group's window
+are held by the producer; each group's blocks of the claim (a windowed group's from
+`KVCacheGroup.first_loaded_block` on) pair a local block with the producer's, and a
+local block the producer does not hold (a window's margin it released) is reported
+invalid without a read (rule 8 decides what that costs). A block id spans every cache
+tensor whatever its group, so the worker role moves and verifies pairs of ids: it
 checks the reference with the producer, handshakes once per producer agent (again
 when the producer restarted: a new agent), reads every block of the step with NIXL
 READ in one transfer per producer, verifies each block's checksum and releases the
@@ -18,8 +26,8 @@ reference. Anything that fails (unreachable producer, unknown or reused referenc
 out-of-range ids, another layout, a read that errors or outlives `load_timeout_s`, a
 checksum mismatch) makes those blocks invalid: the engine recomputes them (rule 10).
 
-This first version serves models of one full-attention KV cache group at
-tensor_parallel_size 1 (windowed and hybrid models refuse it at start-up).
+It serves full-attention and sliding-window models at tensor_parallel_size 1; hybrid
+(recurrent-state) models refuse it at start-up (`supports_recurrent_states` is False).
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ import torch
 import xxhash
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_groups import single_group
+from kvrecover.kv_layout import NULL_BLOCK_ID, KVCacheLayout
 from kvrecover.kv_transfer.base import (
     SETTING_LABEL,
     KVConnectorBase,
@@ -86,32 +95,39 @@ class NixlSettings:
 
 @dataclass
 class Pull:
-    """One request's pull in a step: its local blocks <- the producer's blocks from
-    position `first` of the reference on."""
+    """One request's pull in a step: its local `block_ids` <- the producer's
+    `remote_block_ids` (pairwise, every group's; `remote_slots` the (group, position)
+    the reference gives each), `missing`: local blocks of the claim the producer does
+    not hold (invalid without a read); the producer checks each slot and the chain hash
+    of prompt block `last_position`."""
 
     request_id: str
     block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_slots: list[tuple[int, int]]
+    missing: list[int]
     reference: RemoteReference
-    first: int
+    last_position: int
     last_block_hash: str
     is_async: bool
 
 
 @dataclass
 class NixlMetadata(KVConnectorMetadata):
-    """A step's pulls (consumer) and newly kept prompts (producer: handle -> (block
-    ids, hex chain hash of each))."""
+    """A step's pulls (consumer) and newly kept prompts (producer: handle -> (each
+    group's kept block ids by position, hex chain hash of each position))."""
 
     pulls: list[Pull] = field(default_factory=list)
-    holds: dict[str, tuple[list[int], list[str]]] = field(default_factory=dict)
+    holds: dict[str, tuple[tuple[tuple[int, ...], ...], list[str]]] = field(
+        default_factory=dict)
 
     def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
-        return {p.request_id: (p.block_ids, p.is_async) for p in self.pulls}
+        return {p.request_id: (p.block_ids + p.missing, p.is_async) for p in self.pulls}
 
 
 @dataclass
 class _Hold:
-    block_ids: list[int]
+    group_block_ids: tuple[tuple[int, ...], ...]
     block_hashes: list[str]
     deadline: float
 
@@ -143,6 +159,9 @@ class NixlConnector(KVConnectorBase):
     """P2P KV transfer over NIXL (see the module docstring)."""
 
     settings_class = NixlSettings
+    # A block id spans every cache tensor whatever its group: the scheduler role pairs
+    # each group's blocks, the worker role moves ids.
+    supports_kv_groups = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -157,10 +176,13 @@ class NixlConnector(KVConnectorBase):
         self.port = settings.side_channel_port
         self.engine_id = settings.engine_id or f"{self.host}:{self.port}"
         self.block_size = layout.block_size
+        self.kv_groups = layout.kv_groups
+        # A model with windows hands out (and reads) a block list per group.
+        self._grouped = layout.kv_groups != single_group(layout.num_layers)
         # Scheduler role.
         self._references: dict[str, RemoteReference] = {}
         self._pulls: list[Pull] = []
-        self._holds: dict[str, tuple[list[int], list[str]]] = {}
+        self._holds: dict[str, tuple[tuple[tuple[int, ...], ...], list[str]]] = {}
         self._params: dict[str, dict[str, Any]] = {}
         # Worker role.
         self._caches: list[torch.Tensor] = []
@@ -193,10 +215,34 @@ class NixlConnector(KVConnectorBase):
             logger.warning("request %s: its KV reference is of another model or layout; "
                            "the prompt is computed here", request.request_id)
             return 0, False
+        if reference.grouped != self._grouped or \
+                len(reference.group_block_ids) != len(self.kv_groups):
+            logger.warning("request %s: its KV reference names %d block list(s), this model "
+                           "has %d KV cache group(s); the prompt is computed here",
+                           request.request_id, len(reference.group_block_ids),
+                           len(self.kv_groups))
+            return 0, False
         self._references[request.request_id] = reference
-        loadable = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-        remote = min(len(reference.block_ids) * self.block_size, loadable)
-        return max(0, remote - num_computed_tokens), self.settings.async_load
+        first = num_computed_tokens // self.block_size
+        limit = min(reference.num_blocks, (request.num_prompt_tokens - 1) // self.block_size)
+        end = self._loadable_end(reference, first, limit)
+        return max(0, end * self.block_size - num_computed_tokens), self.settings.async_load
+
+    def _loadable_end(self, reference: RemoteReference, first: int, limit: int) -> int:
+        """The last block position (exclusive, at most `limit`) up to which the producer
+        holds every full-attention group's blocks from `first` on and every windowed
+        group's window; `first` if none."""
+        end = limit
+        for group, ids in zip(self.kv_groups, reference.group_block_ids):
+            if group.window is None:
+                end = next((p for p in range(first, end) if ids[p] == NULL_BLOCK_ID), end)
+        windowed = [(g, ids) for g, ids in zip(self.kv_groups, reference.group_block_ids)
+                    if g.window is not None]
+        while end > first and not all(
+                NULL_BLOCK_ID not in ids[max(first, g.first_needed_block(
+                    end * self.block_size, self.block_size)):end] for g, ids in windowed):
+            end -= 1
+        return max(end, first)
 
     def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -204,10 +250,28 @@ class NixlConnector(KVConnectorBase):
         if reference is None or num_external_tokens <= 0:
             return
         first = request.num_computed_tokens // self.block_size
-        count = num_external_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        tables = request.block_tables or (tuple(block_ids),)
+        starts = [max(first, g.first_loaded_block(end * self.block_size, self.block_size))
+                  for g in self.kv_groups]
+        local: list[int] = []
+        remote: list[int] = []
+        slots: list[tuple[int, int]] = []
+        missing: list[int] = []
+        for position in range(first, end):
+            for g, table in enumerate(tables):
+                if position < starts[g] or table[position] == NULL_BLOCK_ID:
+                    continue
+                source = reference.group_block_ids[g][position]
+                if source == NULL_BLOCK_ID:
+                    missing.append(table[position])
+                    continue
+                local.append(table[position])
+                remote.append(source)
+                slots.append((g, position))
         self._pulls.append(Pull(
-            request.request_id, list(block_ids[first:first + count]), reference, first,
-            request.block_hashes[first + count - 1].hex(), self.settings.async_load))
+            request.request_id, local, remote, slots, missing, reference, end - 1,
+            request.block_hashes[end - 1].hex(), self.settings.async_load))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
         metadata = NixlMetadata(self._pulls, self._holds)
@@ -222,16 +286,21 @@ class NixlConnector(KVConnectorBase):
         keeps = asked is True or (self.config.kv_role == "kv_producer" and asked is not False)
         if not self.config.is_producer or not keeps:
             return False
+        tables = request.block_tables or (tuple(block_ids),)
         num_blocks = min((request.num_prompt_tokens - 1) // self.block_size,
-                         request.num_computed_tokens // self.block_size, len(block_ids))
+                         request.num_computed_tokens // self.block_size, len(tables[0]))
+        for group, table in zip(self.kv_groups, tables):
+            if group.window is None:  # a full group's blocks are a prefix
+                num_blocks = next((p for p in range(num_blocks) if table[p] == NULL_BLOCK_ID),
+                                  num_blocks)
         if num_blocks <= 0:
             return False
         handle = f"{request.request_id}@{secrets.token_hex(8)}"  # never reused
-        kept = list(block_ids[:num_blocks])
+        kept = tuple(_held_suffix(table[:num_blocks]) for table in tables)
         self._holds[handle] = (kept, [h.hex() for h in request.block_hashes[:num_blocks]])
         self._params[request.request_id] = RemoteReference(
-            self.engine_id, handle, tuple(kept), self.host, self.port, 1,
-            self.layout.fingerprint).as_params()
+            self.engine_id, handle, kept, self.host, self.port, 1,
+            self.layout.fingerprint, self._grouped).as_params()
         return True
 
     def kv_transfer_params(self, request: KVRequestView) -> dict[str, Any] | None:
@@ -290,8 +359,8 @@ class NixlConnector(KVConnectorBase):
         if holds:
             deadline = time.monotonic() + self.settings.lease_s
             with self._lock:
-                for handle, (block_ids, hashes) in holds.items():
-                    self._held[handle] = _Hold(block_ids, hashes, deadline)
+                for handle, (group_block_ids, hashes) in holds.items():
+                    self._held[handle] = _Hold(group_block_ids, hashes, deadline)
 
     def _serve(self, message: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (a thread of the server)."""
@@ -321,16 +390,17 @@ class NixlConnector(KVConnectorBase):
                 return {"ok": False, "reason": f"unknown op {op!r}"}
             if hold is None:
                 return {"ok": False, "reason": "unknown, released or expired reference"}
-            first, block_ids = message.get("first"), message.get("block_ids")
-            if (not isinstance(first, int) or not isinstance(block_ids, list) or first < 0
-                    or not block_ids or hold.block_ids[first:first + len(block_ids)] != block_ids):
+            position, blocks = message.get("position"), message.get("blocks")
+            if not isinstance(blocks, list) or not blocks or not all(
+                    _holds_slot(hold.group_block_ids, item) for item in blocks):
                 return {"ok": False, "reason": "the blocks are not those of the reference"}
-            if hold.block_hashes[first + len(block_ids) - 1] != message.get("last_block_hash"):
+            if (not isinstance(position, int) or not 0 <= position < len(hold.block_hashes)
+                    or hold.block_hashes[position] != message.get("last_block_hash")):
                 return {"ok": False, "reason": "the reference is of another prompt"}
             self._reading[handle] = time.monotonic() + self.settings.load_timeout_s
             self._reading_now.set()
             return {"ok": True, "agent": self._agent_name,
-                    "checksums": self._checksums(block_ids)}
+                    "checksums": self._checksums([item[2] for item in blocks])}
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
@@ -378,6 +448,9 @@ class NixlConnector(KVConnectorBase):
         invalid: set[int] = set()
         checked: list[tuple[Pull, _Peer, list[int]]] = []
         for pull in pulls:
+            invalid.update(pull.missing)
+            if not pull.block_ids:
+                continue
             try:
                 peer, checksums = self._check(pull)
                 checked.append((pull, peer, checksums))
@@ -415,12 +488,12 @@ class NixlConnector(KVConnectorBase):
         """Ask the producer whether the reference still holds these blocks; its answer's
         checksums, and the peer (handshaking when its agent is new)."""
         reference = pull.reference
-        remote_ids = list(reference.block_ids[pull.first:pull.first + len(pull.block_ids)])
-        if len(remote_ids) != len(pull.block_ids):
-            raise ValueError("the reference names fewer blocks than the claim")
+        remote_ids = pull.remote_block_ids
         answer = call(reference.host, reference.port,
-                      {"op": "check", "handle": reference.request_id, "first": pull.first,
-                       "block_ids": remote_ids, "last_block_hash": pull.last_block_hash})
+                      {"op": "check", "handle": reference.request_id,
+                       "position": pull.last_position,
+                       "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots, remote_ids)],
+                       "last_block_hash": pull.last_block_hash})
         if answer.get("ok") is not True:
             raise ValueError(str(answer.get("reason", "refused")))
         checksums = answer.get("checksums")
@@ -458,10 +531,9 @@ class NixlConnector(KVConnectorBase):
         half = self._half_nbytes()
         local, remote = [], []
         for pull, peer, _ in items:
-            remote_ids = pull.reference.block_ids[pull.first:pull.first + len(pull.block_ids)]
             for cache, (k_base, v_base) in zip(self._caches, peer.regions):
                 mine = (cache.data_ptr(), cache.data_ptr() + cache.shape[1] * half)
-                for local_id, remote_id in zip(pull.block_ids, remote_ids):
+                for local_id, remote_id in zip(pull.block_ids, pull.remote_block_ids):
                     for base, remote_base in zip(mine, (k_base, v_base)):
                         local.append((base + local_id * half, half, 0))
                         remote.append((remote_base + remote_id * half, half, 0))
@@ -499,3 +571,21 @@ class NixlConnector(KVConnectorBase):
             self._server = None
         self._agent = None
         self._caches = []
+
+
+def _held_suffix(table: tuple[int, ...]) -> tuple[int, ...]:
+    """`table` with the null block before its last null entry too: what a group holds
+    from one position to the end (a window's blocks; a full group's are all held)."""
+    last_null = max((p for p, b in enumerate(table) if b == NULL_BLOCK_ID), default=-1)
+    return (NULL_BLOCK_ID,) * (last_null + 1) + tuple(table[last_null + 1:])
+
+
+def _holds_slot(group_block_ids: tuple[tuple[int, ...], ...], item: Any) -> bool:
+    """Whether `item`, a consumer's [group, position, block id], names a block the hold
+    keeps at that slot."""
+    if not isinstance(item, list) or len(item) != 3 or \
+            not all(isinstance(x, int) and not isinstance(x, bool) for x in item):
+        return False
+    group, position, block_id = item
+    return (0 <= group < len(group_block_ids) and 0 <= position < len(group_block_ids[group])
+            and block_id != NULL_BLOCK_ID and group_block_ids[group][position] == block_id)

@@ -7,6 +7,11 @@ HTTP body's `kv_transfer_params`) and pulls the blocks it names. It is untrusted
 ValueError naming the field; what it cannot check (that the producer still holds those
 blocks for that request, with that content) the producer's side channel and the
 checksums decide at pull time.
+
+`remote_block_ids` is a list of block ids for a model of one full-attention KV cache
+group, and a list per group (vLLM's form for several groups) for a model with windows:
+every group's list has an entry per prompt block position, the null block (0) where a
+windowed group holds none (`kv_groups.py`).
 """
 
 from __future__ import annotations
@@ -15,20 +20,29 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_BLOCKS = 1 << 20  # more block ids than any cache holds: refused before a read is built
+MAX_GROUPS = 256
 
 
 @dataclass(frozen=True)
 class RemoteReference:
-    """What a consumer pulls: `block_ids` of the producer `engine_id` at host:port, kept
-    there for its request `request_id`, with the producer's layout `fingerprint`."""
+    """What a consumer pulls: `group_block_ids` (per KV cache group, one entry per block
+    position, 0 where the group holds none) of the producer `engine_id` at host:port,
+    kept there for its request `request_id`, with the producer's layout `fingerprint`.
+    `grouped`: the params carry a list per group (else one flat list: one group)."""
 
     engine_id: str
     request_id: str
-    block_ids: tuple[int, ...]
+    group_block_ids: tuple[tuple[int, ...], ...]
     host: str
     port: int
     tp_size: int
     fingerprint: str
+    grouped: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        """How many block positions of the prompt the reference covers."""
+        return len(self.group_block_ids[0])
 
     def as_params(self) -> dict[str, Any]:
         """The dict a consumer's request carries (vLLM's names, plus our fingerprint)."""
@@ -37,7 +51,8 @@ class RemoteReference:
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": self.request_id,
-            "remote_block_ids": list(self.block_ids),
+            "remote_block_ids": ([list(ids) for ids in self.group_block_ids] if self.grouped
+                                 else list(self.group_block_ids[0])),
             "remote_host": self.host,
             "remote_port": self.port,
             "tp_size": self.tp_size,
@@ -72,16 +87,28 @@ def parse_reference(params: Any) -> RemoteReference:
     if not isinstance(params, dict):
         raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     block_ids = params.get("remote_block_ids")
-    if (not isinstance(block_ids, list) or not 0 < len(block_ids) <= MAX_BLOCKS
-            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block_ids)):
+    grouped = isinstance(block_ids, list) and bool(block_ids) and isinstance(block_ids[0], list)
+    groups = block_ids if grouped else [block_ids]
+    if (not isinstance(groups, list) or not 0 < len(groups) <= MAX_GROUPS
+            or not all(_block_list(ids, 0 if grouped else 1) for ids in groups)
+            or len({len(ids) for ids in groups}) != 1
+            or len(groups) * len(groups[0]) > MAX_BLOCKS):
         raise ValueError("kv_transfer_params.remote_block_ids must be a non-empty list of "
-                         f"positive block ids, got {block_ids!r:.80}")
+                         "positive block ids, or one list per KV cache group (of equal "
+                         f"lengths, 0 where a group holds no block), got {block_ids!r:.80}")
     return RemoteReference(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
-        block_ids=tuple(block_ids),
+        group_block_ids=tuple(tuple(ids) for ids in groups),
         host=_text(params, "remote_host"),
         port=_integer(params, "remote_port", 1, 65535),
         tp_size=_integer(params, "tp_size", 1, 1),
         fingerprint=_text(params, "kv_fingerprint"),
+        grouped=grouped,
     )
+
+
+def _block_list(ids: Any, lowest: int) -> bool:
+    """Whether `ids` is a non-empty list of block ids of at least `lowest`."""
+    return (isinstance(ids, list) and 0 < len(ids) <= MAX_BLOCKS
+            and all(not isinstance(b, bool) and isinstance(b, int) and b >= lowest for b in ids))

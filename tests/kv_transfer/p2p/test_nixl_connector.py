@@ -1,7 +1,9 @@
 """NixlConnector end to end: a producer process keeps its prompts' blocks, this process
 pulls them with NIXL READ over UCX on loopback (CPU memory), and every fault is an
 invalid block the engine recomputes: the token ids are always those of a run without a
-connector (DESIGN rule 10)."""
+connector (DESIGN rule 10). The core cases run on a model of one full-attention group
+(Llama), of one windowed group (Mistral) and of windowed and full groups (Gemma 3): a
+block list per group, a window's blocks only (rule 8)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import random_prompts
+from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 
@@ -62,15 +65,52 @@ class Producer:
         self.process.wait(timeout=10)
 
 
+_BASELINES: dict[Path, list[list[int]]] = {}
+
+
+def no_connector(model: Path) -> list[list[int]]:
+    """The token ids of a run without a connector (once per model)."""
+    if model not in _BASELINES:
+        llm = LLM(str(model), device="cpu", block_size=8)
+        _BASELINES[model] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+        llm.close()
+    return _BASELINES[model]
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_llama) -> list[list[int]]:
-    llm = LLM(str(tiny_llama), device="cpu", block_size=8)
-    return [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+    return no_connector(tiny_llama)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
+def model(request, tiny_llama, tmp_path_factory) -> Path:
+    """Llama (one full-attention group), Mistral (one windowed group), Gemma 3 (windowed
+    and full groups)."""
+    if request.param == "llama":
+        return tiny_llama
+    return build_tiny_model(tmp_path_factory.mktemp(request.param),
+                            **WINDOWED_CHECKPOINTS[request.param])
+
+
+@dataclass
+class Consumed:
+    """A consumer run: token ids, stats, seconds, outputs, and the blocks a full pull of
+    each prompt reads (every group's, a window's from its first loaded block)."""
+
+    ids: list[list[int]]
+    stats: dict[str, int]
+    elapsed: float
+    outputs: list
+    full_pulls: list[int]
+
+    @property
+    def pulled(self) -> int:
+        return self.stats.get("kv_nixl_pulled_blocks", 0)
 
 
 def consume(model: Path, references: list[dict | None], *, async_load: bool = False,
-            policy: str = "recompute"):
+            policy: str = "recompute") -> Consumed:
     transfer = KVTransferConfig("NixlConnector", "kv_consumer",
                                 {"async_load": async_load, "load_timeout_s": 10.0},
                                 kv_load_failure_policy=policy)
@@ -84,29 +124,33 @@ def consume(model: Path, references: list[dict | None], *, async_load: bool = Fa
     started = time.monotonic()
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     elapsed = time.monotonic() - started
+    groups = llm.engine.layout.kv_groups
     llm.close()
-    return [o.outputs[0].token_ids for o in outputs], llm.stats, elapsed, outputs
+    ends = [(len(p) - 1) // 8 for p in PROMPTS]
+    full_pulls = [sum(end - g.first_loaded_block(end * 8, 8) for g in groups) for end in ends]
+    return Consumed([o.outputs[0].token_ids for o in outputs], llm.stats, elapsed, outputs,
+                    full_pulls)
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-def test_a_pull_is_exact_and_frees_the_producers_blocks(tiny_llama, baseline, async_load):
-    producer = Producer(tiny_llama)
-    ids, stats, _, _ = consume(tiny_llama, producer.references, async_load=async_load)
-    assert ids == baseline
+def test_a_pull_is_exact_and_frees_the_producers_blocks(model, async_load):
+    producer = Producer(model)
+    run = consume(model, producer.references, async_load=async_load)
+    assert run.ids == no_connector(model)
     # 61 and 45 tokens: 7 and 5 full blocks below the last token, all pulled.
-    assert stats["prompt_tokens_external"] == (7 + 5) * 8
-    assert stats.get("kv_nixl_pulled_blocks", 0) == 12 and stats["kv_load_failed_blocks"] == 0
+    assert run.stats["prompt_tokens_external"] == (7 + 5) * 8
+    assert run.pulled == sum(run.full_pulls) and run.stats["kv_load_failed_blocks"] == 0
     assert producer.finish() == 0  # released: nothing stays pinned
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-def test_a_dead_producer_is_recomputed_at_once(tiny_llama, baseline, async_load):
-    producer = Producer(tiny_llama)
+def test_a_dead_producer_is_recomputed_at_once(model, async_load):
+    producer = Producer(model)
     producer.kill()
-    ids, stats, elapsed, _ = consume(tiny_llama, producer.references, async_load=async_load)
-    assert ids == baseline
-    assert stats["kv_load_failed_blocks"] >= 12  # async: asked again once (rule 6)
-    assert elapsed < 5  # refused connections: no wait for load_timeout_s
+    run = consume(model, producer.references, async_load=async_load)
+    assert run.ids == no_connector(model)
+    assert run.stats["kv_load_failed_blocks"] >= sum(run.full_pulls)  # async: asked again
+    assert run.elapsed < 5  # refused connections: no wait for load_timeout_s
 
 
 def tampered(references: list[dict], change) -> list[dict]:
@@ -115,9 +159,18 @@ def tampered(references: list[dict], change) -> list[dict]:
     return result
 
 
+def each_list(change):
+    """Apply `change` to a reference's block list, or to each group's."""
+    def apply(reference: dict) -> None:
+        ids = reference["remote_block_ids"]
+        grouped = isinstance(ids[0], list)
+        reference["remote_block_ids"] = [change(g) for g in ids] if grouped else change(ids)
+    return apply
+
+
 BAD_REFERENCES = {
-    "out-of-range ids": lambda r: r.update(remote_block_ids=[10**6] * 7),
-    "other blocks": lambda r: r.update(remote_block_ids=r["remote_block_ids"][::-1]),
+    "out-of-range ids": each_list(lambda ids: [10**6] * len(ids)),
+    "other blocks": each_list(lambda ids: ids[::-1]),
     "unknown request": lambda r: r.update(remote_request_id="nobody@0"),
 }
 
@@ -125,47 +178,47 @@ BAD_REFERENCES = {
 def test_another_prompts_reference_is_refused(tiny_llama, baseline):
     producer = Producer(tiny_llama)
     references = [producer.references[1], producer.references[1]]
-    ids, stats, _, _ = consume(tiny_llama, references)
-    assert ids == baseline
-    assert stats.get("kv_nixl_pulled_blocks", 0) == 5  # the second prompt's own
+    run = consume(tiny_llama, references)
+    assert run.ids == baseline
+    assert run.pulled == 5  # the second prompt's own
     assert producer.finish() == 1  # the first prompt's, never pulled: left to its lease
 
 
 @pytest.mark.parametrize("case", list(BAD_REFERENCES))
-def test_a_bad_reference_is_recomputed_and_the_others_still_pull(tiny_llama, baseline, case):
-    producer = Producer(tiny_llama)
+def test_a_bad_reference_is_recomputed_and_the_others_still_pull(model, case):
+    producer = Producer(model)
     references = tampered(producer.references, BAD_REFERENCES[case])
-    ids, stats, _, _ = consume(tiny_llama, references)
-    assert ids == baseline
-    assert stats.get("kv_nixl_pulled_blocks", 0) == 5  # the second prompt's
+    run = consume(model, references)
+    assert run.ids == no_connector(model)
+    assert run.pulled == run.full_pulls[1]  # the second prompt's
     producer.kill()
 
 
 def test_a_reference_used_twice_is_refused_the_second_time(tiny_llama, baseline):
     producer = Producer(tiny_llama)
-    first, stats, _, _ = consume(tiny_llama, producer.references)
-    assert first == baseline and stats.get("kv_nixl_pulled_blocks", 0) == 12
-    again, stats, _, _ = consume(tiny_llama, producer.references)
-    assert again == baseline
-    assert stats.get("kv_nixl_pulled_blocks", 0) == 0 and stats["kv_load_failed_blocks"] == 12
+    first = consume(tiny_llama, producer.references)
+    assert first.ids == baseline and first.pulled == 12
+    again = consume(tiny_llama, producer.references)
+    assert again.ids == baseline
+    assert again.pulled == 0 and again.stats["kv_load_failed_blocks"] == 12
     assert producer.finish() == 0
 
 
 def test_an_expired_lease_frees_the_blocks_and_is_recomputed(tiny_llama, baseline):
     producer = Producer(tiny_llama, lease_s=1.0)
     time.sleep(2.0)
-    ids, stats, _, _ = consume(tiny_llama, producer.references)
-    assert ids == baseline and stats.get("kv_nixl_pulled_blocks", 0) == 0
+    run = consume(tiny_llama, producer.references)
+    assert run.ids == baseline and run.pulled == 0
     assert producer.finish() == 0
 
 
-def test_policy_fail_ends_only_the_request_whose_pull_failed(tiny_llama, baseline):
-    producer = Producer(tiny_llama)
+def test_policy_fail_ends_only_the_request_whose_pull_failed(model):
+    producer = Producer(model)
     references = tampered(producer.references, BAD_REFERENCES["unknown request"])
-    ids, stats, _, outputs = consume(tiny_llama, references, policy="fail")
-    assert outputs[0].outputs[0].finish_reason == "error"
-    assert outputs[0].error_type == "kv_load_failed"
-    assert ids[1] == baseline[1] and outputs[1].error is None
+    run = consume(model, references, policy="fail")
+    assert run.outputs[0].outputs[0].finish_reason == "error"
+    assert run.outputs[0].error_type == "kv_load_failed"
+    assert run.ids[1] == no_connector(model)[1] and run.outputs[1].error is None
     producer.kill()
 
 
@@ -175,9 +228,9 @@ def test_policy_fail_ends_only_the_request_whose_pull_failed(tiny_llama, baselin
     ids=["port", "no-blocks", "tp", "fingerprint"])
 def test_malformed_or_foreign_params_compute_the_prompt_here(tiny_llama, baseline, change):
     producer = Producer(tiny_llama)
-    ids, stats, _, outputs = consume(tiny_llama, tampered(producer.references, change))
-    assert ids == baseline and all(o.error is None for o in outputs)
-    assert stats.get("kv_nixl_pulled_blocks", 0) == 5
+    run = consume(tiny_llama, tampered(producer.references, change))
+    assert run.ids == baseline and all(o.error is None for o in run.outputs)
+    assert run.pulled == 5
     producer.kill()
 
 
