@@ -26,6 +26,11 @@ included) and `verify_after_load` are set once, outside.
   `"save": true`; a block that fails in two tiers counts twice in
   `kv_save_failed_blocks`.
 
+The first entry may be a NixlConnector instead (`p2p/pull_tier.py`): a request with a
+P2P reference pulls first and each block the pull fails is read from the stores, then
+recomputed; its counters are `kv_tier0_loaded_blocks` (verified from the pull) and
+`kv_tier0_failed_blocks`, beside the connector's own `kv_nixl_pulled_blocks`.
+
 Per-tier counters appear in `LLM.stats` as `kv_tier<i>_<counter>_blocks`, `<i>`
 being the tier's position in `connectors`: `hit` (blocks planned to load from
 it), `loaded` (verified from it), `failed` (missing or bad there),
@@ -39,21 +44,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.base import KVConnectorRole
+from kvrecover.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
 from kvrecover.kv_transfer.block_store import StoredBlock
+from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
+from kvrecover.kv_transfer.p2p.pull_tier import IN_CACHE, PullTier
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
 from kvrecover.kv_transfer.store_base import StoreSettings, prefix_before_none
 from kvrecover.kv_transfer.store_connector import (
     BatchedBlockStore,
     BlockStoreConnector,
     BlockTransfer,
+    StorageConnectorMetadata,
 )
 from kvrecover.options import REQUIRED, from_dict, option
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.step_messages import SchedulerOutput
 
 COUNTERS = ("hit", "loaded", "failed", "fallen_through", "saved", "save_failed")
 
@@ -120,6 +131,13 @@ class Tier:
 
 
 @dataclass
+class TieredMetadata(StorageConnectorMetadata):
+    """The stores' loads and saves, and the P2P tier's pulls and kept prompts."""
+
+    p2p: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
+
+
+@dataclass
 class TieredTransfer(BlockTransfer):
     """A load, with the tier (index into `connectors`) each block is read from first."""
 
@@ -136,10 +154,11 @@ class TieredConnector(BlockStoreConnector):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []
+        self.front: PullTier | None = None  # a P2P connector before the stores
         self._lookups: dict[str, dict[bytes, int]] = {}
         super().__init__(config, role, layout)
         self._counts = {f"kv_tier{i}_{name}_blocks": 0
-                        for i in range(len(self.tiers)) for name in COUNTERS}
+                        for i in range(len(self.settings.connectors)) for name in COUNTERS}
 
     def _open_store(self) -> BatchedBlockStore:
         from kvrecover.kv_transfer.registry import connector_class
@@ -150,25 +169,57 @@ class TieredConnector(BlockStoreConnector):
             inner = _tier_config(self.config, index, entry)
             try:
                 cls = connector_class(inner)
+                if index == 0 and issubclass(cls, NixlConnector):
+                    self.front = PullTier(cls(inner, self.role, self.layout))
+                    continue
                 if (not issubclass(cls, (BlockStoreConnector, SharedStorageConnector))
                         or issubclass(cls, TieredConnector)):
                     raise ValueError(
                         f"{inner.kv_connector} is not a block-store connector; tiers must be "
-                        "SharedStorageConnector, RedisConnector or another BlockStoreConnector")
+                        "SharedStorageConnector, RedisConnector or another BlockStoreConnector "
+                        "(the first may be a NixlConnector)")
                 connector = cls(inner, self.role, self.layout)
             except ValueError as error:
                 raise ValueError(f"connectors[{index}] ({inner.kv_connector}): {error}") from error
             saves = inner.is_producer and (bool(entry.save) if marked else True)
             self.tiers.append(Tier(index, connector, inner.is_consumer, saves))
+        if not self.tiers:
+            raise ValueError("TieredConnector needs a block-store tier after the NixlConnector "
+                             "(for pulls alone, use the NixlConnector itself)")
         return self.tiers[0].store  # the codec every tier shares (one engine layout)
 
     def _default_load_timeout_s(self) -> float:
-        return sum(tier.connector.load_timeout_s for tier in self.tiers)
+        pulls = 0.0 if self.front is None else self.front.connector.load_timeout_s
+        return pulls + sum(tier.connector.load_timeout_s for tier in self.tiers)
 
     def _count(self, tier: int, name: str, amount: int = 1) -> None:
         self._counts[f"kv_tier{tier}_{name}_blocks"] += amount
 
     # ----- scheduler role -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: KVRequestView,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        tokens, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.front is None or not self.config.is_consumer:
+            return tokens, is_async
+        pulled = self.front.claim(request, num_computed_tokens)
+        return max(tokens, pulled), self.async_load and max(tokens, pulled) > 0
+
+    def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        if self.front is not None:
+            self.front.plan(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredMetadata:
+        stores = super().build_connector_meta(scheduler_output)
+        metadata = TieredMetadata(stores.loads, stores.saves, stores.state_saves)
+        if self.front is not None:
+            metadata.p2p = self.front.connector.build_connector_meta(scheduler_output)
+        return metadata
+
+    def kv_transfer_params(self, request: KVRequestView) -> dict[str, Any] | None:
+        return None if self.front is None else self.front.connector.kv_transfer_params(request)
+
     def _count_stored_prefix(self, request: KVRequestView, keys: Sequence[bytes]) -> int:
         first_tiers: list[int | None] = [None] * len(keys)
         pending = list(range(len(keys)))
@@ -202,7 +253,46 @@ class TieredConnector(BlockStoreConnector):
 
     def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._lookups.pop(request.request_id, None)
-        return super().request_finished(request, block_ids)
+        kept = super().request_finished(request, block_ids)
+        if self.front is not None:
+            self.front.forget(request)
+            kept = self.front.connector.request_finished(request, block_ids) or kept
+        return kept
+
+    # ----- worker role: the P2P tier ---------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.front is not None:
+            self.front.connector.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        if self.front is not None and isinstance(metadata, TieredMetadata) \
+                and isinstance(metadata.p2p, NixlMetadata):
+            self.front.connector.bind_connector_metadata(metadata.p2p)  # the kept prompts
+            self.front.take(metadata.p2p)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.front is not None:
+            self.front.connector.clear_connector_metadata()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, receiving = super().get_finished(finished_req_ids)
+        if self.front is not None:
+            released, _ = self.front.connector.get_finished(finished_req_ids)
+            sending = (sending or set()) | (released or set()) or None
+        return sending, receiving
+
+    def _install(self, transfer: BlockTransfer, blocks: list[StoredBlock | None]) -> None:
+        """Install what the stores read; the blocks a pull verified are in place."""
+        if self.front is not None:
+            pairs = [(b, k, x) for b, k, x in zip(transfer.block_ids, transfer.keys, blocks)
+                     if x is not IN_CACHE]
+            transfer = BlockTransfer(transfer.request_id, [b for b, _, _ in pairs],
+                                     [k for _, k, _ in pairs])
+            blocks = [x for _, _, x in pairs]
+        super()._install(transfer, blocks)
 
     # ----- worker role ----------------------------------------------------------------
     def _read_blocks(self, transfers: list[BlockTransfer],
@@ -212,6 +302,14 @@ class TieredConnector(BlockStoreConnector):
         deadline bounds all the tiers together)."""
         results: list[list[StoredBlock | None]] = [[None] * len(t.keys) for t in transfers]
         pending = [(t, p) for t, transfer in enumerate(transfers) for p in range(len(transfer.keys))]
+        if self.front is not None:
+            loaded, failed = self.front.pull([t.request_id for t in transfers], self.load_timeout_s)
+            for t, p in pending:
+                if transfers[t].block_ids[p] in loaded:
+                    results[t][p] = IN_CACHE
+            pending = [(t, p) for t, p in pending if results[t][p] is None]
+            self._count(0, "loaded", len(loaded))
+            self._count(0, "failed", len(failed))
         for tier in self.tiers:
             if not pending or cancelled.is_set():
                 break
@@ -228,7 +326,7 @@ class TieredConnector(BlockStoreConnector):
                 results[t][p] = block
                 self._count(tier.index, "failed" if block is None else "loaded")
             pending = [(t, p) for t, p in pending if results[t][p] is None]
-            later = any(other.loads for other in self.tiers[tier.index + 1:])
+            later = any(other.loads for other in self.tiers if other.index > tier.index)
             if later:
                 failed_here = sum(results[t][p] is None for t, p in todo)
                 self._count(tier.index, "fallen_through", failed_here)
@@ -236,8 +334,8 @@ class TieredConnector(BlockStoreConnector):
 
     def _save_blocks(self, blocks: dict[bytes, int]) -> int:
         """Each saving tier gets the blocks it lacks; each block is encoded once."""
-        todo = {tier.index: self._missing(tier.store, blocks) for tier in self.tiers
-                if tier.saves}
+        saving = {tier.index: tier for tier in self.tiers if tier.saves}
+        todo = {index: self._missing(tier.store, blocks) for index, tier in saving.items()}
         union = list(dict.fromkeys(key for keys in todo.values() for key in keys))
         if not union:
             return 0
@@ -246,7 +344,7 @@ class TieredConnector(BlockStoreConnector):
         entries = dict(encoded)
         failures = 0
         for index, keys in todo.items():
-            failed = self.tiers[index].store.write_many([(key, entries[key]) for key in keys])
+            failed = saving[index].store.write_many([(key, entries[key]) for key in keys])
             self._count(index, "saved", len(keys) - failed)
             self._count(index, "save_failed", failed)
             failures += failed
@@ -256,12 +354,17 @@ class TieredConnector(BlockStoreConnector):
     def get_connector_stats(self) -> dict[str, int]:
         counts = self._counts
         self._counts = dict.fromkeys(counts, 0)
+        if self.front is not None:
+            counts = {**counts, **self.front.connector.get_connector_stats()}
         return counts
 
     def _close_store(self) -> None:
         # `shutdown` has cancelled this connector's own loads; each tier releases its store.
         for tier in self.tiers:
             tier.connector.shutdown()
+        if self.front is not None:
+            self.front.drop_pulls()
+            self.front.connector.shutdown()
 
     def extra(self) -> dict[str, Any]:
         """The tiers' understood configs, in order."""

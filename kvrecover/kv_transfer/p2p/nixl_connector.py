@@ -442,9 +442,16 @@ class NixlConnector(KVConnectorBase):
         pulled, self._pulled_blocks = self._pulled_blocks, 0
         return {"kv_nixl_pulled_blocks": pulled} if pulled else {}
 
-    def _pull(self, pulls: list[Pull]) -> set[int]:
+    def pull_blocks(self, pulls: list[Pull], timeout_s: float) -> set[int]:
+        """Pull and verify `pulls` now, within `timeout_s` at most (a TieredConnector's
+        reader thread calls it for its P2P tier); the local blocks that are not valid
+        (verified ones are in the cache)."""
+        return self._pull(pulls, min(timeout_s, self.settings.load_timeout_s))
+
+    def _pull(self, pulls: list[Pull], timeout_s: float | None = None) -> set[int]:
         """Pull and verify `pulls`; returns the local blocks that are not valid."""
-        deadline = time.monotonic() + self.settings.load_timeout_s
+        deadline = time.monotonic() + (self.settings.load_timeout_s if timeout_s is None
+                                       else timeout_s)
         invalid: set[int] = set()
         checked: list[tuple[Pull, _Peer, list[int]]] = []
         for pull in pulls:

@@ -1,11 +1,12 @@
 """A NIXL producer in its own process, for the P2P tests.
 
-    python nixl_producer.py MODEL PORT LEASE_S PROMPTS_JSON
+    python nixl_producer.py MODEL PORT LEASE_S PROMPTS_JSON [STORE]
 
 Prefills each prompt (max_tokens 1), prints a line "REF <json>" per prompt with its
 `kv_transfer_params`, then keeps the engine stepping (serving pulls and releases) until
 stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
-are still kept.
+are still kept. With STORE, a folder: a TieredConnector that serves the pulls and saves
+the prompts' blocks into that shared-storage store too.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ from kvrecover import LLM, KVTransferConfig, SamplingParams
 def main() -> None:
     model, port, lease_s, prompts = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
         json.loads(sys.argv[4])
-    transfer = KVTransferConfig("NixlConnector", "kv_producer",
-                                {"side_channel_port": port, "lease_s": lease_s})
+    nixl = {"side_channel_port": port, "lease_s": lease_s}
+    transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
+    if len(sys.argv) > 5:
+        transfer = KVTransferConfig("TieredConnector", "kv_producer", {"connectors": [
+            {"kv_connector": "NixlConnector", "kv_connector_extra_config": nixl},
+            {"kv_connector": "SharedStorageConnector",
+             "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]})
     llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=1))

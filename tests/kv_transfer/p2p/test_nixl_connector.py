@@ -39,11 +39,12 @@ def free_port() -> int:
 class Producer:
     """The producer process: its references, and the count it still holds at the end."""
 
-    def __init__(self, model: Path, lease_s: float = 60.0, port: int | None = None) -> None:
+    def __init__(self, model: Path, lease_s: float = 60.0, port: int | None = None,
+                 store: Path | None = None) -> None:
         self.port = free_port() if port is None else port
         self.process = subprocess.Popen(
             [sys.executable, str(PRODUCER), str(model), str(self.port), str(lease_s),
-             json.dumps(PROMPTS)],
+             json.dumps(PROMPTS)] + ([] if store is None else [str(store)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         assert self.process.stdout is not None
@@ -83,14 +84,18 @@ def baseline(tiny_llama) -> list[list[int]]:
     return no_connector(tiny_llama)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
-def model(request, tiny_llama, tmp_path_factory) -> Path:
+def tiny_model(name: str, tiny_llama: Path, tmp_path_factory) -> Path:
     """Llama (one full-attention group), Mistral (one windowed group), Gemma 3 (windowed
     and full groups)."""
-    if request.param == "llama":
+    if name == "llama":
         return tiny_llama
-    return build_tiny_model(tmp_path_factory.mktemp(request.param),
-                            **WINDOWED_CHECKPOINTS[request.param])
+    return build_tiny_model(tmp_path_factory.mktemp(name), **WINDOWED_CHECKPOINTS[name])
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
+def model(request, tiny_llama, tmp_path_factory) -> Path:
+    """Each of `tiny_model`'s checkpoints."""
+    return tiny_model(request.param, tiny_llama, tmp_path_factory)
 
 
 @dataclass
@@ -109,11 +114,24 @@ class Consumed:
         return self.stats.get("kv_nixl_pulled_blocks", 0)
 
 
-def consume(model: Path, references: list[dict | None], *, async_load: bool = False,
-            policy: str = "recompute") -> Consumed:
-    transfer = KVTransferConfig("NixlConnector", "kv_consumer",
-                                {"async_load": async_load, "load_timeout_s": 10.0},
+def consumer_config(async_load: bool, policy: str, store: Path | None) -> KVTransferConfig:
+    """A NixlConnector consumer's config; with `store`, a TieredConnector of NIXL first
+    and that shared-storage folder behind it."""
+    nixl = {"load_timeout_s": 10.0}
+    if store is None:
+        return KVTransferConfig("NixlConnector", "kv_consumer",
+                                {**nixl, "async_load": async_load},
                                 kv_load_failure_policy=policy)
+    return KVTransferConfig("TieredConnector", "kv_consumer", {"async_load": async_load, "connectors": [
+        {"kv_connector": "NixlConnector", "kv_connector_extra_config": nixl},
+        {"kv_connector": "SharedStorageConnector",
+         "kv_connector_extra_config": {"shared_storage_path": str(store)}}]},
+        kv_load_failure_policy=policy)
+
+
+def consume(model: Path, references: list[dict | None], *, async_load: bool = False,
+            policy: str = "recompute", store: Path | None = None) -> Consumed:
+    transfer = consumer_config(async_load, policy, store)
     llm = LLM(str(model), device="cpu", block_size=8, num_kv_blocks=128,
               kv_transfer_config=transfer)
     params = []

@@ -1,0 +1,76 @@
+"""A TieredConnector with NIXL first and a shared-storage store behind it (issue 42
+item 4): the producer serves pulls and saves into the store; a consumer pulls, falls
+through to the store for what the pull failed, and recomputes what both lost. Token ids
+are always those of a run without a connector; on Llama and on Gemma 3 (windowed and
+full KV cache groups: every group's blocks go through both tiers)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_nixl_connector import (
+    BAD_REFERENCES,
+    Producer,
+    consume,
+    no_connector,
+    tampered,
+    tiny_model,
+)
+
+pytest.importorskip("nixl_cu12")
+
+STORE_BLOCKS = "kv_tier1_loaded_blocks"
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tiny_llama, tmp_path_factory) -> Path:
+    return tiny_model(request.param, tiny_llama, tmp_path_factory)
+
+
+@pytest.fixture
+def producer(model, tmp_path):
+    """A tiered producer (NIXL + the folder tmp_path/store), killed at teardown."""
+    started = Producer(model, store=tmp_path / "store")
+    yield started
+    if started.process.poll() is None:
+        started.kill()
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_pull_comes_first(model, tmp_path, producer, async_load):
+    run = consume(model, producer.references, async_load=async_load,
+                  store=tmp_path / "store")
+    assert run.ids == no_connector(model)
+    assert run.pulled == run.stats["kv_tier0_loaded_blocks"] == sum(run.full_pulls)
+    assert run.stats.get(STORE_BLOCKS, 0) == 0 and run.stats["kv_load_failed_blocks"] == 0
+    assert producer.finish() == 0
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fault", ["unknown request", "dead producer"])
+def test_a_failed_pull_falls_through_to_the_store(model, tmp_path, producer, fault,
+                                                 async_load):
+    references = producer.references
+    if fault == "dead producer":
+        producer.kill()
+    else:
+        references = tampered(references, BAD_REFERENCES[fault])
+    run = consume(model, references, async_load=async_load, store=tmp_path / "store")
+    assert run.ids == no_connector(model)
+    lost = sum(run.full_pulls) if fault == "dead producer" else run.full_pulls[0]
+    assert run.stats[STORE_BLOCKS] == lost and run.stats["kv_tier0_failed_blocks"] == lost
+    assert run.pulled == sum(run.full_pulls) - lost
+    assert run.stats["kv_load_failed_blocks"] == 0
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_what_both_tiers_lost_is_recomputed(model, tmp_path, producer, async_load):
+    producer.kill()
+    shutil.rmtree(tmp_path / "store")
+    run = consume(model, producer.references, async_load=async_load,
+                  store=tmp_path / "store")
+    assert run.ids == no_connector(model)
+    assert run.stats.get(STORE_BLOCKS, 0) == 0 and run.pulled == 0
+    assert run.stats["kv_load_failed_blocks"] >= sum(run.full_pulls)
