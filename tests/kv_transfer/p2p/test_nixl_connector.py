@@ -39,6 +39,8 @@ def free_port() -> int:
 class Producer:
     """The producer process: its references, and the count it still holds at the end."""
 
+    started: list[subprocess.Popen] = []  # killed after each test (`kill_producers`)
+
     def __init__(self, model: Path, lease_s: float = 60.0, port: int | None = None,
                  store: Path | None = None) -> None:
         self.port = free_port() if port is None else port
@@ -47,6 +49,7 @@ class Producer:
              json.dumps(PROMPTS)] + ([] if store is None else [str(store)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        Producer.started.append(self.process)
         assert self.process.stdout is not None
         self.references = []
         for line in self.process.stdout:  # other lines are the libraries' logs
@@ -64,6 +67,17 @@ class Producer:
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def kill_producers():
+    """Every producer a test started is killed at its end, passed or failed."""
+    yield
+    while Producer.started:
+        process = Producer.started.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
 
 
 _BASELINES: dict[Path, list[list[int]]] = {}

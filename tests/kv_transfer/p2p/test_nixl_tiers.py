@@ -10,10 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_nixl_connector import (
+from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fixture
     BAD_REFERENCES,
     Producer,
     consume,
+    kill_producers,
     no_connector,
     tampered,
     tiny_model,
@@ -32,10 +33,7 @@ def model(request, tiny_llama, tmp_path_factory) -> Path:
 @pytest.fixture
 def producer(model, tmp_path):
     """A tiered producer (NIXL + the folder tmp_path/store), killed at teardown."""
-    started = Producer(model, store=tmp_path / "store")
-    yield started
-    if started.process.poll() is None:
-        started.kill()
+    return Producer(model, store=tmp_path / "store")
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
