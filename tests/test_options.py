@@ -108,7 +108,7 @@ def every_record() -> list[type]:
     from kvrecover.entrypoints.proxy.config import ProxyConfig
     from kvrecover.entrypoints.server.app import ServerConfig
     from kvrecover.kv_transfer.faults import FaultRule
-    from kvrecover.kv_transfer.tiered import TierEntry
+    from kvrecover.kv_transfer.tiered_config import TierEntry
     from kvrecover.scenario import DecodeArgs, ScenarioArgs
 
     return [EngineArgs, SamplingParams, KVTransferConfig, SchedulerConfig, ScenarioArgs,
