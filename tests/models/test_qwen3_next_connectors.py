@@ -132,6 +132,19 @@ def test_connectors_without_state_support_are_refused(qwen3_next_dir, tmp_path):
         hybrid_llm(qwen3_next_dir, transfer)
 
 
+@pytest.mark.parametrize("connectors", [
+    None, [{"kv_connector": "NixlConnector"},
+           {"kv_connector": "SharedStorageConnector",
+            "kv_connector_extra_config": {"shared_storage_path": "kv"}}]],
+    ids=["nixl", "nixl-then-store"])
+def test_p2p_is_refused_for_a_hybrid_model(qwen3_next_dir, connectors):
+    """NIXL moves KV blocks, not recurrent states: a hybrid model refuses it at start-up."""
+    transfer = (KVTransferConfig("NixlConnector", "kv_consumer") if connectors is None else
+                KVTransferConfig("TieredConnector", "kv_consumer", {"connectors": connectors}))
+    with pytest.raises(ValueError, match="does not store their states"):
+        hybrid_llm(qwen3_next_dir, transfer)
+
+
 def test_a_producer_without_checkpoint_slots_is_refused(qwen3_next_dir, tmp_path):
     with pytest.raises(ValueError, match="num_state_checkpoints"):
         hybrid_llm(qwen3_next_dir, storage_transfer(tmp_path, "kv_producer"),
