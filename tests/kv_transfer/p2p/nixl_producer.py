@@ -1,12 +1,13 @@
 """A NIXL producer in its own process, for the P2P tests.
 
-    python nixl_producer.py MODEL PORT LEASE_S PROMPTS_JSON [STORE]
+    python nixl_producer.py MODEL PORT LEASE_S PROMPTS_JSON [STORE [ENGINE_JSON]]
 
 Prefills each prompt (max_tokens 1), prints a line "REF <json>" per prompt with its
 `kv_transfer_params`, then keeps the engine stepping (serving pulls and releases) until
 stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
-are still kept. With STORE, a folder: a TieredConnector that serves the pulls and saves
-the prompts' blocks into that shared-storage store too.
+are still kept. With STORE, a folder (not empty): a TieredConnector that serves the pulls
+and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
+engine arguments (e.g. max_num_batched_tokens).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ def main() -> None:
         json.loads(sys.argv[4])
     nixl = {"side_channel_port": port, "lease_s": lease_s}
     transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
-    if len(sys.argv) > 5:
+    engine_args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    if len(sys.argv) > 5 and sys.argv[5]:
         transfer = KVTransferConfig("TieredConnector", "kv_producer", {"connectors": [
             {"kv_connector": "NixlConnector", "kv_connector_extra_config": nixl},
             {"kv_connector": "SharedStorageConnector",
              "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]})
-    llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer)
+    llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer,
+              **engine_args)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=1))
     for output in outputs:

@@ -42,11 +42,11 @@ class Producer:
     started: list[subprocess.Popen] = []  # killed after each test (`kill_producers`)
 
     def __init__(self, model: Path, lease_s: float = 60.0, port: int | None = None,
-                 store: Path | None = None) -> None:
+                 store: Path | None = None, engine: dict | None = None) -> None:
         self.port = free_port() if port is None else port
         self.process = subprocess.Popen(
             [sys.executable, str(PRODUCER), str(model), str(self.port), str(lease_s),
-             json.dumps(PROMPTS)] + ([] if store is None else [str(store)]),
+             json.dumps(PROMPTS), "" if store is None else str(store), json.dumps(engine or {})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         Producer.started.append(self.process)
@@ -183,6 +183,24 @@ def test_a_dead_producer_is_recomputed_at_once(model, async_load):
     assert run.ids == no_connector(model)
     assert run.stats["kv_load_failed_blocks"] >= sum(run.full_pulls)  # async: asked again
     assert run.elapsed < 5  # refused connections: no wait for load_timeout_s
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_window_the_producer_released_in_part_costs_no_recompute(
+        tiny_llama, tmp_path_factory, policy):
+    """A producer that prefilled in chunks of 16 tokens released its window's blocks below
+    the last chunk's window: the consumer pulls every window it needs, and the margin
+    blocks (`first_loaded_block`) it cannot get are invalid blocks no query reads again
+    (rule 8): no recompute, no error even under `fail`."""
+    model = tiny_model("mistral", tiny_llama, tmp_path_factory)
+    producer = Producer(model, engine={"max_num_batched_tokens": 16})
+    assert all(0 in r["remote_block_ids"][0] for r in producer.references)  # released some
+    run = consume(model, producer.references, policy=policy)
+    assert run.ids == no_connector(model) and all(o.error is None for o in run.outputs)
+    assert run.stats["prompt_tokens_external"] == (7 + 5) * 8
+    assert run.stats["kv_load_failed_blocks"] > 0 and run.stats["kv_load_recomputed_tokens"] == 0
+    assert run.pulled + run.stats["kv_load_failed_blocks"] == sum(run.full_pulls)
+    assert producer.finish() == 0
 
 
 def tampered(references: list[dict], change) -> list[dict]:
