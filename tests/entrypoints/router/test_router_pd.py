@@ -159,6 +159,24 @@ def test_chat_logprobs_through_the_router_equal_one_instance(fleet):
     assert logprobs(router.url) == want
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_answer_is_named_by_the_routers_request_id(fleet, chat):
+    """vllm-router sends prefill and decode one X-Request-Id naming both; the decode's
+    answer (what the client gets) is named by it, as vLLM names it."""
+    router, prefill, decodes = fleet
+    sdk = client(router.url)
+    if chat:
+        answer_id = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                                temperature=0).id
+    else:
+        answer_id = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                           temperature=0).id
+    prefix = "chatcmpl" if chat else "cmpl"
+    named = f"{prefix}-___prefill_addr_{prefill.url.removeprefix('http://')}___decode_addr_"
+    assert answer_id.startswith(named), answer_id
+    assert any(f"{d.url.removeprefix('http://')}_" in answer_id for d in decodes), answer_id
+
+
 def test_the_router_lists_the_model(fleet):
     router, _, _ = fleet
     assert [m.id for m in client(router.url).models.list()] == ["tiny"]
