@@ -68,6 +68,10 @@ def client(url: str) -> openai.OpenAI:
 
 
 def pulled(decodes) -> float:
+    """Blocks the decodes pulled; none of their pulls ever failed (a reference the router
+    forwards at once is still pulled: the producer waits for the step holding it)."""
+    failed = sum(metric(d.url, "kvrecover_kv_load_failed_blocks_total") for d in decodes)
+    assert failed == 0, "a pull failed"
     return sum(metric(d.url, PULLED) for d in decodes)
 
 
