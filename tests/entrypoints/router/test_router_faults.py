@@ -38,9 +38,11 @@ def binary():
 
 @pytest.fixture(scope="module")
 def fleet(binary, tmp_path_factory):
-    """Instances: a prefill; decodes `recompute` and `fail` whose every pull fails (the
-    FaultInjectionConnector around NIXL) under those policies; a healthy decode `doomed`
-    (killed by a test). Routers: one per faulty decode, one over [recompute, doomed]."""
+    """Instances: prefills `prefill` and `prefill2`; decodes `recompute` and `fail` whose
+    every pull fails (the FaultInjectionConnector around NIXL) under those policies; a
+    healthy decode `doomed` (killed by a test). Routers: `prefill` in front of each faulty
+    decode, `pair` in front of [recompute, doomed], `prefills` both prefills in front of
+    `recompute` (the last two health-check every second)."""
     model_dir = add_chat_template(build_tiny_model(tmp_path_factory.mktemp("model"), seed=3))
     logs = tmp_path_factory.mktemp("router_fault_logs")
     instances = {
@@ -52,16 +54,20 @@ def fleet(binary, tmp_path_factory):
             "kv_consumer", "fail", faulty=True, load_timeout_s=10), name="fail"),
         "doomed": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
             "kv_consumer", load_timeout_s=10), name="doomed"),
+        "prefill2": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
+            "kv_producer", side_channel_port=free_port(), lease_s=60), name="prefill2"),
     }
     routers: dict[str, Router] = {}
     try:
         for process in instances.values():
             process.wait_healthy()
-        prefill = [instances["prefill"].url]
-        for name, decodes in (("recompute", ["recompute"]), ("fail", ["fail"]),
-                              ("pair", ["recompute", "doomed"])):
-            extra = ("--health-check-interval-secs", "1") if name == "pair" else ()
-            routers[name] = Router(binary, prefill, [instances[d].url for d in decodes],
+        for name, prefills, decodes in (
+                ("recompute", ["prefill"], ["recompute"]), ("fail", ["prefill"], ["fail"]),
+                ("pair", ["prefill"], ["recompute", "doomed"]),
+                ("prefills", ["prefill", "prefill2"], ["recompute"])):
+            extra = ("--health-check-interval-secs", "1") if len(prefills + decodes) > 2 else ()
+            routers[name] = Router(binary, [instances[p].url for p in prefills],
+                                   [instances[d].url for d in decodes],
                                    logs / f"router-{name}.log", *extra)
         for router in routers.values():
             router.wait_healthy()
@@ -144,25 +150,32 @@ def test_a_killed_decode_fails_its_share_until_the_routers_health_check_drops_it
     unhealthy; from then on the survivor answers every request, correctly."""
     routers, instances = fleet
     instances["doomed"].kill()
-    statuses, successes_in_a_row = [], 0
-    deadline = time.monotonic() + 30
-    while successes_in_a_row < 6:
-        assert time.monotonic() < deadline and len(statuses) < 200, statuses
-        status, ids, error = completion(routers["pair"].url, stream=len(statuses) % 2 == 1)
-        statuses.append(status)
-        if status == 200:
-            assert ids == want
-            successes_in_a_row += 1
-        else:
-            assert status == 500 and "Decode request failed" in error, (status, error)
-            successes_in_a_row = 0
-            time.sleep(0.1)
+    statuses = until_six_answers_in_a_row(routers["pair"].url, want, "Decode request failed")
     assert 500 in statuses, "the router failed over: update docs/VLLM_ROUTER.md"
     assert httpx.get(f"{routers['pair'].url}/health", timeout=10).status_code == 503
 
 
-def test_a_killed_prefill_is_a_500_and_the_decodes_get_nothing(fleet):
-    """Runs last: it kills the only prefill instance every router uses."""
+def until_six_answers_in_a_row(url: str, want: list[int], failure: str) -> list[int]:
+    """Statuses of completions sent to `url` (alternately whole and streamed) until six in
+    a row are 200s (bounded): each 200 answers `want`, each other a 500 naming `failure`."""
+    statuses: list[int] = []
+    deadline = time.monotonic() + 30
+    while statuses[-6:] != [200] * 6:
+        assert time.monotonic() < deadline and len(statuses) < 200, statuses
+        status, ids, error = completion(url, stream=len(statuses) % 2 == 1)
+        statuses.append(status)
+        if status == 200:
+            assert ids == want
+        else:
+            assert status == 500 and failure in error, (status, error)
+            time.sleep(0.1)
+    return statuses
+
+
+def test_a_killed_prefill_is_a_500_until_the_routers_health_check_drops_it(fleet, want):
+    """Runs last: it kills the prefill instance every router uses. With no other prefill
+    every request is a 500 and the decode gets none; with another, round robin still
+    sends the dead one its share (500s, no fail-over) until the health check drops it."""
     routers, instances = fleet
     requests = served_requests(instances["recompute"].url)
     instances["prefill"].kill()
@@ -170,4 +183,6 @@ def test_a_killed_prefill_is_a_500_and_the_decodes_get_nothing(fleet):
         status, _, error = completion(routers["recompute"].url, stream)
         assert status == 500 and "Prefill request" in error, (status, error)
     assert served_requests(instances["recompute"].url) == requests
+    statuses = until_six_answers_in_a_row(routers["prefills"].url, want, "Prefill request")
+    assert 500 in statuses, "the router failed over: update docs/VLLM_ROUTER.md"
     assert httpx.get(f"{instances['recompute'].url}/health", timeout=10).status_code == 200
