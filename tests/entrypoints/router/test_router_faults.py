@@ -143,13 +143,39 @@ def test_policy_fail_is_an_error_never_a_200_behind_the_router(fleet, stream):
     assert info.value.status_code == 503
 
 
+def kill_mid_stream(url: str, decode) -> None:
+    """Stream long completions through the router at `url` until one is answered by
+    `decode` (the answer's id names it: the router's X-Request-Id); kill `decode` after
+    its first chunk. The router then cuts the client's stream: a broken chunked body,
+    never a clean end (`[DONE]`) the client could take for a whole answer."""
+    port = decode.url.rsplit(":", 1)[1]
+    request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+               "stream": True, "ignore_eos": True}
+    for _ in range(2):  # round robin over two decodes
+        with httpx.stream("POST", f"{url}/v1/completions", json=request,
+                          timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            if f"decode_addr_127.0.0.1:{port}_" not in next(lines):
+                assert "data: [DONE]" in list(lines)
+                continue
+            decode.kill()
+            rest: list[str] = []
+            with pytest.raises(httpx.RemoteProtocolError):
+                rest.extend(lines)
+            assert "data: [DONE]" not in rest
+            return
+    pytest.fail("no stream reached the decode to kill")
+
+
 def test_a_killed_decode_fails_its_share_until_the_routers_health_check_drops_it(
         fleet, want):
-    """vllm-router neither retries nor fails over a decode it cannot reach: round robin
-    sends it its share, each a 500, until its health check (every second here) marks it
-    unhealthy; from then on the survivor answers every request, correctly."""
+    """A decode killed mid-stream: the router cuts the client's stream. After it, the
+    router neither retries nor fails over the decode it cannot reach: round robin sends it
+    its share, each a 500, until its health check (every second here) marks it unhealthy;
+    from then on the survivor answers every request, correctly."""
     routers, instances = fleet
-    instances["doomed"].kill()
+    kill_mid_stream(routers["pair"].url, instances["doomed"])
     statuses = until_six_answers_in_a_row(routers["pair"].url, want, "Decode request failed")
     assert 500 in statuses, "the router failed over: update docs/VLLM_ROUTER.md"
     assert httpx.get(f"{routers['pair'].url}/health", timeout=10).status_code == 503
