@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from serving_utils import START_TIMEOUT_S, free_port
 
 PEER_BIN = Path.home() / ".cache" / "kvrecover-peer" / "clients-venv" / "bin"
@@ -25,6 +26,17 @@ def router_binary() -> Path | None:
             return Path(folder) / "vllm-router"
     found = shutil.which("vllm-router")
     return Path(found) if found else None
+
+
+def required_router_binary() -> Path:
+    """`router_binary()`; without it the calling test is skipped, except under CI
+    (CI=true), where it fails."""
+    found = router_binary()
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
+    return found
 
 
 def nixl_transfer(role: str, policy: str = "recompute", faulty: bool = False, **extra) -> str:

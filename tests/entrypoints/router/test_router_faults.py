@@ -6,14 +6,13 @@ each case is in docs/VLLM_ROUTER.md."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import httpx
 import openai
 import pytest
 from conftest import build_tiny_model
-from router_helpers import MISSING, Router, nixl_transfer, router_binary
+from router_helpers import Router, nixl_transfer, required_router_binary
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
@@ -27,22 +26,13 @@ ENGINE = ("--device", "cpu", "--block-size", "8", "--num-kv-blocks", "128",
 
 
 @pytest.fixture(scope="module")
-def binary():
-    found = router_binary()
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(MISSING)
-        pytest.skip(MISSING)
-    return found
-
-
-@pytest.fixture(scope="module")
-def fleet(binary, tmp_path_factory):
+def fleet(tmp_path_factory):
     """Instances: prefills `prefill` and `prefill2`; decodes `recompute` and `fail` whose
     every pull fails (the FaultInjectionConnector around NIXL) under those policies; a
     healthy decode `doomed` (killed by a test). Routers: `prefill` in front of each faulty
     decode, `pair` in front of [recompute, doomed], `prefills` both prefills in front of
     `recompute` (the last two health-check every second)."""
+    binary = required_router_binary()
     model_dir = add_chat_template(build_tiny_model(tmp_path_factory.mktemp("model"), seed=3))
     logs = tmp_path_factory.mktemp("router_fault_logs")
     instances = {

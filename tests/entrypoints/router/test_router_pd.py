@@ -6,12 +6,10 @@ the router, via the official `openai` SDK, equals what one instance answers alon
 
 from __future__ import annotations
 
-import os
-
 import openai
 import pytest
 from conftest import build_tiny_model
-from router_helpers import MISSING, Router, nixl_transfer, router_binary
+from router_helpers import Router, nixl_transfer, required_router_binary
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
@@ -28,19 +26,10 @@ PULLED = "kvrecover_kv_nixl_pulled_blocks_total"
 
 
 @pytest.fixture(scope="module")
-def binary():
-    found = router_binary()
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(MISSING)
-        pytest.skip(MISSING)
-    return found
-
-
-@pytest.fixture(scope="module")
-def fleet(binary, tmp_path_factory):
+def fleet(tmp_path_factory):
     """(router, prefill, decodes): one prefill and two decode instances behind a router.
     The decodes keep no prefix cache: a request without a reference is computed whole."""
+    binary = required_router_binary()
     model_dir = add_chat_template(build_tiny_model(tmp_path_factory.mktemp("model"), seed=3))
     logs = tmp_path_factory.mktemp("router_logs")
     prefill = serve(logs, model_dir, *ENGINE, "--kv-transfer-config",
