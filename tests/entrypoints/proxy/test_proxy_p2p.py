@@ -145,7 +145,8 @@ def test_through_the_proxy_every_answer_is_pulled_and_equals_one_instance(fleet,
 
 def test_a_clients_own_reference_replaces_the_prefill(fleet, want):
     """The client prefilled itself: the proxy makes no prefill and the decode pulls the
-    client's reference; a client's other kv_transfer_params are not forwarded."""
+    client's reference (a malformed one is the decode's 400); a client's other
+    kv_transfer_params are not forwarded."""
     proxy = fleet.proxy(["d0"])
     path = "/v1/completions"
     answer = httpx.post(f"{fleet['prefill'].url}{path}", timeout=60, json={
@@ -163,6 +164,10 @@ def test_a_clients_own_reference_replaces_the_prefill(fleet, want):
     body["kv_transfer_params"] = {"do_remote_decode": True}  # not a reference: dropped
     response = httpx.post(f"{proxy.url}{path}", json=body, timeout=60)
     assert response.json()["choices"][0]["token_ids"] == want[path]
+    body["kv_transfer_params"] = {"do_remote_prefill": True}  # a malformed reference
+    response = httpx.post(f"{proxy.url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "kv_transfer_params"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
