@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 scripts/bootstrap.sh
 scripts/setup_lm_eval.sh  # for tests/entrypoints/server/test_lm_eval.py
+scripts/setup_vllm_router.sh  # for tests/entrypoints/router
 export KVRECOVER_CLIENTS_BIN="$PWD/.clients-venv/bin"
 .venv/bin/ruff check kvrecover tests bench examples
 .venv/bin/mypy  # the package; settings in pyproject.toml

@@ -150,8 +150,9 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             await choices[0].prefill()  # the other choices find its KV (or compute it)
             firsts = []
             for index, proxied in enumerate(choices):
-                if index:
+                if index:  # the reference is pulled once: the other choices compute
                     proxied.prompt_token_ids = choices[0].prompt_token_ids
+                    proxied.handoff.drop()
                 firsts.append(await proxied.open_decode())
         except BaseException:
             await close()

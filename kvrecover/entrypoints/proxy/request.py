@@ -1,7 +1,9 @@
 """One client request through the proxy: prefill, decode with failover, migration.
 
-1. Prefill: the request with `max_tokens=1` goes to a prefill instance, which
-   computes and stores the prompt's KV. A failing prefill instance is retried on
+1. Prefill: the request with `max_tokens=1` and vLLM's `kv_transfer_params`
+   (`do_remote_decode`) goes to a prefill instance, which computes the prompt's KV
+   and keeps it (a store, or held for a pull: then its answer's reference goes
+   with the decode request, `handoff.py`). A failing prefill instance is retried on
    another; with none left the request goes straight to decode (which computes
    the prompt itself).
 2. Decode: the request, streamed with `return_token_ids`, goes to the least
@@ -45,6 +47,7 @@ from kvrecover.entrypoints.proxy.checks import (
     StreamCheck,
     prefill_prompt_ids,
 )
+from kvrecover.entrypoints.proxy.handoff import PREFILL_TRANSFER_PARAMS, KVHandoff
 from kvrecover.entrypoints.proxy.instances import Instance, InstancePool, ProxyMetrics
 from kvrecover.entrypoints.proxy.upstream import (
     Retryable,
@@ -89,7 +92,7 @@ class ProxiedRequest:
                  headers: dict[str, str]) -> None:
         self.context = context
         self.path = path
-        self.body = body
+        self.handoff, self.body = KVHandoff.of(body)
         self.headers = headers
         self.prompt_token_ids: list[int] | None = None
         self.generated: list[int] = []
@@ -108,8 +111,12 @@ class ProxiedRequest:
         return body.get("max_tokens") if value is None else value
 
     async def prefill(self) -> None:
-        """Have a prefill instance compute and store the prompt's KV (best effort)."""
-        body = {**self.body, "max_tokens": 1, "stream": False, "return_token_ids": True}
+        """Have a prefill instance compute and keep the prompt's KV (best effort); none
+        when the client brought its own reference."""
+        if self.handoff.from_client:
+            return
+        body = {**self.body, "max_tokens": 1, "stream": False, "return_token_ids": True,
+                "kv_transfer_params": PREFILL_TRANSFER_PARAMS}
         if self.path == CHAT and self.body.get("tools") is not None:
             body["raw_tool_calls"] = True  # its answer is read for the prompt ids alone
         for key in PREFILL_DROPPED_KEYS:
@@ -121,6 +128,7 @@ class ProxiedRequest:
             try:
                 answer = await post_json(context.client, instance, self.path, body, self.headers)
                 self.prompt_token_ids = prefill_prompt_ids(answer, self.path == CHAT, instance)
+                self.handoff.take_prefill_answer(answer)
             except ValueError as error:  # an answer of the wrong shape
                 self._failed(instance, Retryable(f"{instance.url}: {error}"),
                              context.metrics.retries)
@@ -240,6 +248,8 @@ class ProxiedRequest:
                 if room <= 0:
                     return Piece("", [], "length")  # the context is full
                 sent = {**body, "max_tokens": room}
+            if not continuation:
+                sent = self.handoff.for_attempt(sent, instance.role)
             context.metrics.count(context.metrics.requests, instance)
             instance.in_flight += 1
             check = StreamCheck(self.limits, instance, self.prompt_token_ids, self.generated,
@@ -250,11 +260,13 @@ class ProxiedRequest:
             except Retryable as error:
                 instance.in_flight -= 1
                 errors.append(str(error))
+                self.handoff.attempt_failed(instance.role, error.connect_failed)
                 self._failed(instance, error, context.metrics.failovers)
                 continue
             except BaseException:
                 instance.in_flight -= 1
                 raise
+            self.handoff.drop()
             return first
         context.metrics.unavailable.inc()
         tried = "; ".join(errors) if errors else "every instance is marked down"

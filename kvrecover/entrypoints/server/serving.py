@@ -65,6 +65,19 @@ class ServingState:
     max_model_len: int
 
 
+def _request_ids(http: Request, prefix: str) -> tuple[str, str]:
+    """(the answer's `id`, the engine's request id). As in vLLM, a client's (a router's)
+    `X-Request-Id` header names the request: the answer's id is `PREFIX-VALUE` (vllm-router
+    sends the prefill and the decode one value, so their logs and answers correlate). The
+    engine's id adds a random suffix: two requests sent with one value never collide."""
+    given = http.headers.get("x-request-id")
+    if not given:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return request_id, request_id
+    answer_id = f"{prefix}-{given}"
+    return answer_id, f"{answer_id}-{uuid.uuid4().hex[:8]}"
+
+
 def _check_model(state: ServingState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise ApiError(404, f"model {model!r} does not exist; this server serves "
@@ -84,7 +97,7 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
         check_context("max_tokens", request.max_tokens, prompt_tokens, state.max_model_len)
     params = request.sampling_params(request.max_new_tokens())
     grammar, grammar_field = _grammar_of(request)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    answer_id, request_id = _request_ids(http, "cmpl")
     resumed = request.resumed_token_ids()
     resumed_text = request.resumed_output_text if resumed else ""
     if resumed:
@@ -109,7 +122,7 @@ async def create_completion(state: ServingState, http: Request, body: Any) -> Re
                             request.prompt_logprobs is not None) for g in generations]
     progress = ChoicesProgress(generations)
     writer = OpenAIResponse(False, state.model_name, progress, request.return_token_ids,
-                            final_usage, continuous_usage, request_id,
+                            final_usage, continuous_usage, answer_id,
                             kv_transfer_params=progress.kv_transfer_params)
     return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 
@@ -140,7 +153,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
     params = request.sampling_params(request.max_new_tokens(room), field)
     await _compile(state, grammar, "tool_choice" if forced else grammar_field)
     params = replace(params, structured_outputs=grammar)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    answer_id, request_id = _request_ids(http, "chatcmpl")
     generations = await _start(state, http, request_id, {"prompt_token_ids": prompt_ids},
                                params, request.stop_strings(), "chat",
                                include_stop=request.include_stop_str_in_output)
@@ -150,7 +163,7 @@ async def create_chat_completion(state: ServingState, http: Request, body: Any) 
                             request.prompt_logprobs is not None) for g in generations]
     progress = ChoicesProgress(generations)
     writer = OpenAIResponse(True, state.model_name, progress, request.return_token_ids,
-                            final_usage, continuous_usage, request_id, tools=answer,
+                            final_usage, continuous_usage, answer_id, tools=answer,
                             kv_transfer_params=progress.kv_transfer_params)
     return await _answer(generations, interleave(chunks), writer, request.stream, headers)
 

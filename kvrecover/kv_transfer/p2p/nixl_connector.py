@@ -8,8 +8,11 @@ windows, `params.py`). The
 worker role registers the KV cache with a NIXL agent and serves the side channel
 (`side_channel.py`): the handshake, a check of each pull (the reference must still be
 held, its blocks and prompt must match) answered with the blocks' checksums, and the
-release. A kept prompt is freed on release or when its lease (`lease_s`) ends,
-reported in `finished_sending`.
+release. A check may come before the step that holds the blocks (the reference is
+answered as the request finishes; vllm-router forwards it at once): it waits for that
+step (`UNBOUND_HOLD_WAIT_S`) unless its reference was released or expired already. A
+kept prompt is freed on release or when its lease (`lease_s`) ends, reported in
+`finished_sending`.
 
 Consumer (`kv_consumer`): a request whose `kv_transfer_params` has `do_remote_prefill`
 claims the referenced prompt blocks after those it holds locally, up to the last
@@ -32,6 +35,7 @@ It serves full-attention and sliding-window models at tensor_parallel_size 1; hy
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import threading
@@ -66,6 +70,12 @@ POLL_INTERVAL_S = 0.001
 # A producer progresses its agent (NIXL's own progress thread is off: it spins a core
 # even when idle) only while a checked pull may be reading it, this often.
 SERVE_POLL_S = 0.0002
+# A producer answers a prompt's reference as the prompt finishes; its worker holds the
+# blocks from the next step on. A check arriving in between (a router forwards the answer
+# at once) waits this long for that step instead of being refused; under a second, so
+# that a reference the producer never held (it restarted) still falls back within one.
+UNBOUND_HOLD_WAIT_S = 0.9
+ENDED_HANDLES_KEPT = 4096  # recently released or expired handles: refused without a wait
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,9 @@ class NixlConnector(KVConnectorBase):
         self._closing = threading.Event()
         self._progress: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._bound = threading.Condition(self._lock)  # notified as a step binds new holds
         self._held: dict[str, _Hold] = {}
+        self._ended: collections.deque[str] = collections.deque(maxlen=ENDED_HANDLES_KEPT)
         self._released: set[str] = set()
         self._peers: dict[str, _Peer] = {}
         self._invalid: set[int] = set()
@@ -358,9 +370,10 @@ class NixlConnector(KVConnectorBase):
         holds = self._get_metadata_of(NixlMetadata).holds
         if holds:
             deadline = time.monotonic() + self.settings.lease_s
-            with self._lock:
+            with self._bound:
                 for handle, (group_block_ids, hashes) in holds.items():
                     self._held[handle] = _Hold(group_block_ids, hashes, deadline)
+                self._bound.notify_all()
 
     def _serve(self, message: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (a thread of the server)."""
@@ -380,9 +393,13 @@ class NixlConnector(KVConnectorBase):
             return {"ok": False, "reason": "no reference handle"}
         with self._lock:
             hold = self._held.get(handle)
+            if hold is None and op == "check" and handle not in self._ended:
+                self._bound.wait_for(lambda: handle in self._held, UNBOUND_HOLD_WAIT_S)
+                hold = self._held.get(handle)
             if op == "release":
                 if hold is not None:
                     del self._held[handle]
+                    self._ended.append(handle)
                     self._released.add(handle.rsplit("@", 1)[0])
                 self._reading.pop(handle, None)
                 return {"ok": True}
@@ -410,6 +427,7 @@ class NixlConnector(KVConnectorBase):
                 for handle in [h for h, hold in self._held.items() if hold.deadline <= now]:
                     logger.info("KV reference %s was not pulled within its lease", handle)
                     del self._held[handle]
+                    self._ended.append(handle)
                     self._released.add(handle.rsplit("@", 1)[0])
                 sending, self._released = self._released, set()
         receiving = {request_id for request_id, thread in self._async.items()

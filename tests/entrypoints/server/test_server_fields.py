@@ -7,6 +7,7 @@ an unknown field is ignored with a warning and named in `x-kvrecover-ignored-fie
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -293,3 +294,23 @@ def test_a_continuations_resumed_tokens_count_toward_min_tokens(url):
     assert token_ids(rest) == first[5:]
     assert_400(lambda: completion(url, **{**fields, "extra_body": {
         **fields["extra_body"], "min_tokens": 9}}), "min_tokens")
+
+
+@pytest.mark.parametrize("path, prefix", [("/v1/completions", "cmpl"),
+                                          ("/v1/chat/completions", "chatcmpl")])
+def test_x_request_id_names_the_answer_and_one_value_may_run_twice_at_once(url, path, prefix):
+    """As in vLLM (vllm-router sends its prefill and decode one X-Request-Id)."""
+    body = {"max_tokens": 4, "temperature": 0, "stream": False}
+    body.update({"messages": CHAT} if "chat" in path else {"prompt": PROMPT})
+    headers = {"X-Request-Id": "___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:2_ab"}
+
+    async def two_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return list(await asyncio.gather(*(client.post(path, json=body, headers=headers)
+                                               for _ in range(2))))
+
+    for response in asyncio.run(two_at_once()):
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == f"{prefix}-{headers['X-Request-Id']}"
+    unnamed = httpx.post(url + path, json=body, timeout=120).json()["id"]
+    assert re.fullmatch(f"{prefix}-[0-9a-f]{{32}}", unnamed), unnamed
