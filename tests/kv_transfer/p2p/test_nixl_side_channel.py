@@ -17,7 +17,7 @@ from kvrecover.kv_transfer.p2p import nixl_connector
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
 
 HANDLE = "cmpl-1@00ff"
-BLOCKS, HASHES = [3, 5], ["aa", "bb"]
+BLOCKS, HASHES = [3, 5], ["aa", "bb"]  # one KV cache group: block ids by position
 
 
 @pytest.fixture
@@ -32,14 +32,15 @@ def producer(monkeypatch) -> NixlConnector:
 
 
 def check(connector: NixlConnector, handle: str = HANDLE) -> dict:
-    return connector._serve({"op": "check", "handle": handle, "first": 0,
-                             "block_ids": BLOCKS, "last_block_hash": HASHES[-1]})
+    slots = [[0, position, block] for position, block in enumerate(BLOCKS)]
+    return connector._serve({"op": "check", "handle": handle, "position": len(BLOCKS) - 1,
+                             "blocks": slots, "last_block_hash": HASHES[-1]})
 
 
 def bind_later(connector: NixlConnector, delay_s: float) -> threading.Thread:
     def bind() -> None:
         time.sleep(delay_s)
-        connector.bind_connector_metadata(NixlMetadata(holds={HANDLE: (BLOCKS, HASHES)}))
+        connector.bind_connector_metadata(NixlMetadata(holds={HANDLE: ((tuple(BLOCKS),), HASHES)}))
 
     thread = threading.Thread(target=bind)
     thread.start()
