@@ -143,6 +143,39 @@ def test_through_the_proxy_every_answer_is_pulled_and_equals_one_instance(fleet,
         assert failed_after == failed, "a pull failed"
 
 
+def test_n_choices_through_the_proxy_equal_one_instance_and_choice_0_pulls(fleet):
+    """Of a request of two seeded choices, choice 0 takes the prefill's (or the client's)
+    reference: it is pulled once; choice 1 computes the prompt. Both equal one instance's
+    answer."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "n": 2, "seed": 11,
+            "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}
+
+    def choices(url: str) -> list[list[int]]:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        answer = sorted(response.json()["choices"], key=lambda choice: choice["index"])
+        return [choice["token_ids"] for choice in answer]
+
+    want = choices(fleet["fail"].url)
+    assert len(want) == 2 and want[0] != want[1]
+    proxy = fleet.proxy(["d0"])
+    before, failed = pulls(fleet, "d0")
+    assert choices(proxy.url) == want
+    pulled, failed_after = pulls(fleet, "d0")
+    assert failed_after == failed
+    single = fleet.proxy(["d1"])
+    alone_before, _ = pulls(fleet, "d1")
+    assert completion(single.url, False)[0] == 200
+    assert pulled - before == pulls(fleet, "d1")[0] - alone_before, "not one request's pull"
+    # A client's own reference, too, goes with choice 0 alone (a second pull of it would
+    # be refused: a failed pull).
+    reference = httpx.post(f"{fleet['prefill'].url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 1}).json()["kv_transfer_params"]
+    body["kv_transfer_params"] = reference
+    assert choices(proxy.url) == want
+    assert pulls(fleet, "d0") == (2 * pulled - before, failed)
+
+
 def test_a_clients_own_reference_replaces_the_prefill(fleet, want):
     """The client prefilled itself: the proxy makes no prefill and the decode pulls the
     client's reference (a malformed one is the decode's 400); a client's other
