@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvrecover.entrypoints.proxy.handoff import PREFILL_TRANSFER_PARAMS, KVHandoff
 from kvrecover.kv_transfer.p2p.params import RemoteReference
 
-REFERENCE = RemoteReference("engine", "req@1", (3, 4), "127.0.0.1", 5600, 1, "fp").as_params()
+REFERENCE = RemoteReference("engine", "req@1", ((3, 4),), "127.0.0.1", 5600, 1, "fp").as_params()
 BODY = {"prompt": "hi", "max_tokens": 4}
 
 
