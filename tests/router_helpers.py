@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
-from serving_utils import START_TIMEOUT_S, free_port
+from serving_utils import Process, free_port
 
+# One prompt of several blocks, and the engine flags, of every P/D fleet in these tests.
+PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france is paris; "
+          "disaggregated serving splits prefill from decode, and blocks move between them")
+ENGINE = ("--device", "cpu", "--block-size", "8", "--num-kv-blocks", "128",
+          "--served-model-name", "tiny")
+NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)  # every pull reads the whole prompt
 PEER_BIN = Path.home() / ".cache" / "kvrecover-peer" / "clients-venv" / "bin"
 MISSING = ("vllm-router is not installed (scripts/setup_vllm_router.sh, which ./test.sh runs, "
            "installs it)")
@@ -51,48 +54,18 @@ def nixl_transfer(role: str, policy: str = "recompute", faulty: bool = False, **
                        "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
 
 
-class Router:
+class Router(Process):
     """One `vllm-router --vllm-pd-disaggregation` process in front of `prefill` and
     `decode` URLs, round robin on both sides, listening on `url`."""
 
     def __init__(self, binary: Path, prefill: list[str], decode: list[str], log_path: Path,
                  *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        argv = [str(binary), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
-                "--port", str(self.port), "--prometheus-port", str(free_port()),
-                "--policy", "round_robin", "--log-level", "debug", *extra]
+        port = free_port()
+        argv = ["--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-port", str(free_port()), "--policy", "round_robin",
+                "--log-level", "debug", *extra]
         for url in prefill:
             argv += ["--prefill", url]
         for url in decode:
             argv += ["--decode", url]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> Router:
-        """Block until the router's GET /health is 200; fail with its log if never."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n"
-                                   f"{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"vllm-router not healthy after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        """Stop the router and reap it."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=15)
-        self._log.close()
+        super().__init__(argv, port, log_path, program=[str(binary)])

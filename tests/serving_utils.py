@@ -44,22 +44,26 @@ def add_chat_template(model_dir: Path) -> Path:
 class Process:
     """One spawned `python -m kvrecover ...` listening on `url`."""
 
-    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict | None = None):
+    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict | None = None,
+                 program: list[str] | None = None):
+        """`argv` after `program` (default: `python -m kvrecover`)."""
         self.argv = argv
+        self.name = argv[0] if program is None else Path(program[0]).name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrecover", *argv],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        command = program or [sys.executable, "-m", "kvrecover"]
+        self.proc = subprocess.Popen([*command, *argv], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=full_env)
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> Process:
         """Block until GET /health is 200; fail with the log when it never is."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -68,7 +72,7 @@ class Process:
                 pass
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"{self.argv[0]} not healthy after {timeout}s:\n{self.log()}")
+        raise RuntimeError(f"{self.name} not healthy after {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
         self._log.flush()

@@ -12,17 +12,15 @@ import json
 import httpx
 import pytest
 from conftest import build_tiny_model
-from router_helpers import nixl_transfer
+from router_helpers import ENGINE as PD_ENGINE
+from router_helpers import NO_PREFIX_CACHE, PROMPT, nixl_transfer
 from serving_utils import Process, add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
 
 pytest.importorskip("nixl_cu12")
 
-PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france is paris; "
-          "disaggregated serving splits prefill from decode, and blocks move between them")
-ENGINE = ("--device", "cpu", "--block-size", "8", "--num-kv-blocks", "128",
-          "--served-model-name", "tiny", "--no-enable-prefix-caching")
+ENGINE = (*PD_ENGINE, *NO_PREFIX_CACHE)
 PULLED = "kvrecover_kv_nixl_pulled_blocks_total"
 FAILED = "kvrecover_kv_load_failed_blocks_total"
 
@@ -96,16 +94,22 @@ def completion(url: str, stream: bool, max_tokens: int = 8,
             return response.status_code, [], response.read().decode()
         if not stream:
             return 200, json.loads(response.read())["choices"][0]["token_ids"], ""
-        ids: list[int] = []
-        done = False
-        for line in response.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                for choice in json.loads(line[6:])["choices"]:
-                    ids += choice.get("token_ids") or []
+        ids, done = streamed_token_ids(response)
         assert done, "a stream without [DONE]"
         return 200, ids, ""
+
+
+def streamed_token_ids(response: httpx.Response) -> tuple[list[int], bool]:
+    """The token ids of a streamed answer's choices, and whether it ended with [DONE]."""
+    ids: list[int] = []
+    done = False
+    for line in response.iter_lines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            for choice in json.loads(line[6:])["choices"]:
+                ids += choice.get("token_ids") or []
+    return ids, done
 
 
 def pulls(fleet: Fleet, *names: str) -> tuple[float, float]:
@@ -272,19 +276,12 @@ def test_a_decode_killed_mid_stream_is_migrated_token_exact(fleet):
     proxy = fleet.proxy(["d1", "recompute"], prefills=("prefill2",))
     request = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                "stream": True, "ignore_eos": True, "return_token_ids": True}
-    ids: list[int] = []
-    done = False
     with httpx.stream("POST", f"{proxy.url}/v1/completions", json=request,
                       timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["x-kvrecover-decode-instance"] == fleet["d1"].url
         fleet["d1"].kill()
-        for line in response.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                for choice in json.loads(line[6:])["choices"]:
-                    ids += choice.get("token_ids") or []
+        ids, done = streamed_token_ids(response)
     assert done and ids == alone[1]
     assert metric(proxy.url, "kvrecover_proxy_migrations_total",
                   f'instance="{fleet["d1"].url}",role="decode"') == 1

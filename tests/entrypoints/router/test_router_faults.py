@@ -12,17 +12,15 @@ import httpx
 import openai
 import pytest
 from conftest import build_tiny_model
-from router_helpers import Router, nixl_transfer, required_router_binary
+from router_helpers import ENGINE as PD_ENGINE
+from router_helpers import NO_PREFIX_CACHE, PROMPT, Router, nixl_transfer, required_router_binary
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
 
 pytest.importorskip("nixl_cu12")
 
-PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france is paris; "
-          "disaggregated serving splits prefill from decode, and blocks move between them")
-ENGINE = ("--device", "cpu", "--block-size", "8", "--num-kv-blocks", "128",
-          "--served-model-name", "tiny", "--no-enable-prefix-caching")
+ENGINE = (*PD_ENGINE, *NO_PREFIX_CACHE)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 from conftest import build_tiny_model
-from router_helpers import Router, nixl_transfer, required_router_binary
+from router_helpers import ENGINE, PROMPT, Router, nixl_transfer, required_router_binary
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
@@ -17,11 +17,7 @@ pytestmark = pytest.mark.slow  # separate processes
 pytest.importorskip("nixl_cu12")
 
 # Several full blocks of 8 tokens.
-PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france is paris; "
-          "disaggregated serving splits prefill from decode, and blocks move between them")
 MESSAGES = [{"role": "user", "content": PROMPT}]
-ENGINE = ("--device", "cpu", "--block-size", "8", "--num-kv-blocks", "128",
-          "--served-model-name", "tiny")
 PULLED = "kvrecover_kv_nixl_pulled_blocks_total"
 
 
