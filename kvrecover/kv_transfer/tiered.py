@@ -52,6 +52,7 @@ from kvrecover.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
 from kvrecover.kv_transfer.block_store import StoredBlock
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
 from kvrecover.kv_transfer.p2p.pull_tier import IN_CACHE, PullTier
+from kvrecover.kv_transfer.reader_threads import ReadCancel
 from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
 from kvrecover.kv_transfer.store_base import prefix_before_none
 from kvrecover.kv_transfer.store_connector import (
@@ -256,7 +257,9 @@ class TieredConnector(BlockStoreConnector):
         results: list[list[StoredBlock | None]] = [[None] * len(t.keys) for t in transfers]
         pending = [(t, p) for t, transfer in enumerate(transfers) for p in range(len(transfer.keys))]
         if self.front is not None:
-            loaded, failed = self.front.pull([t.request_id for t in transfers], self.load_timeout_s)
+            fence = cancelled if isinstance(cancelled, ReadCancel) else None
+            loaded, failed = self.front.pull([t.request_id for t in transfers],
+                                             self.load_timeout_s, fence)
             for t, p in pending:
                 if transfers[t].block_ids[p] in loaded:
                     results[t][p] = IN_CACHE

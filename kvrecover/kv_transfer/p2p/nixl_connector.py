@@ -25,9 +25,15 @@ tensor whatever its group, so the worker role moves and verifies pairs of ids: i
 checks the reference with the producer, handshakes once per producer agent (again
 when the producer restarted: a new agent), reads every block of the step with NIXL
 READ in one transfer per producer, verifies each block's checksum and releases the
-reference. Anything that fails (unreachable producer, unknown or reused reference,
-out-of-range ids, another layout, a read that errors or outlives `load_timeout_s`, a
-checksum mismatch) makes those blocks invalid: the engine recomputes them (rule 10).
+reference. The READ lands in a registered staging buffer (`staging.py`), never in the
+cache: only verified blocks are copied into the cache (one indexed copy per cache tensor,
+under the load's fence when a TieredConnector pulls), so a READ given up at its deadline
+that completes later writes nothing the engine uses; its buffer stays quarantined until
+NIXL reports that READ ended (past `MAX_QUARANTINED_READS` such buffers, pulls fail at
+once and are recomputed). Only a producer registers its cache with NIXL. Anything that
+fails (unreachable producer, unknown or reused reference, out-of-range ids, another
+layout, a read that errors or outlives `load_timeout_s`, a checksum mismatch) makes
+those blocks invalid: the engine recomputes them (rule 10).
 
 It serves full-attention and sliding-window models at tensor_parallel_size 1; hybrid
 (recurrent-state) models refuse it at start-up (`supports_recurrent_states` is False).
@@ -57,6 +63,8 @@ from kvrecover.kv_transfer.base import (
 )
 from kvrecover.kv_transfer.p2p.params import RemoteReference, parse_reference, wants_remote_prefill
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
+from kvrecover.kv_transfer.p2p.staging import StagingBuffer, StagingExhausted, StagingPool
+from kvrecover.kv_transfer.reader_threads import ReadCancel, ReadTimedOut
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
@@ -214,6 +222,7 @@ class NixlConnector(KVConnectorBase):
         self._invalid: set[int] = set()
         self._async: dict[str, threading.Thread] = {}
         self._async_invalid: dict[str, set[int]] = {}
+        self._staging: StagingPool | None = None  # consumer: made with the first read
         self._pulled_blocks = 0
 
     # ----- scheduler role -------------------------------------------------------------
@@ -325,8 +334,8 @@ class NixlConnector(KVConnectorBase):
             raise ValueError("NixlConnector needs contiguous [2, blocks, ...] cache tensors")
         self._agent_name = f"kvrecover-{self.engine_id}-{secrets.token_hex(6)}"
         self._agent = _nixl_agent(self._agent_name)
-        self._agent.register_memory(list(kv_caches))
-        if self.config.is_producer:
+        if self.config.is_producer:  # a consumer's reads land in staging buffers only
+            self._agent.register_memory(list(kv_caches))
             self._server = SideChannelServer(self.host, self.port, self._serve)
             self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
                                               name="kvrecover-nixl-progress")
@@ -460,14 +469,18 @@ class NixlConnector(KVConnectorBase):
         pulled, self._pulled_blocks = self._pulled_blocks, 0
         return {"kv_nixl_pulled_blocks": pulled} if pulled else {}
 
-    def pull_blocks(self, pulls: list[Pull], timeout_s: float) -> set[int]:
+    def pull_blocks(self, pulls: list[Pull], timeout_s: float,
+                    fence: ReadCancel | None = None) -> set[int]:
         """Pull and verify `pulls` now, within `timeout_s` at most (a TieredConnector's
-        reader thread calls it for its P2P tier); the local blocks that are not valid
-        (verified ones are in the cache)."""
-        return self._pull(pulls, min(timeout_s, self.settings.load_timeout_s))
+        reader thread calls it for its P2P tier, `fence` its load's: once the load is
+        given up nothing more is copied into the cache); the local blocks that are not
+        valid (verified ones are in the cache)."""
+        return self._pull(pulls, min(timeout_s, self.settings.load_timeout_s), fence)
 
-    def _pull(self, pulls: list[Pull], timeout_s: float | None = None) -> set[int]:
-        """Pull and verify `pulls`; returns the local blocks that are not valid."""
+    def _pull(self, pulls: list[Pull], timeout_s: float | None = None,
+              fence: ReadCancel | None = None) -> set[int]:
+        """Pull and verify `pulls`; returns the local blocks that are not valid. Only
+        verified staged blocks are copied into the cache, before this returns."""
         deadline = time.monotonic() + (self.settings.load_timeout_s if timeout_s is None
                                        else timeout_s)
         invalid: set[int] = set()
@@ -487,18 +500,15 @@ class NixlConnector(KVConnectorBase):
         for item in checked:
             by_agent.setdefault(item[1].agent, []).append(item)
         for agent, items in by_agent.items():
-            if not self._read(agent, items, deadline):
+            buffer = self._read(agent, items, deadline)
+            if buffer is None:
                 for pull, _, _ in items:
                     invalid.update(pull.block_ids)
                 continue
-            for pull, _, expected in items:
-                got = self._checksums(pull.block_ids)
-                bad = [b for b, x, y in zip(pull.block_ids, got, expected) if x != y]
-                if bad:
-                    logger.warning("request %s: %d pulled KV block(s) fail their checksum",
-                                   pull.request_id, len(bad))
-                invalid.update(bad)
-                self._pulled_blocks += len(pull.block_ids) - len(bad)
+            try:
+                invalid |= self._install_staged(items, buffer, fence)
+            finally:
+                self._staging_pool().give_back(buffer)
         # Done with each reference that checked out, read or not: the producer frees it. A
         # refused one is left to its lease (it may be someone else's, or not be at all).
         for pull, _, _ in checked:
@@ -551,18 +561,30 @@ class NixlConnector(KVConnectorBase):
                      [(int(k), int(v)) for k, v in regions])
 
     def _read(self, agent: str, items: list[tuple[Pull, _Peer, list[int]]],
-              deadline: float) -> bool:
-        """One NIXL READ of every block of `items` from `agent`; whether it completed."""
+              deadline: float) -> StagingBuffer | None:
+        """One NIXL READ of every block of `items` from `agent` into a staging buffer
+        (never into the cache: `staging.py`), one row per block in the order of `items`;
+        the buffer if the READ completed (the caller gives it back), else None (a READ
+        given up in flight leaves its buffer quarantined)."""
         half = self._half_nbytes()
+        count = len(self._caches)
+        try:
+            buffer = self._staging_pool().acquire(sum(len(p.block_ids) for p, _, _ in items))
+        except StagingExhausted as error:
+            logger.warning("NIXL read from %s refused: %s", agent, error)
+            return None
+        base = buffer.rows.data_ptr()
         local, remote = [], []
+        row = 0
         for pull, peer, _ in items:
-            for cache, (k_base, v_base) in zip(self._caches, peer.regions):
-                mine = (cache.data_ptr(), cache.data_ptr() + cache.shape[1] * half)
-                for local_id, remote_id in zip(pull.block_ids, pull.remote_block_ids):
-                    for base, remote_base in zip(mine, (k_base, v_base)):
-                        local.append((base + local_id * half, half, 0))
-                        remote.append((remote_base + remote_id * half, half, 0))
+            for remote_id in pull.remote_block_ids:
+                for side in range(2):  # a row is laid out as `_checksums` hashes a block
+                    for c, bases in enumerate(peer.regions):
+                        local.append((base + ((row * 2 + side) * count + c) * half, half, 0))
+                        remote.append((bases[side] + remote_id * half, half, 0))
+                row += 1
         handle = None
+        state = "ERR"
         try:
             local_descs = self._agent.get_xfer_descs(local, "DRAM")
             remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
@@ -572,18 +594,68 @@ class NixlConnector(KVConnectorBase):
                 time.sleep(POLL_INTERVAL_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
-                logger.warning("NIXL read of %d blocks from %s: %s", len(local) // 2, agent,
+                logger.warning("NIXL read of %d blocks from %s: %s", row, agent,
                                "failed" if state == "ERR" else "past its deadline")
-            return state == "DONE"
         except Exception as error:  # a transfer that cannot be posted is a failed pull
             logger.warning("NIXL read from %s could not run: %r", agent, error)
-            return False
-        finally:
-            if handle is not None:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - an in-flight handle may refuse
-                    pass
+            state = "ERR" if handle is None else "PROC"  # posted: it may still write
+        if handle is not None and state not in ("DONE", "ERR"):
+            self._staging_pool().quarantine(buffer, handle)  # never released in flight
+            return None
+        if handle is not None:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - ended: nothing more is written
+                pass
+        if state != "DONE":
+            self._staging_pool().give_back(buffer)
+            return None
+        return buffer
+
+    def _staging_pool(self) -> StagingPool:
+        with self._lock:
+            if self._staging is None:
+                row_nbytes = 2 * len(self._caches) * self._half_nbytes()  # a block's K and V
+                self._staging = StagingPool(self._agent, row_nbytes)
+            return self._staging
+
+    def _install_staged(self, items: list[tuple[Pull, _Peer, list[int]]],
+                        buffer: StagingBuffer, fence: ReadCancel | None) -> set[int]:
+        """Verify the staged rows of `items` against the producer's checksums and copy
+        the verified ones into the cache (one indexed copy per cache tensor), under
+        `fence` when given: nothing is written once it is set. The blocks not installed."""
+        local_ids = [b for pull, _, _ in items for b in pull.block_ids]
+        expected = [x for _, _, checksums in items for x in checksums]
+        rows = buffer.rows[:len(local_ids)]
+        raw = rows.numpy()
+        good = [i for i, x in enumerate(expected) if xxhash.xxh3_64_intdigest(raw[i].data) == x]
+        bad = set(local_ids) - {local_ids[i] for i in good}
+        for pull, _, _ in items:
+            failed = sum(b in bad for b in pull.block_ids)
+            if failed:
+                logger.warning("request %s: %d pulled KV block(s) fail their checksum",
+                               pull.request_id, failed)
+        if not good:
+            return bad
+        half = self._half_nbytes()
+        staged = rows[torch.tensor(good, dtype=torch.long)].view(
+            len(good), 2, len(self._caches), half)
+        targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long)
+
+        def copy() -> None:
+            for c, cache in enumerate(self._caches):
+                cache_bytes = cache.view(torch.uint8).view(2, cache.shape[1], half)
+                cache_bytes[:, targets] = staged[:, :, c].transpose(0, 1)
+
+        if fence is None:
+            copy()
+        else:
+            try:
+                fence.write_unless_set(copy)
+            except ReadTimedOut:
+                return set(local_ids)
+        self._pulled_blocks += len(good)
+        return bad
 
     def shutdown(self) -> None:
         self._closing.set()
@@ -594,6 +666,8 @@ class NixlConnector(KVConnectorBase):
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._staging is not None:
+            self._staging.close()
         self._agent = None
         self._caches = []
 

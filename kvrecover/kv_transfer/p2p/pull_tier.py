@@ -4,8 +4,9 @@ NixlConnector): a pull first, the block stores behind it.
 The scheduler role claims the larger of the pull's and the stores' prefixes; the
 stores' load covers every claimed block (each group's, as a store load does) and the
 pull its own. On the worker the load's reader thread pulls first (`PullTier.pull`,
-bounded by the load's deadline): the blocks the pull verified are in the cache already
-(`IN_CACHE`), every other block of the load is read from the stores tier by tier, and
+bounded by the load's deadline; it reads into staging buffers and copies the blocks it
+verified into the cache under the load's fence, `ReadCancel`: a load given up gets
+nothing more written), so those are in the cache already (`IN_CACHE`), every other block of the load is read from the stores tier by tier, and
 only what every tier lost is invalid (recomputed). A producer's TieredConnector keeps
 its prompts for pulls through the same connector (and saves them into the stores).
 """
@@ -21,6 +22,7 @@ import torch
 
 from kvrecover.kv_transfer.block_store import StoredBlock
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata, Pull
+from kvrecover.kv_transfer.reader_threads import ReadCancel
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
@@ -68,14 +70,16 @@ class PullTier:
         with self._lock:
             self._pulls.update((pull.request_id, pull) for pull in metadata.pulls)
 
-    def pull(self, request_ids: Iterable[str], timeout_s: float) -> tuple[set[int], set[int]]:
-        """Run the pulls of these requests (a load's reader thread); (local blocks
-        verified in the cache, local blocks that failed)."""
+    def pull(self, request_ids: Iterable[str], timeout_s: float,
+             fence: ReadCancel | None = None) -> tuple[set[int], set[int]]:
+        """Run the pulls of these requests (a load's reader thread; `fence` the load's
+        `cancelled`: once it is set nothing more is copied into the cache); (local
+        blocks verified in the cache, local blocks that failed)."""
         with self._lock:
             pulls = [self._pulls.pop(r) for r in request_ids if r in self._pulls]
         if not pulls:
             return set(), set()
-        failed = self.connector.pull_blocks(pulls, timeout_s)
+        failed = self.connector.pull_blocks(pulls, timeout_s, fence)
         loaded = {b for pull in pulls for b in pull.block_ids} - failed
         return loaded, failed
 
