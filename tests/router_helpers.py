@@ -4,12 +4,9 @@ on a free loopback port in front of `kvrecover serve` instances over NIXL, alway
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
-import pytest
-from serving_utils import Process, free_port
+from serving_utils import Process, free_port, required_client_binary
 
 # One prompt of several blocks, and the engine flags, of every P/D fleet in these tests.
 PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france is paris; "
@@ -17,29 +14,14 @@ PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france
 ENGINE = ("--device", "cpu", "--block-size", "8", "--num-kv-blocks", "128",
           "--served-model-name", "tiny")
 NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)  # every pull reads the whole prompt
-PEER_BIN = Path.home() / ".cache" / "kvrecover-peer" / "clients-venv" / "bin"
 MISSING = ("vllm-router is not installed (scripts/setup_vllm_router.sh, which ./test.sh runs, "
            "installs it)")
 
 
-def router_binary() -> Path | None:
-    """`vllm-router` from $KVRECOVER_CLIENTS_BIN, the peer clients' venv or PATH."""
-    for folder in (os.environ.get("KVRECOVER_CLIENTS_BIN"), str(PEER_BIN)):
-        if folder and (Path(folder) / "vllm-router").is_file():
-            return Path(folder) / "vllm-router"
-    found = shutil.which("vllm-router")
-    return Path(found) if found else None
-
-
 def required_router_binary() -> Path:
-    """`router_binary()`; without it the calling test is skipped, except under CI
-    (CI=true), where it fails."""
-    found = router_binary()
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(MISSING)
-        pytest.skip(MISSING)
-    return found
+    """The vllm-router executable (`required_client_binary`: a skip, or a failure
+    under CI, without it)."""
+    return required_client_binary("vllm-router", MISSING)
 
 
 def nixl_transfer(role: str, policy: str = "recompute", faulty: bool = False, **extra) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 START_TIMEOUT_S = 180.0  # two cores shared by several engineers: starts can be slow
 CHAT_TEMPLATE = (
@@ -30,6 +32,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+PEER_BIN = Path.home() / ".cache" / "kvrecover-peer" / "clients-venv" / "bin"
+
+
+def client_binary(name: str) -> Path | None:
+    """A real client's executable `name` (lm_eval, vllm-router) from
+    $KVRECOVER_CLIENTS_BIN (./test.sh's .clients-venv), the peer clients' venv or PATH."""
+    for folder in (os.environ.get("KVRECOVER_CLIENTS_BIN"), str(PEER_BIN)):
+        if folder and (Path(folder) / name).is_file():
+            return Path(folder) / name
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def required_client_binary(name: str, missing: str) -> Path:
+    """`client_binary(name)`; without it the calling test is skipped with `missing`,
+    except under CI (CI=true), where it fails: CI installs every real client."""
+    found = client_binary(name)
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return found
 
 
 def add_chat_template(model_dir: Path) -> Path:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import openai
 import pytest
 from conftest import build_tiny_model
-from serving_utils import add_chat_template, served
+from serving_utils import add_chat_template, required_client_binary, served
 
 from kvrecover import LLM, SamplingParams
 
@@ -26,7 +25,6 @@ pytestmark = pytest.mark.slow  # a separate process
 
 TASK_DIR = Path(__file__).parent / "lm_eval_task"
 TASK = "kvrecover_tiny_loglikelihood"
-PEER_BIN = Path.home() / ".cache" / "kvrecover-peer" / "clients-venv" / "bin"
 TOL = 1e-4
 MISSING = "lm_eval is not installed (scripts/setup_lm_eval.sh, which ./test.sh runs, installs it)"
 
@@ -85,14 +83,6 @@ def test_lm_eval_loglikelihood_request_through_the_openai_client(server, referen
         assert abs(score - want) < TOL and greedy == want_greedy
 
 
-def lm_eval_binary() -> Path | None:
-    for folder in (os.environ.get("KVRECOVER_CLIENTS_BIN"), str(PEER_BIN)):
-        if folder and (Path(folder) / "lm_eval").is_file():
-            return Path(folder) / "lm_eval"
-    found = shutil.which("lm_eval")
-    return Path(found) if found else None
-
-
 def sample_scores(output_dir: Path) -> dict[tuple[str, str], float]:
     """(context, continuation) -> log-likelihood, from lm-eval's logged samples."""
     scores = {}
@@ -110,11 +100,7 @@ def sample_scores(output_dir: Path) -> dict[tuple[str, str], float]:
 
 
 def test_lm_eval_scores_equal_the_offline_api(server, reference, model_dir, tmp_path):
-    binary = lm_eval_binary()
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(MISSING)
-        pytest.skip(MISSING)
+    binary = required_client_binary("lm_eval", MISSING)
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     data = str((TASK_DIR / "tiny_loglikelihood.jsonl").resolve())

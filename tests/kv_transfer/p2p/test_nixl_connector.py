@@ -128,6 +128,16 @@ class Consumed:
         return self.stats.get("kv_nixl_pulled_blocks", 0)
 
 
+def with_references(references: list[dict | None]) -> list[SamplingParams]:
+    """PARAMS once per prompt, each carrying its reference (None: computed here)."""
+    params = []
+    for reference in references:
+        each = copy.copy(PARAMS)
+        each.kv_transfer_params = reference
+        params.append(each)
+    return params
+
+
 def consumer_config(async_load: bool, policy: str, store: Path | None) -> KVTransferConfig:
     """A NixlConnector consumer's config; with `store`, a TieredConnector of NIXL first
     and that shared-storage folder behind it."""
@@ -148,11 +158,7 @@ def consume(model: Path, references: list[dict | None], *, async_load: bool = Fa
     transfer = consumer_config(async_load, policy, store)
     llm = LLM(str(model), device="cpu", block_size=8, num_kv_blocks=128,
               kv_transfer_config=transfer)
-    params = []
-    for reference in references:
-        each = copy.copy(PARAMS)
-        each.kv_transfer_params = reference
-        params.append(each)
+    params = with_references(references)
     started = time.monotonic()
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     elapsed = time.monotonic() - started
@@ -293,11 +299,7 @@ def test_a_restarted_producer_is_handshaken_again_and_its_old_references_refused
               kv_transfer_config=transfer, enable_prefix_caching=False)
 
     def pull(references):
-        params = []
-        for reference in references:
-            each = copy.copy(PARAMS)
-            each.kv_transfer_params = reference
-            params.append(each)
+        params = with_references(references)
         before = llm.stats.get("kv_nixl_pulled_blocks", 0)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         return [o.outputs[0].token_ids for o in outputs], \

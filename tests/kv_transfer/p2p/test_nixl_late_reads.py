@@ -7,7 +7,6 @@ agent only while a pull may read it). Pulled directly and as a TieredConnector's
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fixture
-    PARAMS,
     PROMPTS,
     Producer,
     kill_producers,
     no_connector,
+    with_references,
 )
 
 from kvrecover import LLM, KVTransferConfig
@@ -141,11 +140,7 @@ def test_a_read_given_up_that_completes_late_writes_nothing(tiny_llama, hung, tm
                                     {**nixl, "async_load": async_load})
     llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=128,
               kv_transfer_config=transfer)
-    params = []
-    for reference in producer.references:
-        each = copy.copy(PARAMS)
-        each.kv_transfer_params = reference
-        params.append(each)
+    params = with_references(producer.references)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == no_connector(tiny_llama)
     assert llm.stats.get("kv_nixl_pulled_blocks", 0) == 0
@@ -198,11 +193,7 @@ def test_a_tier_load_given_up_gets_no_pulled_block_copied_after(tiny_llama, hung
              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store")}}]})
     llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=128,
               kv_transfer_config=transfer)
-    params = []
-    for reference in producer.references:
-        each = copy.copy(PARAMS)
-        each.kv_transfer_params = reference
-        params.append(each)
+    params = with_references(producer.references)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == no_connector(tiny_llama)
     [agent] = hung.agents
