@@ -28,8 +28,8 @@ from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.engine import engine as engine_module
 from kvrecover.engine.kv_loads import KVLoads
 from kvrecover.engine.scheduler import Scheduler
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.store_base import StoreConnectorBase
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.store_base import StoreConnectorBase
 
 
 class Timeline:

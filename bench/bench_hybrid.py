@@ -50,8 +50,8 @@ from random_checkpoint import write_random_checkpoint
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_layout import group_block_key, hash_block_tokens
-from kvrecover.kv_transfer.block_store import SUFFIX
-from kvrecover.kv_transfer.state_entries import STATE_KEY_GROUP
+from kvrecover.kv_transfer.stores.block_store import SUFFIX
+from kvrecover.kv_transfer.stores.state_entries import STATE_KEY_GROUP
 
 BLOCK_SIZE = 16
 # Share of each request's loaded KV blocks that fail (seeded positions); None: the last

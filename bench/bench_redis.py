@@ -47,9 +47,9 @@ import xxhash
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.redis_connector import RedisConnector
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.store_connector import (
+from kvrecover.kv_transfer.redis.connector import RedisConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.store_connector import (
     BlockStoreConnector,
     BlockTransfer,
     StorageConnectorMetadata,

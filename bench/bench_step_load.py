@@ -48,8 +48,8 @@ from model_shapes import SHAPES, ModelShape, resolve_model_dir
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import PREFIX_SIZE
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores.block_store import PREFIX_SIZE
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,

@@ -56,9 +56,9 @@ from layer_prefill import SHAPES, prefill_seconds
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import PREFIX_SIZE, BlockStore
-from kvrecover.kv_transfer.reader_threads import ReadCancel
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores.block_store import PREFIX_SIZE, BlockStore
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,

@@ -33,9 +33,9 @@ from model_shapes import SHAPES, ModelShape
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer import block_store, paged_blocks, shared_storage
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores import block_store, paged_blocks, shared_storage
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,

@@ -361,7 +361,7 @@ def rewrite_header(path: Path, **changes) -> None:
     forged, self-consistent header."""
     import dataclasses
 
-    from kvrecover.kv_transfer.block_store import HEADER, PREFIX_SIZE, BlockHeader
+    from kvrecover.kv_transfer.stores.block_store import HEADER, PREFIX_SIZE, BlockHeader
 
     raw = bytearray(path.read_bytes())
     header = dataclasses.replace(BlockHeader(*HEADER.unpack_from(raw, 0)), **changes)
@@ -407,7 +407,7 @@ def no_connector_ids(model: Path, prompts: list[list[int]] = KV_PROMPTS, **engin
 
 def block_files(root: Path) -> list[Path]:
     """Every stored block file under a store root."""
-    from kvrecover.kv_transfer.block_store import SUFFIX
+    from kvrecover.kv_transfer.stores.block_store import SUFFIX
 
     return sorted(root.rglob(f"*{SUFFIX}"))
 
@@ -417,7 +417,7 @@ def pristine_store(tiny_llama, tmp_path_factory) -> tuple[Path, list[list[Path]]
     """A store holding tiny_llama's KV of KV_PROMPTS, and each prompt's block files in
     chain order. Copy it (`copy_store`) before changing anything."""
     from kvrecover.kv_layout import update_block_hashes
-    from kvrecover.kv_transfer.block_store import BlockStore
+    from kvrecover.kv_transfer.stores.block_store import BlockStore
 
     root = tmp_path_factory.mktemp("pristine_store")
     llm = make_kv_llm(tiny_llama, storage_transfer(root, "kv_producer"))

@@ -108,7 +108,7 @@ def every_record() -> list[type]:
     from kvrecover.entrypoints.proxy.config import ProxyConfig
     from kvrecover.entrypoints.server.app import ServerConfig
     from kvrecover.kv_transfer.faults import FaultRule
-    from kvrecover.kv_transfer.tiered_config import TierEntry
+    from kvrecover.kv_transfer.tiered.config import TierEntry
     from kvrecover.scenario import DecodeArgs, ScenarioArgs
 
     return [EngineArgs, SamplingParams, KVTransferConfig, SchedulerConfig, ScenarioArgs,
@@ -192,7 +192,7 @@ def test_a_wrapper_takes_its_inner_connectors_settings():
 
 
 def test_a_misspelt_tier_key_says_did_you_mean():
-    from kvrecover.kv_transfer.tiered import TieredConnector
+    from kvrecover.kv_transfer.tiered.connector import TieredConnector
 
     config = KVTransferConfig("TieredConnector", "kv_both",
                               {"connectors": [{"kv_connector": "RedisConnector", "kv_rle": "x"}]})

@@ -20,7 +20,7 @@ from pathlib import Path
 from prefill import add_common_flags, is_redis, load_prompts, make_llm, transfer_config
 
 from kvrecover import SamplingParams
-from kvrecover.kv_transfer.redis_store import redact_url
+from kvrecover.kv_transfer.redis.store import redact_url
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ that lost an entry would; kvrecover must recompute exactly what was lost.
 
 import logging
 
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Each step is one message: the `SchedulerOutput` pickled once, the same bytes wri
 to every rank's channel (a Unix socket pair per rank, `rank_process.RankChannel`).
 Each rank answers with one `RankReport`: its worker connector's part of the step's
 `ModelRunnerOutput`. These are the engine's own messages between its own processes
-(never stored KV, which is never unpickled: `kv_transfer/block_store.py`).
+(never stored KV, which is never unpickled: `kv_transfer/stores/block_store.py`).
 """
 
 from __future__ import annotations

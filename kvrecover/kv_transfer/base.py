@@ -49,7 +49,7 @@ from kvrecover.options import from_dict, option_names, reject_unknown
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
-    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
+    from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 DEFAULT_LOAD_TIMEOUT_S = 30.0

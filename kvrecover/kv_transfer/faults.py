@@ -45,12 +45,12 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvrecover.kv_transfer.state_entries import STATE_READ_BLOCK_ID
+from kvrecover.kv_transfer.stores.state_entries import STATE_READ_BLOCK_ID
 from kvrecover.options import from_dict, option, option_names, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
-    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
+    from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 FAULT_KINDS = ("missing", "error", "corrupt", "hang")

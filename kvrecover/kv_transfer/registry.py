@@ -13,12 +13,12 @@ from kvrecover.kv_transfer.base import KVConnectorBase, KVConnectorRole
 
 # name -> "module:Class", imported on first use.
 _REGISTRY: dict[str, str] = {
-    "SharedStorageConnector": "kvrecover.kv_transfer.shared_storage:SharedStorageConnector",
-    "ExampleConnector": "kvrecover.kv_transfer.shared_storage:SharedStorageConnector",
+    "SharedStorageConnector": "kvrecover.kv_transfer.stores.shared_storage:SharedStorageConnector",
+    "ExampleConnector": "kvrecover.kv_transfer.stores.shared_storage:SharedStorageConnector",
     "FaultInjectionConnector": "kvrecover.kv_transfer.faults:FaultInjectionConnector",
-    "RedisConnector": "kvrecover.kv_transfer.redis_connector:RedisConnector",
-    "TieredConnector": "kvrecover.kv_transfer.tiered:TieredConnector",
-    "MultiConnector": "kvrecover.kv_transfer.tiered:TieredConnector",
+    "RedisConnector": "kvrecover.kv_transfer.redis.connector:RedisConnector",
+    "TieredConnector": "kvrecover.kv_transfer.tiered.connector:TieredConnector",
+    "MultiConnector": "kvrecover.kv_transfer.tiered.connector:TieredConnector",
     "NixlConnector": "kvrecover.kv_transfer.p2p.nixl_connector:NixlConnector",
 }
 

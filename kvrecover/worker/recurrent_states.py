@@ -89,7 +89,7 @@ class RecurrentStates:
     @property
     def state_signature(self) -> str:
         """The checkpointed states' layers, names, shapes and dtypes (a stored state's
-        fingerprint, `kv_transfer/state_entries.py`)."""
+        fingerprint, `kv_transfer/stores/state_entries.py`)."""
         return ";".join(f"{layer}:{spec.name}:{tuple(spec.shape)}:{spec.dtype or self.dtype}"
                         for layer, layer_specs in sorted(self.specs.items())
                         for spec in layer_specs if spec.checkpointed)

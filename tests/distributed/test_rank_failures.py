@@ -105,7 +105,7 @@ def test_rank_0_raising_in_its_forward_stops_the_group(tiny_llama, monkeypatch):
 
 
 CRASHING_CONNECTOR = '''
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 
 class RankCrash(BaseException):

@@ -19,8 +19,8 @@ from conftest import KV_BLOCK, KV_PROMPTS, break_stored_file, make_kv_llm, stora
 
 from kvrecover import SamplingParams
 from kvrecover.kv_layout import update_block_hashes
-from kvrecover.kv_transfer.block_store import BlockStore
-from kvrecover.kv_transfer.state_entries import state_key
+from kvrecover.kv_transfer.stores.block_store import BlockStore
+from kvrecover.kv_transfer.stores.state_entries import state_key
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from test_qwen3_next_vs_hf import FAMILIES, build_hybrid  # noqa: E402

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 from kvrecover.kv_layout import update_block_hashes
-from kvrecover.kv_transfer.block_store import BlockStore
+from kvrecover.kv_transfer.stores.block_store import BlockStore
 
 MAX_TOKENS = 4
 BROKEN_PROMPT = 0  # the prompt whose rank-1 shard breaks; the others load fine
@@ -132,7 +132,7 @@ def test_one_ranks_failed_load_under_policy_fail_fails_only_that_request(
 
 
 CONNECTOR_MODULE = '''
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 
 class RankOneMisbehaves(SharedStorageConnector):

@@ -20,7 +20,7 @@ from conftest import (
 )
 
 from kvrecover import SamplingParams
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 WAIT_S = 20.0  # bound of every wait below; reached only if the engine never gets there
 

@@ -16,7 +16,7 @@ from test_recovery import PARAMS, as_inputs, decode, fill_store, make_prompts, t
 
 from kvrecover import LLM, KVTransferConfig
 from kvrecover.kv_layout import blocks_needed
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 TIMEOUT_S = 0.5  # every async load's deadline here: tests end by design, not by timeout
 

@@ -16,7 +16,7 @@ from conftest import random_prompts
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.engine.request import RequestStatus
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -425,7 +425,7 @@ def test_connector_exception_is_contained(stored, tmp_path):
     model, store, baseline = stored
     module = tmp_path / "raising_connector.py"
     module.write_text(
-        "from kvrecover.kv_transfer.shared_storage import SharedStorageConnector\n"
+        "from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector\n"
         "class Raising(SharedStorageConnector):\n"
         "    def start_load_kv(self, kv_caches):\n"
         "        super().start_load_kv(kv_caches)\n"

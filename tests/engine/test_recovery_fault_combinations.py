@@ -25,7 +25,7 @@ from test_recovery import PARAMS, as_inputs, make_prompts, token_ids
 
 from kvrecover import LLM, KVTransferConfig
 from kvrecover.kv_layout import group_block_key, update_block_hashes
-from kvrecover.kv_transfer.block_store import SUFFIX
+from kvrecover.kv_transfer.stores.block_store import SUFFIX
 
 BLOCK = 8
 # make_prompts()[0] has 130 tokens: 16 loadable blocks; a windowed group loads 6 of them.

@@ -11,8 +11,8 @@ from test_recovery_unit import make_request
 
 from kvrecover.engine.state_checkpoints import StateCheckpoints
 from kvrecover.kv_transfer.request_view import KVRequestView
-from kvrecover.kv_transfer.store_states import StoreStates
-from kvrecover.kv_transfer.transfers import BlockTransfer
+from kvrecover.kv_transfer.stores.store_states import StoreStates
+from kvrecover.kv_transfer.stores.transfers import BlockTransfer
 from kvrecover.sampling import SamplingParams
 
 BLOCK = 4

@@ -26,10 +26,10 @@ from test_batched_loads import (
 )
 
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.block_store import BlockStore
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks
-from kvrecover.kv_transfer.reader_threads import ReaderThreads
-from kvrecover.kv_transfer.shared_storage import BlockTransfer, StorageConnectorMetadata
+from kvrecover.kv_transfer.stores.block_store import BlockStore
+from kvrecover.kv_transfer.stores.paged_blocks import PagedBlocks
+from kvrecover.kv_transfer.stores.reader_threads import ReaderThreads
+from kvrecover.kv_transfer.stores.shared_storage import BlockTransfer, StorageConnectorMetadata
 
 
 @pytest.fixture

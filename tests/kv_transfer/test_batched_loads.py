@@ -14,12 +14,12 @@ import xxhash
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer import paged_blocks, staged_io
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import PREFIX_SIZE, BlockLoadError, BlockStore
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks
-from kvrecover.kv_transfer.reader_threads import ReadCancel, ReaderThreads, ReadTimedOut
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores import paged_blocks, staged_io
+from kvrecover.kv_transfer.stores.block_store import PREFIX_SIZE, BlockLoadError, BlockStore
+from kvrecover.kv_transfer.stores.paged_blocks import PagedBlocks
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel, ReaderThreads, ReadTimedOut
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_layout, random_block, rewrite_header, simulate_full_disk
 
-from kvrecover.kv_transfer.block_store import (
+from kvrecover.kv_transfer.stores.block_store import (
     MAGIC,
     PREFIX_SIZE,
     SUFFIX,
@@ -24,7 +24,7 @@ from kvrecover.kv_transfer.block_store import (
     BlockLoadError,
     BlockStore,
 )
-from kvrecover.kv_transfer.storage_check import check_entry
+from kvrecover.kv_transfer.stores.storage_check import check_entry
 
 KEY_A = bytes(range(16))
 KEY_B = bytes(range(16, 32))
@@ -101,7 +101,7 @@ def test_write_rejects_a_block_of_another_shape_or_dtype(store):
 
 
 def test_a_write_that_fails_midway_leaves_no_file(store, monkeypatch):
-    import kvrecover.kv_transfer.block_store as block_store_module
+    import kvrecover.kv_transfer.stores.block_store as block_store_module
 
     simulate_full_disk(monkeypatch, block_store_module, bytes_before_failure=10)
     with pytest.raises(OSError, match="No space"):

@@ -14,7 +14,7 @@ from kvrecover.kv_layout import KVCacheLayout, update_block_hashes
 from kvrecover.kv_transfer.base import DEFAULT_LOAD_TIMEOUT_S, KVConnectorBase, KVConnectorRole
 from kvrecover.kv_transfer.faults import FaultInjectionConnector
 from kvrecover.kv_transfer.registry import register_connector
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 from kvrecover.step_messages import SchedulerOutput
 
 BLOCK = 4

@@ -20,8 +20,8 @@ import torch
 from conftest import greedy_token_ids
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-from kvrecover.kv_transfer.block_store import SUFFIX
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.block_store import SUFFIX
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
 
 VOCAB = 384  # the tiny models of conftest.py
 MAX_TOKENS = 6

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from kvrecover.kv_transfer.faults import FaultInjectionConnector
-from kvrecover.kv_transfer.storage_check import check_entry
+from kvrecover.kv_transfer.stores.storage_check import check_entry
 
 
 def fault_transfer(store: Path, faults: list[dict], **extra):
@@ -101,9 +101,9 @@ def test_every_failed_block_is_nan_even_where_the_cache_held_the_right_kv(tmp_pa
 
     from kvrecover import KVTransferConfig
     from kvrecover.kv_transfer.base import KVConnectorRole
-    from kvrecover.kv_transfer.block_store import BlockStore
     from kvrecover.kv_transfer.faults import FaultMetadata
-    from kvrecover.kv_transfer.shared_storage import BlockTransfer, StorageConnectorMetadata
+    from kvrecover.kv_transfer.stores.block_store import BlockStore
+    from kvrecover.kv_transfer.stores.shared_storage import BlockTransfer, StorageConnectorMetadata
 
     layout = make_layout()
     store = BlockStore(tmp_path, layout)
@@ -150,7 +150,7 @@ def test_reads_the_injector_leaves_alone_take_the_fast_path(tiny_llama, pristine
     # A fault on one block must not send every other read of the load through raw bytes
     # (a fresh buffer per entry, a copy more): the 0%-failure rows of bench_recovery.py
     # would then measure a slower load than the plain connector's.
-    from kvrecover.kv_transfer.block_store import BlockStore
+    from kvrecover.kv_transfer.stores.block_store import BlockStore
 
     raw_reads: list[bytes] = []
     read_raw = BlockStore.read_raw

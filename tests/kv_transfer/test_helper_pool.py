@@ -13,11 +13,11 @@ import xxhash
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer import staged_io
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import BlockStore
-from kvrecover.kv_transfer.helper_pool import HelperPool
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores import staged_io
+from kvrecover.kv_transfer.stores.block_store import BlockStore
+from kvrecover.kv_transfer.stores.helper_pool import HelperPool
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,

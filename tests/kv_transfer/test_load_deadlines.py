@@ -28,9 +28,13 @@ from conftest import (
 
 from kvrecover import KVTransferConfig
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import BlockStore
-from kvrecover.kv_transfer.reader_threads import MAX_ABANDONED_READS, ReadCancel, ReadTimedOut
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores.block_store import BlockStore
+from kvrecover.kv_transfer.stores.reader_threads import (
+    MAX_ABANDONED_READS,
+    ReadCancel,
+    ReadTimedOut,
+)
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,

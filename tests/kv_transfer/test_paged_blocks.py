@@ -23,16 +23,16 @@ from conftest import (
 from kvrecover import LLM
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer import native_copy, paged_blocks, staged_io
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import (
+from kvrecover.kv_transfer.stores import native_copy, paged_blocks, staged_io
+from kvrecover.kv_transfer.stores.block_store import (
     PREFIX_SIZE,
     BlockLoadError,
     BlockStore,
     payload_checksum,
 )
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks, StagedRows
-from kvrecover.kv_transfer.shared_storage import (
+from kvrecover.kv_transfer.stores.paged_blocks import PagedBlocks, StagedRows
+from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
     SharedStorageConnector,
     StorageConnectorMetadata,
@@ -208,7 +208,7 @@ def test_connector_reports_a_corrupt_entry_and_everything_after_it(layout, tmp_p
 
 
 def test_staging_buffers_are_reused_smallest_fit_first(layout):
-    from kvrecover.kv_transfer.paged_blocks import MAX_FREE_STAGING
+    from kvrecover.kv_transfer.stores.paged_blocks import MAX_FREE_STAGING
 
     paged = PagedBlocks(random_caches(layout, 10))
     small, large = paged.staging(2), paged.staging(5)

@@ -23,9 +23,9 @@ from redis_helpers import LARGE_LAYOUT, peak_allocation, require_redis_server, s
 from test_redis_connector import MAX_TOKENS, baseline, make_llm  # the same engine and runs
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-from kvrecover.kv_transfer.redis_cluster_store import RedisClusterBlockStore
-from kvrecover.kv_transfer.redis_connector import RedisConnector
-from kvrecover.kv_transfer.redis_store import RedisSettings
+from kvrecover.kv_transfer.redis.cluster_store import RedisClusterBlockStore
+from kvrecover.kv_transfer.redis.connector import RedisConnector
+from kvrecover.kv_transfer.redis.store import RedisSettings
 
 VOCAB = 384  # the tiny models of conftest.py
 BLOCK = 16

@@ -25,7 +25,7 @@ from redis.retry import Retry
 from redis_helpers import FaultyProxy, SilentServer
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-from kvrecover.kv_transfer.redis_connector import RedisConnector
+from kvrecover.kv_transfer.redis.connector import RedisConnector
 
 VOCAB = 384  # the tiny models of conftest.py
 MAX_TOKENS = 4

@@ -9,13 +9,13 @@ import torch
 from redis_helpers import LARGE_LAYOUT, SilentServer, peak_allocation, sealed_entries
 
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.block_store import BlockLoadError
-from kvrecover.kv_transfer.redis_store import (
+from kvrecover.kv_transfer.redis.store import (
     RedisBlockStore,
     RedisSettings,
     io_loop,
     redact_url,
 )
+from kvrecover.kv_transfer.stores.block_store import BlockLoadError
 
 LAYOUT = KVCacheLayout("test-model", torch.float32, 4, 2, 2, 8)
 KEYS = [bytes([i]) * 16 for i in range(5)]

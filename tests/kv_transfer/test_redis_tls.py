@@ -22,8 +22,8 @@ from test_redis_cluster import LOADABLE_A, PROMPT_A, PROMPT_B, PROMPT_C, cluster
 from test_redis_connector import MAX_TOKENS, baseline, make_llm
 
 from kvrecover import KVTransferConfig
-from kvrecover.kv_transfer.redis_cluster_store import RedisClusterBlockStore
-from kvrecover.kv_transfer.redis_urls import parse_cluster_url
+from kvrecover.kv_transfer.redis.cluster_store import RedisClusterBlockStore
+from kvrecover.kv_transfer.redis.urls import parse_cluster_url
 
 BLOCK = 16
 

@@ -34,10 +34,10 @@ from conftest import (
     storage_transfer,
 )
 
-import kvrecover.kv_transfer.block_store as block_store_module
+import kvrecover.kv_transfer.stores.block_store as block_store_module
 from kvrecover.cli import main as cli_main
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.storage_check import check_entry
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.storage_check import check_entry
 
 # ----- fuzzing the stored files ---------------------------------------------------------
 MUTATIONS = ("flip", "truncate", "zero", "delete", "swap", "extend", "garbage")

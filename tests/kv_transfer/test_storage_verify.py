@@ -1,4 +1,4 @@
-"""`kvrecover storage verify [--fix]` and the checker behind it (kv_transfer/storage_check.py).
+"""`kvrecover storage verify [--fix]` and the checker behind it (kv_transfer/stores/storage_check.py).
 
 Every entry the store could read is judged: corrupt files, leftover temporary
 files and anything that is not a regular file (a directory, a FIFO, a link) are
@@ -21,8 +21,8 @@ from conftest import block_files, make_layout, random_block, rewrite_header
 
 from kvrecover.cli import main as cli_main
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.block_store import PREFIX_SIZE, SUFFIX, BlockStore
-from kvrecover.kv_transfer.storage_check import check_entry, scan_store
+from kvrecover.kv_transfer.stores.block_store import PREFIX_SIZE, SUFFIX, BlockStore
+from kvrecover.kv_transfer.stores.storage_check import check_entry, scan_store
 
 KEYS = [bytes([i]) * 16 for i in range(6)]
 KEY_A = bytes(range(16))

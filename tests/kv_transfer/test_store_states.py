@@ -1,12 +1,12 @@
-"""`kv_transfer/store_states.py` on its own (no engine, no store): which stored state a
+"""`kv_transfer/stores/store_states.py` on its own (no engine, no store): which stored state a
 failed hybrid load keeps to resume from, and how a failing one degrades (rule 8)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvrecover.kv_transfer.store_states import MAX_RESUME_READS, StoreStates
-from kvrecover.kv_transfer.transfers import BlockTransfer
+from kvrecover.kv_transfer.stores.store_states import MAX_RESUME_READS, StoreStates
+from kvrecover.kv_transfer.stores.transfers import BlockTransfer
 
 BLOCK = 4
 

@@ -16,7 +16,7 @@ from conftest import greedy_token_ids
 from redis_helpers import FaultyProxy
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-from kvrecover.kv_transfer.block_store import SUFFIX
+from kvrecover.kv_transfer.stores.block_store import SUFFIX
 
 VOCAB = 384
 MAX_TOKENS = 4

@@ -1,5 +1,5 @@
 """A hybrid (Qwen3-Next) prompt's recurrent state travels with its KV through a store
-connector (`kv_transfer/state_entries.py`): a producer prefills, a consumer loads KV and
+connector (`kv_transfer/stores/state_entries.py`): a producer prefills, a consumer loads KV and
 state and decodes the same tokens as a connector-free run, sync and async; a claim ends
 at the last boundary whose state is stored; connectors that cannot carry states are
 refused."""
@@ -15,8 +15,8 @@ from test_qwen3_next_vs_hf import FAMILIES, PROMPTS, build_hybrid, generate
 
 from kvrecover import LLM, KVTransferConfig
 from kvrecover.kv_layout import hash_block_tokens
-from kvrecover.kv_transfer.block_store import PREFIX_SIZE, BlockCodec
-from kvrecover.kv_transfer.state_entries import STATE_HEADER, state_key
+from kvrecover.kv_transfer.stores.block_store import PREFIX_SIZE, BlockCodec
+from kvrecover.kv_transfer.stores.state_entries import STATE_HEADER, state_key
 
 BLOCK = 4
 

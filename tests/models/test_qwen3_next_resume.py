@@ -19,7 +19,7 @@ from test_qwen3_next_vs_hf import FAMILIES, GREEDY, PROMPTS, build_hybrid, gener
 
 from kvrecover import KVTransferConfig
 from kvrecover.kv_layout import hash_block_tokens
-from kvrecover.kv_transfer.state_entries import state_key
+from kvrecover.kv_transfer.stores.state_entries import state_key
 
 LONG = PROMPTS[2]  # 41 tokens
 # name -> (block size, K, prompt): 41 = 10 blocks of 4 + 1, 23 = 5 x 4 + 3, 37 = 4 x 8 + 5.

@@ -16,7 +16,7 @@ from test_qwen3_next_connectors import last_boundary_key
 from test_qwen3_next_vs_hf import FAMILIES, GREEDY, MAX_NEW, PROMPTS, build_hybrid, generate
 
 from kvrecover import LLM, KVTransferConfig
-from kvrecover.kv_transfer.block_store import BlockStore
+from kvrecover.kv_transfer.stores.block_store import BlockStore
 
 BLOCK = 4
 BROKEN_PROMPT = 2  # the longest prompt: its state breaks on rank 1

@@ -141,7 +141,7 @@ def _generate(args: argparse.Namespace, engine_args) -> int:
 
 
 def _storage_verify(path: Path, fix: bool) -> int:
-    from kvrecover.kv_transfer.storage_check import remove_entry, scan_store
+    from kvrecover.kv_transfer.stores.storage_check import remove_entry, scan_store
 
     if not path.is_dir():
         raise ValueError(f"{path} is not a folder")

@@ -64,7 +64,7 @@ from kvrecover.kv_transfer.base import (
 from kvrecover.kv_transfer.p2p.params import RemoteReference, parse_reference, wants_remote_prefill
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer, StagingExhausted, StagingPool
-from kvrecover.kv_transfer.reader_threads import ReadCancel, ReadTimedOut
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel, ReadTimedOut
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrecover.kv_transfer.block_store import StoredBlock
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata, Pull
-from kvrecover.kv_transfer.reader_threads import ReadCancel
+from kvrecover.kv_transfer.stores.block_store import StoredBlock
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView

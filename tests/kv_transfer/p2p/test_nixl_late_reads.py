@@ -27,7 +27,7 @@ from kvrecover.kv_transfer.p2p import nixl_connector
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector
 from kvrecover.kv_transfer.p2p.pull_tier import PullTier
 from kvrecover.kv_transfer.p2p.side_channel import call
-from kvrecover.kv_transfer.reader_threads import ReaderThreads, StoreRead
+from kvrecover.kv_transfer.stores.reader_threads import ReaderThreads, StoreRead
 
 pytest.importorskip("nixl_cu12")
 

@@ -49,19 +49,19 @@ import torch
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
-from kvrecover.kv_transfer.block_store import StoredBlock
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
 from kvrecover.kv_transfer.p2p.pull_tier import IN_CACHE, PullTier
-from kvrecover.kv_transfer.reader_threads import ReadCancel
-from kvrecover.kv_transfer.shared_storage import SharedStorageConnector
-from kvrecover.kv_transfer.store_base import prefix_before_none
-from kvrecover.kv_transfer.store_connector import (
+from kvrecover.kv_transfer.stores.block_store import StoredBlock
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
+from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
+from kvrecover.kv_transfer.stores.store_base import prefix_before_none
+from kvrecover.kv_transfer.stores.store_connector import (
     BatchedBlockStore,
     BlockStoreConnector,
     BlockTransfer,
     StorageConnectorMetadata,
 )
-from kvrecover.kv_transfer.tiered_config import TieredSettings, tier_config
+from kvrecover.kv_transfer.tiered.config import TieredSettings, tier_config
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView

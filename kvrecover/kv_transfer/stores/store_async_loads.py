@@ -16,8 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvrecover.kv_transfer.reader_threads import ReadCancel, ReaderThreads, StoreRead, StoreStuck
-from kvrecover.kv_transfer.transfers import BlockTransfer
+from kvrecover.kv_transfer.stores.reader_threads import (
+    ReadCancel,
+    ReaderThreads,
+    StoreRead,
+    StoreStuck,
+)
+from kvrecover.kv_transfer.stores.transfers import BlockTransfer
 
 logger = logging.getLogger(__name__)
 

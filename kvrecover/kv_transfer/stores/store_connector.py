@@ -32,13 +32,13 @@ from typing import Protocol
 
 import torch
 
-from kvrecover.kv_transfer.block_store import (
+from kvrecover.kv_transfer.stores.block_store import (
     BlockLoadError,
     StoredBlock,
     payload_checksum,
 )
-from kvrecover.kv_transfer.cache_copy import encode_blocks, gather_blocks, scatter_blocks
-from kvrecover.kv_transfer.store_base import (
+from kvrecover.kv_transfer.stores.cache_copy import encode_blocks, gather_blocks, scatter_blocks
+from kvrecover.kv_transfer.stores.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,

@@ -27,7 +27,7 @@ timeout or an error reply makes every block it covers missing (reads, lookups) o
 failed (writes), and the caller turns that into invalid blocks or a counted save
 failure. After such a failure the store answers "unavailable" at once for
 `timeout_s` instead of waiting on a dead server again; then it tries again. (A
-cluster, `redis_cluster_store`, does all this per node.)
+cluster, `cluster_store`, does all this per node.)
 
 The password (from the URL or KVRECOVER_REDIS_PASSWORD) stays inside the
 redis-py connection pool; `repr` and every message show the URL without it.
@@ -54,9 +54,9 @@ from redis.backoff import NoBackoff
 
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import SETTING_LABEL
-from kvrecover.kv_transfer.block_store import BlockCodec, BlockLoadError
-from kvrecover.kv_transfer.redis_urls import TLS_OPTIONS, redact_url, url_problem
-from kvrecover.kv_transfer.redis_writes import chunked_writes
+from kvrecover.kv_transfer.redis.urls import TLS_OPTIONS, redact_url, url_problem
+from kvrecover.kv_transfer.redis.writes import chunked_writes
+from kvrecover.kv_transfer.stores.block_store import BlockCodec, BlockLoadError
 from kvrecover.options import option, validate
 
 logger = logging.getLogger(__name__)

@@ -56,11 +56,11 @@ import torch
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.block_store import BlockLoadError, BlockStore, byte_view
-from kvrecover.kv_transfer.paged_blocks import PagedBlocks, RowGroup, StagedRows
-from kvrecover.kv_transfer.reader_threads import ReadCancel, ReadTimedOut
-from kvrecover.kv_transfer.staged_io import RowResult, write_rows
-from kvrecover.kv_transfer.store_base import (
+from kvrecover.kv_transfer.stores.block_store import BlockLoadError, BlockStore, byte_view
+from kvrecover.kv_transfer.stores.paged_blocks import PagedBlocks, RowGroup, StagedRows
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel, ReadTimedOut
+from kvrecover.kv_transfer.stores.staged_io import RowResult, write_rows
+from kvrecover.kv_transfer.stores.store_base import (
     BlockTransfer,
     StorageConnectorMetadata,
     StoreConnectorBase,

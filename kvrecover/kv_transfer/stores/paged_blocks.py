@@ -42,16 +42,16 @@ from typing import Any
 
 import torch
 
-from kvrecover.kv_transfer.block_store import (
+from kvrecover.kv_transfer.stores.block_store import (
     BlockLoadError,
     byte_view,
     parts_checksum,
     payload_checksum,
 )
-from kvrecover.kv_transfer.helper_pool import HelperPool
-from kvrecover.kv_transfer.native_copy import RowInstaller
-from kvrecover.kv_transfer.reader_threads import ReadCancel
-from kvrecover.kv_transfer.staged_io import RowResult, chunk_rows, read_rows
+from kvrecover.kv_transfer.stores.helper_pool import HelperPool
+from kvrecover.kv_transfer.stores.native_copy import RowInstaller
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
+from kvrecover.kv_transfer.stores.staged_io import RowResult, chunk_rows, read_rows
 
 # Staging buffers kept for reuse: enough for every async load in flight at once and a
 # batched step's sync loads (16 x 1024 tokens of Llama-3.1-8B KV: 2.1 GB each way), since

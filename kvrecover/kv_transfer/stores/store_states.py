@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvrecover.kv_layout import latest_resume_point, resume_points, stores_state_at
 from kvrecover.kv_transfer.base import ReadFilter
-from kvrecover.kv_transfer.reader_threads import ReadCancel
-from kvrecover.kv_transfer.state_entries import (
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
+from kvrecover.kv_transfer.stores.state_entries import (
     STATE_READ_BLOCK_ID,
     RecurrentStateAccess,
     decode_state,
@@ -44,7 +44,7 @@ from kvrecover.kv_transfer.state_entries import (
     state_key,
     state_keys,
 )
-from kvrecover.kv_transfer.transfers import BlockTransfer, StateSave
+from kvrecover.kv_transfer.stores.transfers import BlockTransfer, StateSave
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView

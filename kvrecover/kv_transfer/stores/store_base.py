@@ -48,21 +48,21 @@ from kvrecover.kv_transfer.base import (
     KVConnectorRole,
     ReadFilter,
 )
-from kvrecover.kv_transfer.reader_threads import (
+from kvrecover.kv_transfer.stores.reader_threads import (
     ReadCancel,
     ReaderThreads,
     ReadTimedOut,
     StoreRead,
     StoreStuck,
 )
-from kvrecover.kv_transfer.store_async_loads import AsyncLoad, AsyncStoreLoads
-from kvrecover.kv_transfer.store_states import StoreStates
-from kvrecover.kv_transfer.transfers import BlockTransfer, StorageConnectorMetadata
+from kvrecover.kv_transfer.stores.store_async_loads import AsyncLoad, AsyncStoreLoads
+from kvrecover.kv_transfer.stores.store_states import StoreStates
+from kvrecover.kv_transfer.stores.transfers import BlockTransfer, StorageConnectorMetadata
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
-    from kvrecover.kv_transfer.state_entries import RecurrentStateAccess
+    from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)

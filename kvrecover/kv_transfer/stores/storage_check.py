@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvrecover.kv_transfer.block_store import (
+from kvrecover.kv_transfer.stores.block_store import (
     MAGIC,
     PREFIX_SIZE,
     SUFFIX,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from kvrecover.kv_transfer.helper_pool import HelperPool
+from kvrecover.kv_transfer.stores.helper_pool import HelperPool
 
 CHUNK_BYTES = 16 << 20  # rows per chunk: enough to amortise an upload, small enough to spread
 RowResult = int | Exception | None  # a row's checksum, why it failed, or None (not read)

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from kvrecover.kv_layout import group_block_key
-from kvrecover.kv_transfer.block_store import BlockLoadError, StoredBlock
+from kvrecover.kv_transfer.stores.block_store import BlockLoadError, StoredBlock
 
 MAGIC = b"KVRS"
 STATE_HEADER = struct.Struct("<4s16sQ")

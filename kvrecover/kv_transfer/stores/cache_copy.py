@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrecover.kv_transfer.block_store import BlockCodec
+from kvrecover.kv_transfer.stores.block_store import BlockCodec
 
 
 def gather_blocks(kv_caches: list[torch.Tensor],

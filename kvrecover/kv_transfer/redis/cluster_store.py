@@ -1,7 +1,7 @@
 """RedisClusterBlockStore: the Redis block store over a Redis Cluster (or Valkey cluster).
 
 Keys, values, verification and `timeout_s` mean what they mean for one server
-(`redis_store`); the blocks of a prompt spread over the nodes by key slot. Slot
+(`store`); the blocks of a prompt spread over the nodes by key slot. Slot
 routing is redis-py's (`redis.asyncio.cluster.RedisCluster`, discovered from the
 seed nodes of the `redis+cluster://` URL); this module only decides how a node's
 failure is contained:
@@ -46,15 +46,15 @@ from redis.backoff import NoBackoff
 from redis.cluster import PRIMARY
 
 from kvrecover.kv_layout import KVCacheLayout
-from kvrecover.kv_transfer.redis_store import (
+from kvrecover.kv_transfer.redis.store import (
     SERVER,
     QueueCommand,
     RedisBlockStore,
     RedisSettings,
     _describe,
 )
-from kvrecover.kv_transfer.redis_urls import is_cluster_url, parse_cluster_url
-from kvrecover.kv_transfer.redis_writes import chunked_writes
+from kvrecover.kv_transfer.redis.urls import is_cluster_url, parse_cluster_url
+from kvrecover.kv_transfer.redis.writes import chunked_writes
 
 logger = logging.getLogger(__name__)
 

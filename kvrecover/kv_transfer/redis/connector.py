@@ -10,7 +10,7 @@ Settings (`RedisConnectorSettings`, keys of `kv_connector_extra_config`):
                    redis://127.0.0.1:6379/0. A Redis (or Valkey) Cluster:
                    redis+cluster://[user:password@]host:port[,host:port...], its seed
                    nodes (rediss+cluster:// for TLS): a prompt's blocks spread over the
-                   nodes, and a lost node costs only its blocks (redis_cluster_store)
+                   nodes, and a lost node costs only its blocks (cluster_store)
   key_prefix       prepended to every key ("kvrecover:")
   ttl_s            expiry of stored blocks in seconds (None: never expire)
   timeout_s        bound on each call to the server as a whole: waiting for a pooled
@@ -31,10 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvrecover.kv_transfer.redis_cluster_store import open_redis_store
-from kvrecover.kv_transfer.redis_store import RedisBlockStore, RedisSettings
-from kvrecover.kv_transfer.store_base import StoreSettings
-from kvrecover.kv_transfer.store_connector import BlockStoreConnector
+from kvrecover.kv_transfer.redis.cluster_store import open_redis_store
+from kvrecover.kv_transfer.redis.store import RedisBlockStore, RedisSettings
+from kvrecover.kv_transfer.stores.store_base import StoreSettings
+from kvrecover.kv_transfer.stores.store_connector import BlockStoreConnector
 
 
 @dataclass(frozen=True, repr=False)  # RedisSettings' repr: the URL without its password

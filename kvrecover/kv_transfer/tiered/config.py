@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrecover.config import KVTransferConfig
-from kvrecover.kv_transfer.store_base import StoreSettings
+from kvrecover.kv_transfer.stores.store_base import StoreSettings
 from kvrecover.options import REQUIRED, from_dict, option
 
 

@@ -28,7 +28,7 @@ Writes go to a unique temporary file and are renamed into place, so readers
 never see a half-written entry and concurrent writers of one key leave one
 complete entry.
 
-`BlockCodec` is the entry format alone, on bytes (`redis_store` keeps the same
+`BlockCodec` is the entry format alone, on bytes (`redis.store` keeps the same
 entries as Redis values); `BlockStore` adds the folder. Every store offers
 connectors the same batched calls: `exists_many`, `read_many`, `write_many`.
 
@@ -379,7 +379,7 @@ class BlockStore(BlockCodec):
             temporary.unlink(missing_ok=True)
             raise
 
-    # The batched interface every store offers (see `redis_store` for a networked one).
+    # The batched interface every store offers (see `redis.store` for a networked one).
     def exists_many(self, keys: list[bytes]) -> list[bool]:
         """Whether an entry exists for each key (not yet verified)."""
         return [self.exists(key) for key in keys]

@@ -1,0 +1,1 @@
+"""`RedisConnector`: KV blocks in one Redis server or a Redis Cluster."""
