@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/bench_step_load.py [--device cpu|cuda] [--shape 8b|1b]
         [--batch 16] [--prompt-tokens 1024] [--repeats 3] [--model-dir DIR] [--dir /dev/shm]
         [--read-threads 1 2 4 8 16] [--io-threads N [N ...]] [--engine-io-threads N]
-        [--skip-engine] [--loads-only]
+        [--cache warm cold] [--skip-engine] [--loads-only]
 
 Part 1, the connector alone, on the KV layout of `--shape` (block 16, bf16): the
 blocks of `--batch` requests of `--prompt-tokens` tokens, one file each, loaded
@@ -15,6 +15,9 @@ blocks of `--batch` requests of `--prompt-tokens` tokens, one file each, loaded
     staged batch), and the same requests as concurrent async loads polled the way
     the engine polls (`get_finished`), each into a paged cache on --device, with
     `verify_after_load` on (its default).
+  With `--cache cold` part 1 runs again with the files dropped from the page cache
+  before every timed run (`posix_fadvise(DONTNEED)` after an fsync; needs a disk
+  folder, `--dir /tmp`: tmpfs such as /dev/shm keeps its pages whatever it is told).
 Part 2, the engine (skipped with --skip-engine): time to first token of the batch
 with its KV loaded (sync and async, a plain `SharedStorageConnector` consumer), with
 every block failing (`FaultInjectionConnector`, all "missing": the loads fail and
@@ -85,6 +88,12 @@ class StepLoads:
         for key in self.keys:
             self.connector.store.write(key, block)
         self.paths = [str(self.connector.store.path(key)) for key in self.keys]
+        for path in self.paths:  # written back, so that dropping them from the cache holds
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
         self.entry_nbytes = PREFIX_SIZE + layout.block_nbytes
         self.nbytes = num_blocks * layout.block_nbytes
         on_gpu = device.startswith("cuda")
@@ -127,6 +136,15 @@ class StepLoads:
         for reader in readers:
             reader.join()
 
+    def drop_from_page_cache(self) -> None:
+        """Evict every file's pages, so that the next read comes from the disk."""
+        for path in self.paths:
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(descriptor)
+
     def upload(self) -> None:
         if self.on_device is not None:
             self.on_device.copy_(self.host, non_blocking=True)
@@ -161,22 +179,25 @@ class StepLoads:
             raise RuntimeError("some blocks failed to load: the figures would be wrong")
 
 
-def bench_connector(args: argparse.Namespace, layout: KVCacheLayout, root: Path) -> dict:
+def bench_connector(args: argparse.Namespace, layout: KVCacheLayout, root: Path,
+                    cold: bool = False) -> dict:
+    """Part 1; `cold`: every timed read starts with the files out of the page cache."""
     per_request = (args.prompt_tokens - 1) // BLOCK_SIZE  # the last token is never loaded
     loads = StepLoads(layout, root / "connector", args.batch, per_request, args.device)
     connectors = {threads: loads.connector_with(threads) for threads in args.io_threads}
-    runs = [(functools.partial(loads.plain_read, t), lambda: None) for t in args.read_threads]
+    setup = loads.drop_from_page_cache if cold else (lambda: None)
+    runs = [(functools.partial(loads.plain_read, t), setup) for t in args.read_threads]
     runs.append((loads.upload, lambda: None))
     for connector in connectors.values():
-        runs += [(functools.partial(loads.sync_step, connector), lambda: None),
-                 (functools.partial(loads.async_loads, connector), lambda: None)]
+        runs += [(functools.partial(loads.sync_step, connector), setup),
+                 (functools.partial(loads.async_loads, connector), setup)]
     times = best_times(runs, args.repeats)
     reads = times[: len(args.read_threads)]
     t_upload = times[len(args.read_threads)]
     loaded = times[len(args.read_threads) + 1 :]
     best = min(range(len(reads)), key=reads.__getitem__)
     figures = {
-        "nbytes": loads.nbytes, "blocks": args.batch * per_request,
+        "cache": "cold" if cold else "warm", "nbytes": loads.nbytes, "blocks": args.batch * per_request,
         "reads": dict(zip(args.read_threads, reads)), "best_threads": args.read_threads[best],
         "read": reads[best], "upload": t_upload,
         "connectors": {connector.io_threads: (loaded[2 * i], loaded[2 * i + 1])
@@ -227,7 +248,7 @@ def bench_engine(args: argparse.Namespace, llm_args: dict, store: Path) -> dict[
     return best
 
 
-def report(args: argparse.Namespace, label: str, layout_label: str, figures: dict | None,
+def report(args: argparse.Namespace, label: str, layout_label: str, part_1: list[dict],
            ttft: dict[str, float] | None) -> None:
     def verdict(name: str, value: float) -> str:
         goal = GOALS[name]
@@ -237,10 +258,10 @@ def report(args: argparse.Namespace, label: str, layout_label: str, figures: dic
     print(f"\n{layout_label}; {args.batch} x {args.prompt_tokens} tokens; device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}; "
           f"{os.cpu_count()} CPUs; best of {args.repeats}")
-    if figures is not None:
+    for figures in part_1:
         gb = figures["nbytes"] / 1e9
         ceiling = figures["read"] + (figures["upload"] if args.device == "cuda" else 0.0)
-        print(f"\n{figures['blocks']} blocks, {gb:.2f} GB of KV\n")
+        print(f"\n{figures['blocks']} blocks, {gb:.2f} GB of KV, page cache {figures['cache']}\n")
         print(f"{'load':<58}{'ms':>9}{'GB/s':>8}  x ceiling")
         for threads, seconds in figures["reads"].items():
             print(f"{f'plain readinto, {threads} thread(s)':<58}{seconds * 1e3:>9.1f}"
@@ -298,6 +319,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the files go (default: %(default)s)")
+    parser.add_argument("--cache", nargs="+", choices=["warm", "cold"], default=["warm"],
+                        help="part 1 with the files in the page cache, and/or dropped from it "
+                             "before each timed read (cold: use a disk folder, e.g. --dir /tmp)")
     parser.add_argument("--skip-engine", action="store_true", help="part 1 only")
     parser.add_argument("--loads-only", action="store_true",
                         help="part 2: only the loading engines (no recompute rows)")
@@ -311,7 +335,8 @@ def main() -> None:
     layout_label = f"KV layout of the {shape.label} (bf16, block {BLOCK_SIZE})"
     root = Path(tempfile.mkdtemp(prefix="kvrecover_step_load_", dir=args.dir))
     try:
-        figures = bench_connector(args, layout, root)
+        part_1 = [bench_connector(args, layout, root / cache, cold=cache == "cold")
+                  for cache in args.cache]
         ttft, label = None, ""
         if not args.skip_engine:
             if args.device == "cuda":
@@ -327,7 +352,7 @@ def main() -> None:
                          else ModelShape.of(args.model_dir).label) + " f32, CPU"
                 llm_args = dict(model=model, device="cpu", dtype="float32")
             ttft = bench_engine(args, llm_args, root / "engine")
-        report(args, label, layout_label, figures, ttft)
+        report(args, label, layout_label, part_1, ttft)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -1,7 +1,7 @@
 """Where a folder KV load's time goes: perf_counter spans around each phase of one step.
 
     PYTHONPATH=. python bench/profile_load.py [--shape 8b|1b] [--requests 16] [--tokens 1024]
-        [--staged] [--repeats 3] [--dir /dev/shm]
+        [--staged] [--device cpu|cuda] [--io-threads N] [--repeats 3] [--dir /dev/shm]
 
 Stores `--requests` x `--tokens` tokens of KV of the shape's layout (block 16) in a
 folder, then loads them through `SharedStorageConnector` as the engine would: one
@@ -10,8 +10,10 @@ async loads. Each phase is wrapped in a timer that sums its time over all thread
 (so phases running in parallel can add up to more than the wall time): opening the
 entry (open + fstat), `os.readv`, the xxh3 checks, staging-buffer allocation,
 thread start-up, the reader-thread wait, the install. `--staged` uses strided CPU
-caches, which take the staged path a GPU cache takes (bar pinning and uploads).
-Prints the best repeat's spans per mode; no GPU needed.
+caches, which take the staged path a GPU cache takes (bar pinning and uploads);
+`--device cuda` puts the cache on the GPU (the real staged path: pinned rows, chunk
+uploads, one indexed copy per layer and the device check; each run ends with a device
+synchronize). Prints the best repeat's spans per mode.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def instrument(spans: Spans) -> None:
     paged_blocks.PagedBlocks._copy_row = staticmethod(spans.wrap(  # type: ignore[method-assign]
         "bounce copy into cache", paged_blocks.PagedBlocks._copy_row))
     threading.Thread.start = spans.wrap("Thread.start", threading.Thread.start)  # type: ignore
+    paged_blocks.read_rows = spans.wrap("read_rows (reads + uploads queued)",  # type: ignore
+                                        paged_blocks.read_rows)
+    for name in ("stage", "_scatter", "_mismatched"):
+        if hasattr(paged_blocks.PagedBlocks, name):
+            setattr(paged_blocks.PagedBlocks, name, spans.wrap(
+                f"PagedBlocks.{name}", getattr(paged_blocks.PagedBlocks, name)))
     for name in ("install", "install_each", "install_rows", "install_groups"):
         if hasattr(paged_blocks.PagedBlocks, name):  # (older trees lack some)
             setattr(paged_blocks.PagedBlocks, name, spans.wrap(
@@ -101,8 +109,12 @@ def layout_of(shape: str) -> KVCacheLayout:
                          model.num_key_value_heads, model.head_dim)
 
 
-def caches_of(layout: KVCacheLayout, num_blocks: int, staged: bool) -> list[torch.Tensor]:
+def caches_of(layout: KVCacheLayout, num_blocks: int, staged: bool,
+              device: str = "cpu") -> list[torch.Tensor]:
     shape = (2, num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if device != "cpu":
+        return [torch.zeros(shape, dtype=layout.dtype, device=device)
+                for _ in range(layout.num_layers)]
     if staged:  # block-major storage seen through a transposed view: not direct
         return [torch.zeros((shape[1], 2, *shape[2:]), dtype=layout.dtype).transpose(0, 1)
                 for _ in range(layout.num_layers)]
@@ -115,6 +127,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--staged", action="store_true", help="the GPU's staged path")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--io-threads", type=int, default=None)
     parser.add_argument("--filtered", action="store_true",
@@ -130,7 +143,7 @@ def main() -> None:
         if args.io_threads:
             extra["io_threads"] = args.io_threads
         config = KVTransferConfig("SharedStorageConnector", "kv_both", extra)
-        caches = caches_of(layout, num_blocks, args.staged)
+        caches = caches_of(layout, num_blocks, args.staged, args.device)
         connector = SharedStorageConnector(config, KVConnectorRole.WORKER, layout)
         connector.register_kv_caches(caches)
         if args.filtered:  # every read through raw bytes (the injector's path)
@@ -147,7 +160,8 @@ def main() -> None:
         nbytes = num_blocks * layout.block_nbytes
         print(f"{ModelShape.from_config(SHAPES[args.shape]).label}: {args.requests} x {args.tokens}"
               f" tokens = {num_blocks} blocks x {layout.block_nbytes / 1e6:.2f} MB = "
-              f"{nbytes / 1e9:.2f} GB; {'staged' if args.staged else 'direct'} path"
+              f"{nbytes / 1e9:.2f} GB; {'staged' if args.staged or args.device != 'cpu' else 'direct'} "
+              f"path on {args.device}"
               f"{', every read filtered' if args.filtered else ''}, "
               f"io_threads {connector.io_threads}, {os.cpu_count()} CPUs\n")
 
@@ -180,6 +194,8 @@ def main() -> None:
                 spans.reset()
                 started = time.perf_counter()
                 run()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
                 wall = time.perf_counter() - started
                 if connector.get_block_ids_with_load_errors():
                     raise RuntimeError(f"{label}: some blocks failed to load")
@@ -188,7 +204,7 @@ def main() -> None:
             wall, totals = best
             print(f"{label}: {wall * 1000:.1f} ms wall, {nbytes / wall / 1e9:.2f} GB/s")
             for name, (seconds, calls) in sorted(totals.items(), key=lambda item: -item[1][0]):
-                print(f"    {name:<28}{seconds * 1000:>9.1f} ms {calls:>7} calls"
+                print(f"    {name:<36}{seconds * 1000:>9.1f} ms {calls:>7} calls"
                       f"{seconds / calls * 1e6:>9.1f} us each")
         connector.shutdown()
     finally:

@@ -203,6 +203,14 @@ def hold_request(store: BlockStore, monkeypatch, *requests: int) -> threading.Ev
             release.wait(timeout=10)
         return read_unchecked(self, key, parts)
 
+    read_entries = BlockStore.read_entries_into
+
+    def holding_entries(self, keys, *args, **kwargs):  # (a staged load's chunks)
+        if held.intersection(keys):
+            release.wait(timeout=10)
+        return read_entries(self, keys, *args, **kwargs)
+
+    monkeypatch.setattr(BlockStore, "read_entries_into", holding_entries)
     monkeypatch.setattr(BlockStore, "read_into", holding)
     monkeypatch.setattr(BlockStore, "read_unchecked_into", holding_unchecked)
     return release

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import make_layout, random_block, rewrite_header, simulate_full_disk
 
+from kvrecover.kv_transfer.stores import entry_read
 from kvrecover.kv_transfer.stores.block_store import (
     MAGIC,
     PREFIX_SIZE,
@@ -289,3 +290,62 @@ def test_read_raises_only_block_load_error_on_random_damage(store):
             continue
         with pytest.raises(BlockLoadError):
             store.read(KEY_A)
+
+
+def damaged_entries(store: BlockStore) -> dict[str, bytes]:
+    """One entry per way an entry can be bad (and one good), by name: their keys."""
+    keys = {name: bytes([index]) * 16 for index, name in enumerate(
+        ["good", "missing", "directory", "fifo", "short", "long", "header", "payload",
+         "other key"])}
+    for name, key in keys.items():
+        if name not in ("missing", "directory", "fifo"):
+            store.write(key, random_block(store, len(name)))
+    store.path(keys["directory"]).mkdir(parents=True, exist_ok=True)
+    store.path(keys["fifo"]).parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(store.path(keys["fifo"]))
+    os.truncate(store.path(keys["short"]), PREFIX_SIZE + 3)
+    os.truncate(store.path(keys["long"]), 1 << 40)
+    for name, offset in (("header", 5), ("payload", PREFIX_SIZE + 7)):
+        raw = bytearray(store.path(keys[name]).read_bytes())
+        raw[offset] ^= 0x40
+        store.path(keys[name]).write_bytes(bytes(raw))
+    shutil.copy(store.path(keys["good"]), store.path(keys["other key"]))
+    return keys
+
+
+def test_entries_read_in_one_c_call_fail_and_pass_as_read_into_does(store):
+    """`read_entries_into` (a staged load's chunks, off the GIL) gives each entry the
+    outcome `read_into` gives it, and the same bytes."""
+    if entry_read.EntryReader.shared() is None:
+        pytest.skip("the native entry reader is off here (no C compiler, or "
+                    "KVRECOVER_NATIVE_KERNELS=0)")
+    keys = damaged_entries(store)
+    nbytes = store.payload_nbytes
+    rows = torch.zeros((len(keys), nbytes), dtype=torch.uint8)
+    results = store.read_entries_into(list(keys.values()), rows.data_ptr(), nbytes,
+                                      every_row=True)
+    for index, (name, key) in enumerate(keys.items()):
+        row = torch.zeros(nbytes, dtype=torch.uint8)
+        try:
+            expected: int | str = store.read_into(key, [row.numpy().data.cast("B")])
+        except BlockLoadError as error:
+            expected = str(error).split(":")[0]
+        got = results[index]
+        assert (got if isinstance(got, int) else str(got).split(":")[0]) == expected, name
+        if name == "good":
+            assert torch.equal(rows[index], row)
+    assert isinstance(results[0], int) and all(isinstance(r, BlockLoadError) for r in results[1:])
+
+
+def test_entries_read_in_one_c_call_stop_at_the_first_failure(store):
+    if entry_read.EntryReader.shared() is None:
+        pytest.skip("the native entry reader is off here")
+    keys = [bytes([index]) * 16 for index in range(4)]
+    for key in keys[:2] + keys[3:]:
+        store.write(key, random_block(store, key[0]))
+    nbytes = store.payload_nbytes
+    rows = torch.zeros((4, nbytes), dtype=torch.uint8)
+    results = store.read_entries_into(keys, rows.data_ptr(), nbytes)
+    assert isinstance(results[0], int) and isinstance(results[1], int)
+    assert isinstance(results[2], BlockLoadError) and results[3] is None  # never read
+    assert not rows[3].any()

@@ -24,7 +24,7 @@ from kvrecover import LLM
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.stores import native_copy, paged_blocks, staged_io
+from kvrecover.kv_transfer.stores import entry_read, native_copy, paged_blocks, staged_io
 from kvrecover.kv_transfer.stores.block_store import (
     PREFIX_SIZE,
     BlockLoadError,
@@ -156,12 +156,12 @@ def hold_reads_until_two_threads_read(store, method: str) -> tuple[set, threadin
     second_reader = threading.Event()
     read = getattr(store, method)
 
-    def spied(key, parts):
+    def spied(*args, **kwargs):
         readers.add(threading.current_thread().name)
         if len(readers) >= 2:
             second_reader.set()
         second_reader.wait(timeout=5)
-        return read(key, parts)
+        return read(*args, **kwargs)
 
     setattr(store, method, spied)
     return readers, second_reader
@@ -264,12 +264,13 @@ def stored(tmp_path, layout, count: int, seed: int) -> tuple[list[torch.Tensor],
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
 def test_threaded_staged_loads_are_byte_identical(layout, tmp_path, small_chunks, is_async,
-                                                  device, verify):
+                                                  device, verify, entry_reads):
     source, block_keys = stored(tmp_path, layout, 7, seed=20)
     target = random_caches(layout, 21, device)
     worker = connector(tmp_path, layout, target, io_threads=3, verify_after_load=verify)
     assert not worker._paged.direct and worker.io_threads == 3
-    readers, second_reader = hold_reads_until_two_threads_read(worker.store, "read_into")
+    readers, second_reader = hold_reads_until_two_threads_read(
+        worker.store, "read_entries_into" if entry_reads == "native" else "read_into")
     loaded_ids = [8, 2, 3, 4, 6, 5, 1]
     assert not load(worker, target, loaded_ids, block_keys, is_async)
     assert len(readers) >= 2 and second_reader.is_set()  # 4 chunks of 2 rows, 3 threads
@@ -281,7 +282,7 @@ def test_threaded_staged_loads_are_byte_identical(layout, tmp_path, small_chunks
 @pytest.mark.parametrize("device", STAGED)
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 def test_threaded_staged_load_stops_at_the_first_corrupt_entry(layout, tmp_path, small_chunks,
-                                                               is_async, device):
+                                                               is_async, device, entry_reads):
     source, block_keys = stored(tmp_path, layout, 7, seed=22)
     path = BlockStore(tmp_path, layout).path(block_keys[3])  # the second row of chunk 1
     raw = bytearray(path.read_bytes())
@@ -314,6 +315,18 @@ def test_direct_loads_on_several_threads_are_byte_identical(layout, tmp_path, mo
         assert raw_bytes(block_of(target, loaded)) == raw_bytes(block_of(source, saved))
     assert raw_bytes(block_of(target, 7)) == raw_bytes(block_of(random_caches(layout, 31), 7))
     assert len(worker._paged._free_bounce_rows) >= 2  # each thread's row, back for reuse
+
+
+@pytest.fixture(params=["native", "python"])
+def entry_reads(request, monkeypatch) -> str:
+    """A staged load reads each chunk of entries in one C call (`entry_read`, off the GIL)
+    or entry by entry in Python (where no C compiler is found)."""
+    if request.param == "python":
+        monkeypatch.setattr(entry_read.EntryReader, "shared", staticmethod(lambda: None))
+    elif entry_read.EntryReader.shared() is None:
+        pytest.skip("the native entry reader is off here (no C compiler, or "
+                    "KVRECOVER_NATIVE_KERNELS=0)")
+    return request.param
 
 
 @pytest.fixture(params=["native", "python"])

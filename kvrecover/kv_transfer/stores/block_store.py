@@ -54,6 +54,13 @@ import torch
 import xxhash
 
 from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.stores.entry_read import (
+    ENDED,
+    NOT_REGULAR,
+    WRONG_SIZE,
+    EntryReader,
+    EntryReads,
+)
 
 MAGIC = b"KVRB"
 VERSION = 1
@@ -344,6 +351,43 @@ class BlockStore(BlockCodec):
         and verify it; returns the payload checksum. After a BlockLoadError the parts
         hold garbage. (Parts of the wrong total size fail the length or checksum test.)"""
         return self.check_payload(parts, self.read_unchecked_into(key, parts))
+
+    def read_entries_into(self, keys: Sequence[bytes], rows_address: int, row_stride: int,
+                          every_row: bool = False) -> list[int | BlockLoadError | None] | None:
+        """`read_into` of entry `keys[i]` into the row at `rows_address + i * row_stride`
+        (host memory the caller keeps alive) for every i, in one C call off the GIL
+        (`entry_read`): per entry its payload checksum, why it failed, or None (not read:
+        after a failure, unless `every_row`). None where the C reader cannot be used."""
+        reader = EntryReader.shared()
+        if reader is None:
+            return None
+        reads = reader.read([os.fsencode(self._path(key)) for key in keys], rows_address,
+                            row_stride, PREFIX_SIZE, self.payload_nbytes, every_row)
+        results: list[int | BlockLoadError | None] = [None] * len(keys)
+        for index in range(reads.tried):
+            results[index] = self._entry_result(keys[index], reads, index)
+        return results
+
+    def _entry_result(self, key: bytes, reads: EntryReads, index: int) -> int | BlockLoadError:
+        """Entry `index` of a C read: its payload checksum, or why it is not loadable."""
+        status, size = reads.status[index], reads.sizes[index]
+        if status < 0:
+            return BlockLoadError(f"cannot read entry: {os.strerror(-status)}")
+        if status == NOT_REGULAR:
+            return BlockLoadError("entry is not a regular file")
+        if status == WRONG_SIZE:
+            return BlockLoadError(f"entry has {size} bytes, expected "
+                                  f"{PREFIX_SIZE + self.payload_nbytes}")
+        if status == ENDED:  # the file shrank after the size check
+            return BlockLoadError(f"entry ended after {size} bytes")
+        try:
+            stored = self._check_header(
+                key, reads.prefixes[index * PREFIX_SIZE : (index + 1) * PREFIX_SIZE])
+        except BlockLoadError as error:
+            return error
+        if reads.checksums[index] != stored:
+            return BlockLoadError("payload checksum mismatch")
+        return stored
 
     def read_unchecked_into(self, key: bytes, parts: Sequence[memoryview]) -> int:
         """`read_into` but for the payload check: the stored payload checksum, once the

@@ -283,6 +283,7 @@ class PagedBlocks:
               cancelled: threading.Event, threads: int, every_row: bool = False,
               segments: Sequence[int] | None = None,
               on_run: Callable[[int, StagedRows, list[RowResult]], None] | None = None,
+              read_chunk: Callable[[int, int, int], Sequence[RowResult] | None] | None = None,
               ) -> tuple[StagedRows, list[RowResult]]:
         """Read `count` entries into staging rows, `read_row(position, row)` each (it
         returns the entry's checksum or raises), on up to `threads` threads; on a GPU
@@ -291,7 +292,9 @@ class PagedBlocks:
         is called as each run (segment) ends, with rows ready to install that run's
         (their own upload event) while the others are read; the buffer is then leased:
         the caller holds the lease for each run it will install and calls
-        `lease.finish_read(staged.uploaded)` once it has handed out what it returns."""
+        `lease.finish_read(staged.uploaded)` once it has handed out what it returns.
+        `read_chunk(start, end, address)`, when given, may read rows start..end-1 at once
+        into the rows from host address `address` on (`staged_io.read_rows`)."""
         host = self.staging(count)
         rows = byte_view(host)
         nbytes = self.block_nbytes
@@ -322,7 +325,9 @@ class PagedBlocks:
         read_rows(
             count, lambda position: read_row(position, rows[position * nbytes : (position + 1) * nbytes]),
             cancelled, threads, chunk_rows(nbytes), after_chunk, every_row, segments,
-            results=results, pool=self._helpers, after_run=after_run)
+            results=results, pool=self._helpers, after_run=after_run,
+            read_chunk=None if read_chunk is None else (
+                lambda start, end: read_chunk(start, end, host.data_ptr() + start * nbytes)))
         if self.on_gpu:  # every chunk's copy was queued before read_rows returned
             staged.uploaded = torch.cuda.Event()
             staged.uploaded.record(self._upload_stream)

@@ -202,6 +202,13 @@ class SharedStorageConnector(StoreConnectorBase):
             return self._read_entry(transfer, position, [row], cancelled,
                                     check_payload=not into_cache)
 
+        def read_chunk(start: int, end: int, address: int) -> Sequence[RowResult] | None:
+            if self._read_filter is not None:  # a fault injector sees every read
+                return None
+            return self.store.read_entries_into(
+                [transfer.keys[position] for transfer, position in rows[start:end]], address,
+                paged.block_nbytes, every_row=self._each_block)
+
         staged: StagedRows | None = None
         starts = [0, *ends[:-1]]
         handed: set[int] = set()  # runs given to `ready` while the others were read
@@ -236,7 +243,7 @@ class SharedStorageConnector(StoreConnectorBase):
         elif ready is not None:
             staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
                                           every_row=self._each_block, segments=ends,
-                                          on_run=run_ended)
+                                          on_run=run_ended, read_chunk=read_chunk)
             loads: list[list[LoadedBlock | None]] = []
             for run, transfer in enumerate(transfers):
                 # Rows of their own per transfer: each lets go of its share when installed.
@@ -252,7 +259,8 @@ class SharedStorageConnector(StoreConnectorBase):
             return loads
         else:
             staged, results = paged.stage(len(rows), read_row, cancelled, self.io_threads,
-                                          every_row=self._each_block, segments=ends)
+                                          every_row=self._each_block, segments=ends,
+                                          read_chunk=read_chunk)
         loads = self._loaded_blocks(transfers, results, staged)
         if staged is not None and not any(any(blocks) for blocks in loads):
             paged.release(staged.host, staged.uploaded)

@@ -38,7 +38,9 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
               every_row: bool = False, segments: Sequence[int] | None = None,
               results: list[RowResult] | None = None,
               pool: HelperPool | None = None,
-              after_run: Callable[[int], None] | None = None) -> list[RowResult]:
+              after_run: Callable[[int], None] | None = None,
+              read_chunk: Callable[[int, int], Sequence[RowResult] | None] | None = None,
+              ) -> list[RowResult]:
     """Run `read_row(position)` for positions 0..count-1 (it returns the row's checksum
     or raises) on up to `threads` threads, the calling one included; stops early
     when `cancelled` is set, and after a row fails unless `every_row` (rows that do not
@@ -51,7 +53,9 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
     `after_run(run)` runs once per run whose rows all ended (read, failed or cut by a
     failure; its `after_chunk` calls returned), on the thread that ended it, so a
     caller can use one run (one request's rows) while the others are still read; a
-    run that `cancelled` cut short gets no call."""
+    run that `cancelled` cut short gets no call. `read_chunk(start, end)`, when given,
+    reads a whole chunk at once (results of rows start..end-1, None for a row not read
+    after a failure), or returns None to leave it to `read_row` row by row."""
     results = [None] * count if results is None else results
     ends = [count] if segments is None else list(segments)
     if (ends and ends[-1] != count) or any(b < a for a, b in zip([0, *ends], ends)):
@@ -86,7 +90,22 @@ def read_rows(count: int, read_row: Callable[[int], int], cancelled: threading.E
                 chunk_ended(run)
                 continue
             done = start
-            while done < end and not cancelled.is_set() and done < first_failure[run]:
+            try:
+                chunk = None if read_chunk is None else read_chunk(start, end)
+            except Exception:  # (unexpected: then row by row, which reports each failure)
+                chunk = None
+            for result in chunk or ():
+                if result is None:
+                    break
+                if isinstance(result, Exception):
+                    fail(done, run, result)
+                    if not every_row:
+                        break
+                else:
+                    results[done] = result
+                done += 1
+            while chunk is None and done < end and not cancelled.is_set() \
+                    and done < first_failure[run]:
                 try:
                     results[done] = read_row(done)
                 except Exception as error:  # a bad entry is an invalid block, never a crash
