@@ -12,7 +12,7 @@ release. A check may come before the step that holds the blocks (the reference i
 answered as the request finishes; vllm-router forwards it at once): it waits for that
 step (`UNBOUND_HOLD_WAIT_S`) unless its reference was released or expired already. A
 kept prompt is freed on release or when its lease (`lease_s`) ends, reported in
-`finished_sending`.
+`finished_sending`; the blocks a lease freed are counted (`kv_nixl_lease_freed_blocks`).
 
 Consumer (`kv_consumer`): a request whose `kv_transfer_params` has `do_remote_prefill`
 claims the referenced prompt blocks after those it holds locally, up to the last
@@ -224,6 +224,7 @@ class NixlConnector(KVConnectorBase):
         self._async_invalid: dict[str, set[int]] = {}
         self._staging: StagingPool | None = None  # consumer: made with the first read
         self._pulled_blocks = 0
+        self._lease_freed_blocks = 0  # producer: kept blocks freed because a lease ended
 
     # ----- scheduler role -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: KVRequestView,
@@ -435,6 +436,9 @@ class NixlConnector(KVConnectorBase):
             with self._lock:
                 for handle in [h for h, hold in self._held.items() if hold.deadline <= now]:
                     logger.info("KV reference %s was not pulled within its lease", handle)
+                    self._lease_freed_blocks += sum(
+                        b != NULL_BLOCK_ID for ids in self._held[handle].group_block_ids
+                        for b in ids)
                     del self._held[handle]
                     self._ended.append(handle)
                     self._released.add(handle.rsplit("@", 1)[0])
@@ -467,7 +471,10 @@ class NixlConnector(KVConnectorBase):
 
     def get_connector_stats(self) -> dict[str, int]:
         pulled, self._pulled_blocks = self._pulled_blocks, 0
-        return {"kv_nixl_pulled_blocks": pulled} if pulled else {}
+        with self._lock:
+            freed, self._lease_freed_blocks = self._lease_freed_blocks, 0
+        counts = {"kv_nixl_pulled_blocks": pulled, "kv_nixl_lease_freed_blocks": freed}
+        return {name: count for name, count in counts.items() if count}
 
     def pull_blocks(self, pulls: list[Pull], timeout_s: float,
                     fence: ReadCancel | None = None) -> set[int]:

@@ -174,12 +174,16 @@ def test_an_idle_producer_keeps_stepping_until_the_lease_ends(model_dir, tmp_pat
                      transfer("kv_producer", side_channel_port=free_port(), lease_s=1.5),
                      name="producer").wait_healthy()
     try:
-        reference_of(producer.url)  # kept, pulled by nobody
+        reference = reference_of(producer.url)  # kept, pulled by nobody
         assert metric(producer.url, "kvrecover_kv_cache_usage_ratio") > 0
+        assert metric(producer.url, "kvrecover_kv_nixl_lease_freed_blocks_total") == 0
         deadline = time.monotonic() + 15  # past the lease the engine loop's steps free them
         while metric(producer.url, "kvrecover_kv_cache_usage_ratio") > 0:
             assert time.monotonic() < deadline, "the lease never ended"
             time.sleep(0.1)
+        # Counted as the lease frees them: every block the reference named.
+        assert metric(producer.url, "kvrecover_kv_nixl_lease_freed_blocks_total") == \
+            len(reference["remote_block_ids"])
         assert httpx.get(producer.url + "/health", timeout=10).status_code == 200
     finally:
         producer.kill()

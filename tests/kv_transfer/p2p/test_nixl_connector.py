@@ -138,10 +138,11 @@ def with_references(references: list[dict | None]) -> list[SamplingParams]:
     return params
 
 
-def consumer_config(async_load: bool, policy: str, store: Path | None) -> KVTransferConfig:
+def consumer_config(async_load: bool, policy: str, store: Path | None,
+                    load_timeout_s: float = 10.0) -> KVTransferConfig:
     """A NixlConnector consumer's config; with `store`, a TieredConnector of NIXL first
     and that shared-storage folder behind it."""
-    nixl = {"load_timeout_s": 10.0}
+    nixl = {"load_timeout_s": load_timeout_s}
     if store is None:
         return KVTransferConfig("NixlConnector", "kv_consumer",
                                 {**nixl, "async_load": async_load},
@@ -154,8 +155,9 @@ def consumer_config(async_load: bool, policy: str, store: Path | None) -> KVTran
 
 
 def consume(model: Path, references: list[dict | None], *, async_load: bool = False,
-            policy: str = "recompute", store: Path | None = None) -> Consumed:
-    transfer = consumer_config(async_load, policy, store)
+            policy: str = "recompute", store: Path | None = None,
+            load_timeout_s: float = 10.0) -> Consumed:
+    transfer = consumer_config(async_load, policy, store, load_timeout_s)
     llm = LLM(str(model), device="cpu", block_size=8, num_kv_blocks=128,
               kv_transfer_config=transfer)
     params = with_references(references)

@@ -1,0 +1,279 @@
+"""NixlConnector faults around the READ itself (issue 42): the producer SIGKILLed during
+the READ or after it (before the release), a READ that ends in NIXL's error state, a READ
+that delivers some blocks' bytes wrong, a consumer that holds a prefix of the prompt
+already, and a producer that refuses a pull (the consumer falls back at once, not at its
+load_timeout_s). The producer runs in its own process; the faults are injected in this
+one (the consumer's connector, its NIXL agent and its side-channel calls are wrapped).
+Under `recompute` the token ids are those of a run without a connector; under `fail`
+only the requests whose blocks were lost end in an error (rule 10)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fixture
+    BAD_REFERENCES,
+    PARAMS,
+    PROMPTS,
+    Consumed,
+    Producer,
+    consume,
+    consumer_config,
+    kill_producers,
+    no_connector,
+    tampered,
+    tiny_model,
+    with_references,
+)
+
+from kvrecover import LLM
+from kvrecover.kv_groups import KVCacheGroup
+from kvrecover.kv_transfer.p2p import nixl_connector
+from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, Pull, _Peer
+from kvrecover.kv_transfer.p2p.side_channel import call
+from kvrecover.kv_transfer.p2p.staging import StagingBuffer
+
+pytest.importorskip("nixl_cu12")
+
+LONG_TIMEOUT_S = 60.0  # a pull that waited for it would fail the elapsed bounds below
+FAST_S = 5.0  # a generous bound on a fallback that must not wait (a loaded 2-core box)
+
+sync_async = pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+policies = pytest.mark.parametrize("policy", ["recompute", "fail"])
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
+def model(request, tiny_llama, tmp_path_factory) -> Path:
+    """A model of one full-attention group, of one windowed group, of both."""
+    return tiny_model(request.param, tiny_llama, tmp_path_factory)
+
+
+def affected_first(producer: Producer, policy: str) -> list[dict | None]:
+    """The references a faulty pull is given: both prompts' under `recompute`; under `fail`
+    the first prompt's only (the second is computed here and must end as without a fault)."""
+    first, second = producer.references
+    return [first, second] if policy == "recompute" else [first, None]
+
+
+def assert_outcome(run: Consumed, model: Path, policy: str, failed: set[int]) -> None:
+    """Exact token ids, except under `fail` the requests `failed` end in kv_load_failed."""
+    baseline = no_connector(model)
+    for i, output in enumerate(run.outputs):
+        if policy == "fail" and i in failed:
+            assert output.outputs[0].finish_reason == "error" and \
+                output.error_type == "kv_load_failed", i
+        else:
+            assert output.error is None and run.ids[i] == baseline[i], i
+
+
+def pulled_blocks(groups: list[KVCacheGroup], first: int, end: int) -> int:
+    """The blocks a pull of prompt blocks first..end reads (a window's from its first
+    loaded block)."""
+    return sum(end - max(first, g.first_loaded_block(end * 8, 8)) for g in groups)
+
+
+class Killer:
+    """Kills the producer once (thread-safe: async pulls run on their own threads)."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.killed = False
+        self._lock = threading.Lock()
+
+    def kill(self) -> None:
+        with self._lock:
+            if not self.killed:
+                self.producer.kill()
+                self.killed = True
+
+
+@sync_async
+@policies
+def test_a_producer_killed_as_the_read_is_posted_is_recomputed_in_bounded_time(
+        model, monkeypatch, async_load, policy):
+    """The check answered, then the producer dies before its READ is posted: the READ
+    errors or never completes, and the pull ends by its deadline at the latest."""
+    producer = Producer(model)
+    killer = Killer(producer)
+    read = NixlConnector._read
+
+    def killed_first(self: NixlConnector, agent: str, items: list, deadline: float) -> Any:
+        killer.kill()
+        return read(self, agent, items, deadline)
+
+    monkeypatch.setattr(NixlConnector, "_read", killed_first)
+    timeout_s = 3.0
+    run = consume(model, affected_first(producer, policy), async_load=async_load,
+                  policy=policy, load_timeout_s=timeout_s)
+    assert killer.killed
+    assert_outcome(run, model, policy, failed={0})
+    assert run.pulled == 0 and run.stats["kv_load_failed_blocks"] >= run.full_pulls[0]
+    # Each pull is bounded by its deadline (two in turn at most), plus the recompute.
+    assert run.elapsed < 2 * timeout_s + FAST_S
+
+
+@sync_async
+@policies
+def test_a_producer_killed_after_the_read_before_the_release_costs_nothing(
+        model, monkeypatch, async_load, policy):
+    """Every block was read and verified; the producer dies before the consumer's release
+    reaches it: the release fails without a wait and no request is recomputed or failed."""
+    producer = Producer(model)
+    killer = Killer(producer)
+    install = NixlConnector._install_staged
+    installed: list[str] = []
+
+    def counted(self: NixlConnector, items: list, buffer: StagingBuffer, fence: Any) -> set[int]:
+        bad = install(self, items, buffer, fence)
+        installed.extend(pull.request_id for pull, _, _ in items)
+        return bad
+
+    def release_to_the_dead(host: str, port: int, message: dict,
+                            timeout_s: float = 5.0) -> dict:
+        # Killed before the first release that comes after both reads (in sync loading
+        # both are read in one step; async pulls release each after its own read).
+        if message.get("op") == "release" and len(installed) == len(PROMPTS):
+            killer.kill()
+        return call(host, port, message, timeout_s=timeout_s)
+
+    monkeypatch.setattr(NixlConnector, "_install_staged", counted)
+    monkeypatch.setattr(nixl_connector, "call", release_to_the_dead)
+    run = consume(model, producer.references, async_load=async_load, policy=policy,
+                  load_timeout_s=LONG_TIMEOUT_S)
+    assert killer.killed
+    assert_outcome(run, model, policy, failed=set())
+    assert run.pulled == sum(run.full_pulls) and run.stats["kv_load_failed_blocks"] == 0
+    assert run.stats["kv_load_recomputed_tokens"] == 0
+    assert run.elapsed < FAST_S
+
+
+class FailingReads:
+    """A NIXL agent whose READs end in the error state: `transfer` posts nothing and
+    answers "ERR", as `check_xfer_state` does; everything else is the real agent's."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.failed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.agent, name)
+
+    def transfer(self, handle: Any) -> str:
+        self.failed += 1
+        return "ERR"
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return "ERR"
+
+
+@sync_async
+@policies
+def test_a_read_in_the_error_state_is_recomputed_at_once(model, monkeypatch, async_load,
+                                                         policy):
+    agents: list[FailingReads] = []
+    make_agent = nixl_connector._nixl_agent
+
+    def failing_agent(name: str) -> FailingReads:
+        agents.append(FailingReads(make_agent(name)))
+        return agents[-1]
+
+    monkeypatch.setattr(nixl_connector, "_nixl_agent", failing_agent)
+    producer = Producer(model)  # its own process: its agent is not wrapped
+    run = consume(model, affected_first(producer, policy), async_load=async_load,
+                  policy=policy, load_timeout_s=LONG_TIMEOUT_S)
+    [agent] = agents
+    assert agent.failed >= 1
+    assert_outcome(run, model, policy, failed={0})
+    assert run.pulled == 0 and run.stats["kv_load_failed_blocks"] >= run.full_pulls[0]
+    assert run.elapsed < FAST_S  # not at load_timeout_s
+    # Released though not read; under `fail` the second prompt's was never asked for.
+    assert producer.finish() == (0 if policy == "recompute" else 1)
+
+
+@sync_async
+@policies
+def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
+        model, monkeypatch, async_load, policy):
+    """The READ completes, but two of the first prompt's staged blocks are not what the
+    producer holds: its first block's bytes altered, its last block's never written
+    (zeros). Exactly those two are invalid; every other block is used."""
+    producer = Producer(model)
+    handle = producer.references[0]["remote_request_id"]
+    install = NixlConnector._install_staged
+    corrupted: list[int] = []
+    reported: set[int] = set()
+
+    def partly_wrong(self: NixlConnector, items: list[tuple[Pull, _Peer, list[int]]],
+                     buffer: StagingBuffer, fence: Any) -> set[int]:
+        row = 0
+        for pull, _, _ in items:
+            if pull.reference.request_id == handle:
+                buffer.rows[row, 0] ^= 0xFF
+                buffer.rows[row + len(pull.block_ids) - 1].zero_()
+                corrupted.extend([pull.block_ids[0], pull.block_ids[-1]])
+            row += len(pull.block_ids)
+        bad = install(self, items, buffer, fence)
+        reported.update(bad)
+        return bad
+
+    monkeypatch.setattr(NixlConnector, "_install_staged", partly_wrong)
+    run = consume(model, producer.references, async_load=async_load, policy=policy)
+    assert len(set(corrupted)) == 2 and reported == set(corrupted)
+    assert_outcome(run, model, policy, failed={0})
+    assert run.pulled == sum(run.full_pulls) - 2
+    # An async load that failed in part is asked for again, and its reference, released
+    # already, is refused: those blocks count as failed too (none is read twice).
+    failed = run.stats["kv_load_failed_blocks"]
+    assert failed > 2 if async_load and policy == "recompute" else failed == 2
+    assert producer.finish() == 0
+
+
+@sync_async
+def test_a_consumer_that_caches_a_prefix_pulls_only_the_rest(model, async_load):
+    """Prefix caching on: the first 24 tokens of the first prompt were computed here
+    before; its pull reads the blocks after them only (those of its windows it needs)."""
+    producer = Producer(model)
+    llm = LLM(str(model), device="cpu", block_size=8, num_kv_blocks=128,
+              kv_transfer_config=consumer_config(async_load, "recompute", None))
+    llm.generate([{"prompt_token_ids": PROMPTS[0][:24]}], PARAMS)
+    hits = llm.stats["prefix_cache_hit_tokens"]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           with_references(producer.references))
+    stats = llm.stats
+    groups = llm.engine.layout.kv_groups
+    llm.close()
+    assert [o.outputs[0].token_ids for o in outputs] == no_connector(model)
+    first = (stats["prefix_cache_hit_tokens"] - hits) // 8
+    assert first == 3  # the prefix's three full blocks
+    ends = [(len(p) - 1) // 8 for p in PROMPTS]
+    expected = pulled_blocks(groups, first, ends[0]) + pulled_blocks(groups, 0, ends[1])
+    assert stats["kv_nixl_pulled_blocks"] == expected
+    assert expected < pulled_blocks(groups, 0, ends[0]) + pulled_blocks(groups, 0, ends[1])
+    assert stats["prompt_tokens_external"] == (ends[0] - first + ends[1]) * 8
+    assert stats["kv_load_failed_blocks"] == 0
+    assert producer.finish() == 0
+
+
+@sync_async
+@pytest.mark.parametrize("case", ["unknown request", "other blocks", "released"])
+def test_a_producer_that_cannot_serve_a_read_says_so_at_once(model, async_load, case):
+    """With load_timeout_s 60, a pull the producer refuses (a reference it never held,
+    blocks that are not the reference's, one released already) falls back within
+    seconds: the refusal is an answer, not a wait."""
+    producer = Producer(model)
+    if case == "released":
+        first = consume(model, producer.references)
+        assert first.pulled == sum(first.full_pulls)
+        references = producer.references
+    else:
+        references = tampered(producer.references, BAD_REFERENCES[case])
+    run = consume(model, references, async_load=async_load, load_timeout_s=LONG_TIMEOUT_S)
+    assert run.ids == no_connector(model)
+    assert run.elapsed < FAST_S
+    refused = 0 if case == "released" else 1  # the second prompt's is still good
+    assert run.pulled == refused * run.full_pulls[1]
+    producer.kill()
+
