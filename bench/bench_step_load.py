@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/bench_step_load.py [--device cpu|cuda] [--shape 8b|1b]
         [--batch 16] [--prompt-tokens 1024] [--repeats 3] [--model-dir DIR] [--dir /dev/shm]
         [--read-threads 1 2 4 8 16] [--io-threads N [N ...]] [--engine-io-threads N]
-        [--cache warm cold] [--skip-engine] [--loads-only]
+        [--cache warm cold] [--entry-reader native python] [--skip-engine] [--loads-only]
 
 Part 1, the connector alone, on the KV layout of `--shape` (block 16, bf16): the
 blocks of `--batch` requests of `--prompt-tokens` tokens, one file each, loaded
@@ -40,6 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ from model_shapes import SHAPES, ModelShape, resolve_model_dir
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
+from kvrecover.kv_transfer.stores import entry_read
 from kvrecover.kv_transfer.stores.block_store import PREFIX_SIZE
 from kvrecover.kv_transfer.stores.shared_storage import (
     BlockTransfer,
@@ -179,18 +181,32 @@ class StepLoads:
             raise RuntimeError("some blocks failed to load: the figures would be wrong")
 
 
+def python_entry_reads(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the stores reading entry by entry in Python (no C entry reader)."""
+    def without_native_reader() -> None:
+        shared = entry_read.EntryReader.shared()
+        entry_read._shared = None
+        try:
+            run()
+        finally:
+            entry_read._shared = shared
+    return without_native_reader
+
+
 def bench_connector(args: argparse.Namespace, layout: KVCacheLayout, root: Path,
                     cold: bool = False) -> dict:
     """Part 1; `cold`: every timed read starts with the files out of the page cache."""
     per_request = (args.prompt_tokens - 1) // BLOCK_SIZE  # the last token is never loaded
     loads = StepLoads(layout, root / "connector", args.batch, per_request, args.device)
-    connectors = {threads: loads.connector_with(threads) for threads in args.io_threads}
+    connectors = {(threads, reader): loads.connector_with(threads)
+                  for threads in args.io_threads for reader in args.entry_reader}
     setup = loads.drop_from_page_cache if cold else (lambda: None)
     runs = [(functools.partial(loads.plain_read, t), setup) for t in args.read_threads]
     runs.append((loads.upload, lambda: None))
-    for connector in connectors.values():
-        runs += [(functools.partial(loads.sync_step, connector), setup),
-                 (functools.partial(loads.async_loads, connector), setup)]
+    for (_, reader), connector in connectors.items():
+        wrap = python_entry_reads if reader == "python" else (lambda run: run)
+        runs += [(wrap(functools.partial(loads.sync_step, connector)), setup),
+                 (wrap(functools.partial(loads.async_loads, connector)), setup)]
     times = best_times(runs, args.repeats)
     reads = times[: len(args.read_threads)]
     t_upload = times[len(args.read_threads)]
@@ -200,8 +216,8 @@ def bench_connector(args: argparse.Namespace, layout: KVCacheLayout, root: Path,
         "cache": "cold" if cold else "warm", "nbytes": loads.nbytes, "blocks": args.batch * per_request,
         "reads": dict(zip(args.read_threads, reads)), "best_threads": args.read_threads[best],
         "read": reads[best], "upload": t_upload,
-        "connectors": {connector.io_threads: (loaded[2 * i], loaded[2 * i + 1])
-                       for i, connector in enumerate(connectors.values())},
+        "connectors": {(connector.io_threads, reader): (loaded[2 * i], loaded[2 * i + 1])
+                       for i, ((_, reader), connector) in enumerate(connectors.items())},
         "read_1": reads[args.read_threads.index(1)] if 1 in args.read_threads else None,
     }
     for connector in [loads.connector, *connectors.values()]:
@@ -271,19 +287,19 @@ def report(args: argparse.Namespace, label: str, layout_label: str, part_1: list
                   f"{gb / figures['upload']:>8.2f}")
         name = f"ceiling: best read ({figures['best_threads']} threads) + upload"
         print(f"{name:<58}{ceiling * 1e3:>9.1f}{gb / ceiling:>8.2f}  1.00")
-        for threads, (t_sync, t_async) in figures["connectors"].items():
-            for name, seconds in [(f"connector, io_threads {threads}: one step's sync loads", t_sync),
-                                  (f"connector, io_threads {threads}: {args.batch} async loads",
-                                   t_async)]:
+        for (threads, reader), (t_sync, t_async) in figures["connectors"].items():
+            label = f"connector, io_threads {threads}, {reader} reads"
+            for name, seconds in [(f"{label}: one step's sync loads", t_sync),
+                                  (f"{label}: {args.batch} async loads", t_async)]:
                 ratio = ceiling / seconds
                 print(f"{name:<58}{seconds * 1e3:>9.1f}{gb / seconds:>8.2f}  {ratio:.2f}"
                       f"  {verdict('connector x ceiling', ratio)}")
         if figures["read_1"] is not None:
             print("\nx a plain 1-thread read (issue 28 goal 6 on the CPU: >= 0.6 sync, >= 0.5 "
                   "async): " + "; ".join(
-                      f"io_threads {threads}: sync {figures['read_1'] / t_sync:.2f}, async "
-                      f"{figures['read_1'] / t_async:.2f}"
-                      for threads, (t_sync, t_async) in figures["connectors"].items()))
+                      f"io_threads {threads}, {reader}: sync {figures['read_1'] / t_sync:.2f}, "
+                      f"async {figures['read_1'] / t_async:.2f}"
+                      for (threads, reader), (t_sync, t_async) in figures["connectors"].items()))
     if ttft is not None:
         engine_threads = args.engine_io_threads or "the connector's default"
         print(f"\n{label}, {args.max_tokens} new tokens; loads with io_threads {engine_threads}\n")
@@ -319,6 +335,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the files go (default: %(default)s)")
+    parser.add_argument("--entry-reader", nargs="+", choices=["native", "python"],
+                        default=["native"],
+                        help="part 1: staged reads a chunk per C call, and/or entry by entry "
+                             "in Python (as without a C compiler)")
     parser.add_argument("--cache", nargs="+", choices=["warm", "cold"], default=["warm"],
                         help="part 1 with the files in the page cache, and/or dropped from it "
                              "before each timed read (cold: use a disk folder, e.g. --dir /tmp)")
