@@ -288,9 +288,9 @@ def report(args: argparse.Namespace, label: str, layout_label: str, part_1: list
         name = f"ceiling: best read ({figures['best_threads']} threads) + upload"
         print(f"{name:<58}{ceiling * 1e3:>9.1f}{gb / ceiling:>8.2f}  1.00")
         for (threads, reader), (t_sync, t_async) in figures["connectors"].items():
-            label = f"connector, io_threads {threads}, {reader} reads"
-            for name, seconds in [(f"{label}: one step's sync loads", t_sync),
-                                  (f"{label}: {args.batch} async loads", t_async)]:
+            row = f"connector, io_threads {threads}, {reader} reads"
+            for name, seconds in [(f"{row}: one step's sync loads", t_sync),
+                                  (f"{row}: {args.batch} async loads", t_async)]:
                 ratio = ceiling / seconds
                 print(f"{name:<58}{seconds * 1e3:>9.1f}{gb / seconds:>8.2f}  {ratio:.2f}"
                       f"  {verdict('connector x ceiling', ratio)}")
