@@ -4,6 +4,7 @@
         [--batch 16] [--prompt-tokens 1024] [--repeats 3] [--model-dir DIR] [--dir /dev/shm]
         [--read-threads 1 2 4 8 16] [--io-threads N [N ...]] [--engine-io-threads N]
         [--cache warm cold] [--entry-reader native python] [--skip-engine] [--loads-only]
+        [--sequential]
 
 Part 1, the connector alone, on the KV layout of `--shape` (block 16, bf16): the
 blocks of `--batch` requests of `--prompt-tokens` tokens, one file each, loaded
@@ -27,7 +28,8 @@ checkpoint in --model-dir, else random bf16 weights of --shape written there
 (`model_shapes.py`); CPU: the built-in default model or --model-dir.
 
 Rounds interleave every variant (a busy spell hits them all); times are the best
-round. Prints the ratios the goals name, with the shape that really ran.
+round (`--sequential`: part 2 times one engine after the other instead). Prints the
+ratios the goals name, with the shape that really ran.
 """
 
 from __future__ import annotations
@@ -237,23 +239,39 @@ def bench_engine(args: argparse.Namespace, llm_args: dict, store: Path) -> dict[
     producer.close()
     del producer
     release_memory()
-    engines: dict[str, LLM] = {}
     threads = {} if args.engine_io_threads is None else {"io_threads": args.engine_io_threads}
-    for mode in ("sync", "async"):
-        engines[f"load, {mode}"] = LLM(
-            **llm_args, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
-                "SharedStorageConnector", "kv_consumer",
-                {"shared_storage_path": str(store), "async_load": mode == "async", **threads}))
+
+    def loading(mode: str) -> LLM:
+        return LLM(**llm_args, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+            "SharedStorageConnector", "kv_consumer",
+            {"shared_storage_path": str(store), "async_load": mode == "async", **threads}))
+
+    # Engines by name, built when needed (`consumer` warms its own engine up).
+    makers: dict[str, Callable[[], LLM]] = {
+        "load, sync": lambda: loading("sync"), "load, async": lambda: loading("async")}
     if not args.loads_only:
-        loaded_blocks = (args.prompt_tokens - 1) // BLOCK_SIZE
-        every_block = make_plan(1.0, args.batch, loaded_blocks, seed=0)
-        engines["recompute: every block fails"] = consumer(llm_args, store, "sync", [every_block],
-                                                           args.repeats, args.batch, None)
-        engines["recompute: no connector"] = LLM(**llm_args, enable_prefix_caching=False)
-    for name, llm in engines.items():
-        if not name.startswith("recompute: every"):  # (`consumer` warmed its engine up)
+        every_block = make_plan(1.0, args.batch, (args.prompt_tokens - 1) // BLOCK_SIZE, seed=0)
+        makers["recompute: every block fails"] = lambda: consumer(
+            llm_args, store, "sync", [every_block], args.repeats, args.batch, None)
+        makers["recompute: no connector"] = lambda: LLM(**llm_args, enable_prefix_caching=False)
+
+    def ready(name: str) -> LLM:
+        llm = makers[name]()
+        if not name.startswith("recompute: every"):
             timed_batch(llm, random_prompts(args.batch, 48, seed=999), 2)
-    best = {name: float("inf") for name in engines}
+        return llm
+
+    best = {name: float("inf") for name in makers}
+    if args.sequential:  # one engine in memory at a time (an 8B shape's four do not fit 80 GB)
+        for name in makers:
+            llm = ready(name)
+            for batch_prompts in prompts:
+                best[name] = min(best[name], timed_batch(llm, batch_prompts, args.max_tokens)[0])
+            llm.close()
+            del llm
+            release_memory()
+        return best
+    engines = {name: ready(name) for name in makers}
     for batch_prompts in prompts:
         for name, llm in engines.items():
             best[name] = min(best[name], timed_batch(llm, batch_prompts, args.max_tokens)[0])
@@ -343,6 +361,9 @@ def main() -> None:
                         help="part 1 with the files in the page cache, and/or dropped from it "
                              "before each timed read (cold: use a disk folder, e.g. --dir /tmp)")
     parser.add_argument("--skip-engine", action="store_true", help="part 1 only")
+    parser.add_argument("--sequential", action="store_true",
+                        help="part 2: one engine at a time, each timed on every prompt set "
+                             "(for shapes whose engines do not fit the GPU together)")
     parser.add_argument("--loads-only", action="store_true",
                         help="part 2: only the loading engines (no recompute rows)")
     args = parser.parse_args()
