@@ -12,12 +12,17 @@ from pathlib import Path
 import pytest
 from models.test_qwen3_next_vs_hf import FAMILIES, build_hybrid
 from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's producers die
+    PARAMS,
+    PROMPTS,
     Producer,
     consume,
+    consumer_config,
     kill_producers,
     no_connector,
+    with_references,
 )
 
+from kvrecover import LLM
 from kvrecover.kv_transfer.p2p import nixl_connector
 
 pytest.importorskip("nixl_cu12")
@@ -125,3 +130,36 @@ def test_policy_fail_ends_only_the_request_whose_state_failed(hybrid):
     assert run.outputs[0].error_type == "kv_load_failed"
     assert run.ids[1] == no_connector(hybrid)[1] and run.outputs[1].error is None
     producer.kill()
+
+
+def test_a_failed_state_rolls_back_to_a_checkpoint_the_consumer_holds(hybrid, monkeypatch):
+    """The consumer computed the first prompt's first 33 tokens before (checkpoints at
+    its block boundaries, 8 to 32): that prompt's pull claims blocks 4 to 6 only, its
+    state fails, and it resumes from the checkpoint at 32, not 0; same tokens."""
+    real = nixl_connector.verify
+
+    def flipped(state, rows):
+        rows.reshape(-1)[0] ^= 0x5A
+        return real(state, rows)
+
+    monkeypatch.setattr(nixl_connector, "verify", flipped)
+    producer = HybridProducer(hybrid)
+    transfer = consumer_config(False, "recompute", None)
+    llm = LLM(str(hybrid), device="cpu", block_size=8, num_kv_blocks=128,
+              kv_transfer_config=transfer)
+    llm.generate([{"prompt_token_ids": PROMPTS[0][:33]}], PARAMS)
+    before = dict(llm.stats)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           with_references(producer.references))
+    after = llm.stats
+    llm.close()
+    assert [o.outputs[0].token_ids for o in outputs] == no_connector(hybrid)
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in (
+        "prefix_cache_hit_tokens", "prompt_tokens_external", "kv_load_failed_blocks",
+        "kv_load_recomputed_tokens", "prompt_tokens_computed")}
+    # Recomputed: from the rollback point to the prompt's end, 61 - 32 and 45 - 0 (from 0
+    # the first would be 61); computed adds each request's 5 decode steps.
+    assert grew == {"prefix_cache_hit_tokens": 32, "prompt_tokens_external": 0,
+                    "kv_load_failed_blocks": 2, "kv_load_recomputed_tokens": 29 + 45,
+                    "prompt_tokens_computed": 29 + 5 + 45 + 5}, grew
+    assert producer.finish_with_states() == (0, 0)
