@@ -7,6 +7,7 @@ back and recomputes it, same tokens (`kv_transfer/p2p/states.py`, DESIGN rules 8
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,14 @@ def test_a_reference_to_a_boundary_without_a_state_is_recomputed(hybrid, async_l
     assert run.stats["kv_load_failed_blocks"] >= 1
     assert run.stats["kv_load_recomputed_tokens"] >= 3 * 8
     assert producer.finish_with_states() == (0, 0)  # both released all the same
+
+
+def test_an_expired_lease_frees_the_blocks_and_state_and_is_recomputed(hybrid):
+    producer = HybridProducer(hybrid, lease_s=1.0)
+    time.sleep(2.0)  # past the lease: the subject of the test, as test_nixl_connector's
+    run = consume(hybrid, producer.references)
+    assert run.ids == no_connector(hybrid) and run.pulled == 0
+    assert producer.finish_with_states() == (0, 0)
 
 
 def test_a_state_past_what_the_prompt_loads_claims_nothing(hybrid):
