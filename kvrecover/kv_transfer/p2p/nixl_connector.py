@@ -535,6 +535,8 @@ class NixlConnector(KVConnectorBase):
                     self._released.add(handle.rsplit("@", 1)[0])
                     self._release_state(handle)
                 sending, self._released = self._released, set()
+        for request_id in finished_req_ids:  # aborted while pulling: no state to install
+            self._async_pulls.pop(request_id, None)
         receiving = {request_id for request_id, thread in self._async.items()
                      if not thread.is_alive()}
         for request_id in receiving:
