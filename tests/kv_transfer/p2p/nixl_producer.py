@@ -5,7 +5,8 @@
 Prefills each prompt (max_tokens 1), prints a line "REF <json>" per prompt with its
 `kv_transfer_params`, then keeps the engine stepping (serving pulls and releases) until
 stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
-are still kept (a hybrid's first "STATES N": the recurrent states still kept). With STORE, a folder (not empty): a TieredConnector that serves the pulls
+are still kept (a hybrid's first "STATES N": the recurrent states still kept). With
+STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
 engine arguments (e.g. max_num_batched_tokens).
 """
