@@ -117,6 +117,23 @@ def test_scenario_on_a_hybrid_model(hybrid_model, tmp_path):
     assert stats["prompt_tokens_computed"] < 4 * 16, stats
 
 
+@pytest.mark.slow  # a NIXL prefill process per decode phase
+def test_scenario_over_nixl_on_a_hybrid_model(hybrid_model, tmp_path):
+    """The hybrid's KV and recurrent states pulled point to point (`p2p/states.py`), the
+    first pull failing through the fault injector: outputs byte-identical as always."""
+    pytest.importorskip("nixl_cu12")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    baseline = run_passing_scenario(hybrid_model, tmp_path, "--store",
+                                    f"nixl://127.0.0.1:{port}")
+    outputs = [line for line in baseline.splitlines() if line.startswith("Token ids: [")]
+    assert len(set(outputs)) > 1  # the weights tell the prompts apart: a wrong state shows
+    stats = json.loads((tmp_path / "decode_output.stats.json").read_text())
+    assert stats["prompt_tokens_external"] > 0 and stats["kv_nixl_pulled_blocks"] > 0
+    assert stats["kv_load_failed_blocks"] == 0, stats
+
+
 GOOD_STATS = {
     "prefill": {"prompt_tokens_external": 0, "kv_load_failed_blocks": 0,
                 "kv_load_recovered_requests": 0},

@@ -247,7 +247,7 @@ def check_connector_states(plan: ConnectorPlan, architecture: str,
         raise ValueError(
             f"{architecture} has linear-attention layers (a recurrent state per request), and "
             f"{name} does not store their states with the KV (supports_recurrent_states): use "
-            "SharedStorageConnector or RedisConnector, or run without "
+            "SharedStorageConnector, RedisConnector or NixlConnector, or run without "
             "kv_transfer_config")
     if plan.transfer.is_producer and num_checkpoints < 1:
         raise ValueError(f"{architecture} with {name} as a producer saves each prompt's state "

@@ -122,9 +122,10 @@ class KVConnectorBase:
     supports_kv_groups: ClassVar[bool] = False
 
     # Whether the connector stores and loads a hybrid model's recurrent states with the
-    # KV (`state_entries.py`): its claims end at a boundary whose state is stored, and
-    # its worker role installs that state (`register_recurrent_states`). A model with
-    # linear-attention layers refuses, at start-up, a connector that does not declare it.
+    # KV (`stores/state_entries.py`; point to point, `p2p/states.py`): its claims end at a
+    # boundary whose state it can supply, and its worker role installs that state
+    # (`register_recurrent_states`). A model with linear-attention layers refuses, at
+    # start-up, a connector that does not declare it.
     supports_recurrent_states: ClassVar[bool] = False
     # Whether, besides, a failed load of such a model leaves the request the stored state
     # at the latest multiple of `state_interval_blocks` blocks strictly inside the load at

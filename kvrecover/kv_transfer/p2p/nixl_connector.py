@@ -35,8 +35,11 @@ fails (unreachable producer, unknown or reused reference, out-of-range ids, anot
 layout, a read that errors or outlives `load_timeout_s`, a checksum mismatch) makes
 those blocks invalid: the engine recomputes them (rule 10).
 
-It serves full-attention and sliding-window models at tensor_parallel_size 1; hybrid
-(recurrent-state) models refuse it at start-up (`supports_recurrent_states` is False).
+It serves full-attention, sliding-window and hybrid (recurrent-state: Qwen3-Next,
+Qwen3.5) models at tensor_parallel_size 1. A hybrid's kept prompt keeps its state at the
+last loadable boundary too, read in the same READ as the blocks and verified alike; a
+claim ends at that boundary, and a state that fails rolls the request back to a
+checkpoint it holds, or 0 (`states.py`).
 """
 
 from __future__ import annotations
@@ -64,11 +67,23 @@ from kvrecover.kv_transfer.base import (
 from kvrecover.kv_transfer.p2p.params import RemoteReference, parse_reference, wants_remote_prefill
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer, StagingExhausted, StagingPool
+from kvrecover.kv_transfer.p2p.states import (
+    HeldStates,
+    RemoteState,
+    StateCaptures,
+    chunks,
+    claim_end,
+    is_hybrid,
+    num_rows,
+    parse_remote_state,
+    verify,
+)
 from kvrecover.kv_transfer.stores.reader_threads import ReadCancel, ReadTimedOut
 from kvrecover.options import option, validate
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -106,6 +121,9 @@ class NixlSettings:
     lease_s: float = option(
         120.0, "a producer frees a kept prompt no consumer released after this long",
         float, above=0, maximum=1e6)
+    max_held_states: int = option(
+        16, "a hybrid model's producer keeps at most this many prompts' recurrent states "
+        "(CPU memory, allocated at start-up)", int, minimum=1, maximum=1 << 16)
 
     def __post_init__(self) -> None:
         validate(self, SETTING_LABEL)
@@ -128,16 +146,26 @@ class Pull:
     last_position: int
     last_block_hash: str
     is_async: bool
+    # A hybrid's: the state to pull with the blocks, at this position (`states.py`);
+    # the worker's check sets `remote_state`, its read and verification `state_payload`.
+    state_position: int | None = None
+    remote_state: RemoteState | None = None
+    state_payload: bytes | None = None
 
 
 @dataclass
 class NixlMetadata(KVConnectorMetadata):
     """A step's pulls (consumer) and newly kept prompts (producer: handle -> (each
-    group's kept block ids by position, hex chain hash of each position))."""
+    group's kept block ids by position, hex chain hash of each position)); a hybrid
+    producer's states to copy out after the step (request id, checkpoint slot, position),
+    to keep (handle -> (request id, position)) and to forget (request ids)."""
 
     pulls: list[Pull] = field(default_factory=list)
     holds: dict[str, tuple[tuple[tuple[int, ...], ...], list[str]]] = field(
         default_factory=dict)
+    state_captures: list[tuple[str, int, int]] = field(default_factory=list)
+    state_holds: dict[str, tuple[str, int]] = field(default_factory=dict)
+    state_drops: list[str] = field(default_factory=list)
 
     def loads_by_request(self) -> dict[str, tuple[list[int], bool]]:
         return {p.request_id: (p.block_ids + p.missing, p.is_async) for p in self.pulls}
@@ -180,6 +208,8 @@ class NixlConnector(KVConnectorBase):
     # A block id spans every cache tensor whatever its group: the scheduler role pairs
     # each group's blocks, the worker role moves ids.
     supports_kv_groups = True
+    # A hybrid's kept prompt keeps its state at the claim's end too (`states.py`).
+    supports_recurrent_states = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
@@ -197,7 +227,11 @@ class NixlConnector(KVConnectorBase):
         self.kv_groups = layout.kv_groups
         # A model with windows hands out (and reads) a block list per group.
         self._grouped = layout.kv_groups != single_group(layout.num_layers)
+        self._hybrid = is_hybrid(layout)  # a recurrent state travels with the blocks
         # Scheduler role.
+        self._captures = StateCaptures(self.block_size)
+        self._state_holds: dict[str, tuple[str, int]] = {}
+        self._state_drops: list[str] = []
         self._references: dict[str, RemoteReference] = {}
         self._pulls: list[Pull] = []
         self._holds: dict[str, tuple[tuple[tuple[int, ...], ...], list[str]]] = {}
@@ -223,6 +257,10 @@ class NixlConnector(KVConnectorBase):
         self._async: dict[str, threading.Thread] = {}
         self._async_invalid: dict[str, set[int]] = {}
         self._staging: StagingPool | None = None  # consumer: made with the first read
+        self._recurrent: RecurrentStateAccess | None = None
+        self._held_states: HeldStates | None = None  # a hybrid producer's
+        self._async_pulls: dict[str, Pull] = {}  # async pulls of a state, by request
+        self._discarded: set[str] = set()  # requests whose states this step must not keep
         self._pulled_blocks = 0
         self._lease_freed_blocks = 0  # producer: kept blocks freed because a lease ended
 
@@ -248,6 +286,8 @@ class NixlConnector(KVConnectorBase):
         first = num_computed_tokens // self.block_size
         limit = min(reference.num_blocks, (request.num_prompt_tokens - 1) // self.block_size)
         end = self._loadable_end(reference, first, limit)
+        if self._hybrid:
+            end = claim_end(reference.state_block, first, end)
         return max(0, end * self.block_size - num_computed_tokens), self.settings.async_load
 
     def _loadable_end(self, reference: RemoteReference, first: int, limit: int) -> int:
@@ -268,6 +308,8 @@ class NixlConnector(KVConnectorBase):
 
     def update_state_after_alloc(self, request: KVRequestView, block_ids: list[int],
                                  num_external_tokens: int) -> None:
+        if self._hybrid and self.config.is_producer:
+            self._captures.track(request)
         reference = self._references.pop(request.request_id, None)
         if reference is None or num_external_tokens <= 0:
             return
@@ -293,15 +335,22 @@ class NixlConnector(KVConnectorBase):
                 slots.append((g, position))
         self._pulls.append(Pull(
             request.request_id, local, remote, slots, missing, reference, end - 1,
-            request.block_hashes[end - 1].hex(), self.settings.async_load))
+            request.block_hashes[end - 1].hex(), self.settings.async_load,
+            end * self.block_size if self._hybrid else None))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
-        metadata = NixlMetadata(self._pulls, self._holds)
-        self._pulls, self._holds = [], {}
+        metadata = NixlMetadata(self._pulls, self._holds, [], self._state_holds,
+                                self._state_drops)
+        self._pulls, self._holds, self._state_holds, self._state_drops = [], {}, {}, []
+        if self._hybrid and self.config.is_producer:
+            metadata.state_captures = self._captures.plan(scheduler_output)
         return metadata
 
     def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._references.pop(request.request_id, None)
+        captured = self._captures.finished(request.request_id)
+        if captured is not None:  # forgotten by the worker unless kept below
+            self._state_drops.append(request.request_id)
         params = request.sampling_params.kv_transfer_params
         asked = params.get("do_remote_decode") if isinstance(params, dict) else None
         # A producer keeps every prompt unless told not to; kv_both only those asked for.
@@ -315,14 +364,23 @@ class NixlConnector(KVConnectorBase):
             if group.window is None:  # a full group's blocks are a prefix
                 num_blocks = next((p for p in range(num_blocks) if table[p] == NULL_BLOCK_ID),
                                   num_blocks)
+        state_block = None
+        if self._hybrid:  # blocks without their state are of no use: keep both or neither
+            if captured is None or captured % self.block_size or \
+                    not 0 < captured // self.block_size <= num_blocks:
+                return False
+            num_blocks = state_block = captured // self.block_size
         if num_blocks <= 0:
             return False
         handle = f"{request.request_id}@{secrets.token_hex(8)}"  # never reused
+        if state_block is not None:
+            self._state_drops.remove(request.request_id)
+            self._state_holds[handle] = (request.request_id, state_block * self.block_size)
         kept = tuple(_held_suffix(table[:num_blocks]) for table in tables)
         self._holds[handle] = (kept, [h.hex() for h in request.block_hashes[:num_blocks]])
         self._params[request.request_id] = RemoteReference(
             self.engine_id, handle, kept, self.host, self.port, 1,
-            self.layout.fingerprint, self._grouped).as_params()
+            self.layout.fingerprint, self._grouped, state_block).as_params()
         return True
 
     def kv_transfer_params(self, request: KVRequestView) -> dict[str, Any] | None:
@@ -341,6 +399,26 @@ class NixlConnector(KVConnectorBase):
             self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
                                               name="kvrecover-nixl-progress")
             self._progress.start()
+
+    def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
+        self._recurrent = states
+        if self.config.is_producer and self._agent is not None:
+            self._held_states = HeldStates(self._agent, states, self.settings.max_held_states)
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, NixlMetadata) and self._held_states is not None:
+            self._held_states.capture([c for c in metadata.state_captures
+                                       if c[0] not in self._discarded])
+
+    def discard_saves_for(self, request_ids: set[str]) -> None:
+        """A hybrid producer copies out no state of these requests this step (their
+        loads were bad: so may be the checkpoints the step wrote)."""
+        self._discarded |= request_ids
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._discarded = set()
 
     def _progress_pulls(self) -> None:
         """Drive the producer's UCX worker while a consumer may be reading from it (a
@@ -377,17 +455,25 @@ class NixlConnector(KVConnectorBase):
     # ----- worker role: producer ----------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
-        holds = self._get_metadata_of(NixlMetadata).holds
+        metadata = self._get_metadata_of(NixlMetadata)
+        holds = metadata.holds
+        if self._held_states is not None:
+            self._held_states.drop(metadata.state_drops)
         if holds:
             deadline = time.monotonic() + self.settings.lease_s
             with self._bound:
                 for handle, (group_block_ids, hashes) in holds.items():
                     self._held[handle] = _Hold(group_block_ids, hashes, deadline)
+                    state = metadata.state_holds.get(handle)
+                    if state is not None and self._held_states is not None:
+                        self._held_states.hold(handle, *state)
                 self._bound.notify_all()
 
     def _serve(self, message: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (a thread of the server)."""
         op = message.get("op")
+        if op == "handshake" and self._hybrid and self._held_states is None:
+            return {"ok": False, "reason": "the producer's state pool is not registered yet"}
         if op == "handshake":
             cache = self._caches[0]
             half = self._half_nbytes()
@@ -411,6 +497,7 @@ class NixlConnector(KVConnectorBase):
                     del self._held[handle]
                     self._ended.append(handle)
                     self._released.add(handle.rsplit("@", 1)[0])
+                    self._release_state(handle)
                 self._reading.pop(handle, None)
                 return {"ok": True}
             if op != "check":
@@ -426,8 +513,12 @@ class NixlConnector(KVConnectorBase):
                 return {"ok": False, "reason": "the reference is of another prompt"}
             self._reading[handle] = time.monotonic() + self.settings.load_timeout_s
             self._reading_now.set()
-            return {"ok": True, "agent": self._agent_name,
-                    "checksums": self._checksums([item[2] for item in blocks])}
+            answer: dict[str, Any] = {"ok": True, "agent": self._agent_name,
+                      "checksums": self._checksums([item[2] for item in blocks])}
+            if self._held_states is not None and "state_position" in message:
+                answer["state"] = self._held_states.describe(handle,
+                                                             message["state_position"])
+            return answer
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
@@ -442,13 +533,37 @@ class NixlConnector(KVConnectorBase):
                     del self._held[handle]
                     self._ended.append(handle)
                     self._released.add(handle.rsplit("@", 1)[0])
+                    self._release_state(handle)
                 sending, self._released = self._released, set()
+        for request_id in finished_req_ids:  # aborted while pulling: no state to install
+            self._async_pulls.pop(request_id, None)
         receiving = {request_id for request_id, thread in self._async.items()
                      if not thread.is_alive()}
         for request_id in receiving:
             del self._async[request_id]
             self._invalid |= self._async_invalid.pop(request_id, set())
+            pull = self._async_pulls.pop(request_id, None)
+            if pull is not None:
+                self._install_states([pull])
         return sending or None, receiving or None
+
+    def _release_state(self, handle: str) -> None:
+        """The reference `handle` ended: free its state's slot (under `_lock`)."""
+        if self._held_states is not None:
+            self._held_states.release(handle)
+
+    def _install_states(self, pulls: list[Pull]) -> None:
+        """Give each pull's request its pulled state on the engine's thread; a missing or
+        failed one is zeros and the claim's last block is invalid (`states.py`)."""
+        if self._recurrent is None:
+            return
+        for pull in pulls:
+            if pull.state_position is None:
+                continue
+            self._recurrent.install(pull.request_id, pull.state_position, pull.state_payload)
+            if pull.state_payload is None:
+                ids = pull.block_ids or pull.missing
+                self._invalid.add(ids[-1])
 
     # ----- worker role: consumer ----------------------------------------------------------
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
@@ -456,7 +571,10 @@ class NixlConnector(KVConnectorBase):
         sync = [p for p in pulls if not p.is_async]
         if sync:
             self._invalid |= self._pull(sync)
+            self._install_states(sync)
         for pull in (p for p in pulls if p.is_async):
+            if pull.state_position is not None:
+                self._async_pulls[pull.request_id] = pull
             thread = threading.Thread(target=self._pull_async, args=(pull,), daemon=True,
                                       name=f"kvrecover-nixl-pull-{pull.request_id}")
             self._async[pull.request_id] = thread
@@ -514,6 +632,7 @@ class NixlConnector(KVConnectorBase):
                 continue
             try:
                 invalid |= self._install_staged(items, buffer, fence)
+                self._verify_states(items, buffer)
             finally:
                 self._staging_pool().give_back(buffer)
         # Done with each reference that checked out, read or not: the producer frees it. A
@@ -535,9 +654,17 @@ class NixlConnector(KVConnectorBase):
                       {"op": "check", "handle": reference.request_id,
                        "position": pull.last_position,
                        "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots, remote_ids)],
-                       "last_block_hash": pull.last_block_hash})
+                       "last_block_hash": pull.last_block_hash,
+                       **({} if pull.state_position is None
+                          else {"state_position": pull.state_position})})
         if answer.get("ok") is not True:
             raise ValueError(str(answer.get("reason", "refused")))
+        if pull.state_position is not None and self._recurrent is not None:
+            pull.remote_state = parse_remote_state(answer.get("state"), pull.state_position,
+                                                   self._recurrent.bytes_per_checkpoint)
+            if pull.remote_state is None:
+                logger.warning("request %s: the producer keeps no recurrent state at %d",
+                               pull.request_id, pull.state_position)
         checksums = answer.get("checksums")
         if not isinstance(checksums, list) or len(checksums) != len(remote_ids):
             raise ValueError("the producer's checksums do not match the blocks")
@@ -575,8 +702,12 @@ class NixlConnector(KVConnectorBase):
         given up in flight leaves its buffer quarantined)."""
         half = self._half_nbytes()
         count = len(self._caches)
+        row_nbytes = 2 * count * half
+        states = [p.remote_state for p, _, _ in items if p.remote_state is not None]
         try:
-            buffer = self._staging_pool().acquire(sum(len(p.block_ids) for p, _, _ in items))
+            buffer = self._staging_pool().acquire(
+                sum(len(p.block_ids) for p, _, _ in items)
+                + sum(num_rows(s, row_nbytes) for s in states))
         except StagingExhausted as error:
             logger.warning("NIXL read from %s refused: %s", agent, error)
             return None
@@ -590,6 +721,12 @@ class NixlConnector(KVConnectorBase):
                         local.append((base + ((row * 2 + side) * count + c) * half, half, 0))
                         remote.append((bases[side] + remote_id * half, half, 0))
                 row += 1
+        state_row = row
+        for remote_state in states:  # a hybrid's, in rows after the blocks' (`states.py`)
+            state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes)
+            local += state_local
+            remote += state_remote
+            state_row += num_rows(remote_state, row_nbytes)
         handle = None
         state = "ERR"
         try:
@@ -618,6 +755,22 @@ class NixlConnector(KVConnectorBase):
             self._staging_pool().give_back(buffer)
             return None
         return buffer
+
+    def _verify_states(self, items: list[tuple[Pull, _Peer, list[int]]],
+                       buffer: StagingBuffer) -> None:
+        """Each pull's staged state, verified against its checksum (`state_payload`;
+        None if it fails), from the rows after the blocks' (as `_read` laid them out)."""
+        row = sum(len(pull.block_ids) for pull, _, _ in items)
+        for pull, _, _ in items:
+            state = pull.remote_state
+            if state is None:
+                continue
+            rows = num_rows(state, buffer.rows.shape[1])
+            pull.state_payload = verify(state, buffer.rows[row:row + rows])
+            row += rows
+            if pull.state_payload is None:
+                logger.warning("request %s: its pulled recurrent state fails its checksum",
+                               pull.request_id)
 
     def _staging_pool(self) -> StagingPool:
         with self._lock:
@@ -675,6 +828,9 @@ class NixlConnector(KVConnectorBase):
             self._server = None
         if self._staging is not None:
             self._staging.close()
+        if self._held_states is not None:
+            self._held_states.close(self._agent)
+            self._held_states = None
         self._agent = None
         self._caches = []
 

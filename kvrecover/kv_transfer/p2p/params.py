@@ -11,7 +11,9 @@ checksums decide at pull time.
 `remote_block_ids` is a list of block ids for a model of one full-attention KV cache
 group, and a list per group (vLLM's form for several groups) for a model with windows:
 every group's list has an entry per prompt block position, the null block (0) where a
-windowed group holds none (`kv_groups.py`).
+windowed group holds none (`kv_groups.py`). A hybrid (recurrent-state) model's reference
+also says the block boundary whose state the producer keeps (`kv_state_block`, ours,
+`states.py`): a consumer's claim ends there.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class RemoteReference:
     """What a consumer pulls: `group_block_ids` (per KV cache group, one entry per block
     position, 0 where the group holds none) of the producer `engine_id` at host:port,
     kept there for its request `request_id`, with the producer's layout `fingerprint`.
-    `grouped`: the params carry a list per group (else one flat list: one group)."""
+    `grouped`: the params carry a list per group (else one flat list: one group);
+    `state_block`: a hybrid's boundary (in blocks) whose recurrent state is kept."""
 
     engine_id: str
     request_id: str
@@ -38,6 +41,7 @@ class RemoteReference:
     tp_size: int
     fingerprint: str
     grouped: bool = False
+    state_block: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -46,7 +50,7 @@ class RemoteReference:
 
     def as_params(self) -> dict[str, Any]:
         """The dict a consumer's request carries (vLLM's names, plus our fingerprint)."""
-        return {
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -58,6 +62,9 @@ class RemoteReference:
             "tp_size": self.tp_size,
             "kv_fingerprint": self.fingerprint,
         }
+        if self.state_block is not None:
+            params["kv_state_block"] = self.state_block
+        return params
 
 
 def wants_remote_prefill(params: Any) -> bool:
@@ -96,6 +103,9 @@ def parse_reference(params: Any) -> RemoteReference:
         raise ValueError("kv_transfer_params.remote_block_ids must be a non-empty list of "
                          "positive block ids, or one list per KV cache group (of equal "
                          f"lengths, 0 where a group holds no block), got {block_ids!r:.80}")
+    state_block = params.get("kv_state_block")
+    if state_block is not None:
+        state_block = _integer(params, "kv_state_block", 1, len(groups[0]))
     return RemoteReference(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
@@ -105,6 +115,7 @@ def parse_reference(params: Any) -> RemoteReference:
         tp_size=_integer(params, "tp_size", 1, 1),
         fingerprint=_text(params, "kv_fingerprint"),
         grouped=grouped,
+        state_block=state_block,
     )
 
 

@@ -5,7 +5,8 @@
 Prefills each prompt (max_tokens 1), prints a line "REF <json>" per prompt with its
 `kv_transfer_params`, then keeps the engine stepping (serving pulls and releases) until
 stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
-are still kept. With STORE, a folder (not empty): a TieredConnector that serves the pulls
+are still kept (a hybrid's first "STATES N": the recurrent states still kept). With
+STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
 engine arguments (e.g. max_num_batched_tokens).
 """
@@ -48,6 +49,9 @@ def main() -> None:
             break  # stdin closed: the test is done
     if engine.has_unfinished():
         engine.step()  # frees what a release that came with the close let go
+    states = getattr(engine.model_runner.kv_connector.connector, "_held_states", None)
+    if states is not None:  # a hybrid's kept recurrent states
+        print("STATES", len(states), flush=True)
     print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)
     llm.close()
 
