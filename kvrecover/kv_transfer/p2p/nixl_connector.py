@@ -513,8 +513,9 @@ class NixlConnector(KVConnectorBase):
                 return {"ok": False, "reason": "the reference is of another prompt"}
             self._reading[handle] = time.monotonic() + self.settings.load_timeout_s
             self._reading_now.set()
-            answer: dict[str, Any] = {"ok": True, "agent": self._agent_name,
-                      "checksums": self._checksums([item[2] for item in blocks])}
+            answer: dict[str, Any] = {
+                "ok": True, "agent": self._agent_name,
+                "checksums": self._checksums([item[2] for item in blocks])}
             if self._held_states is not None and "state_position" in message:
                 answer["state"] = self._held_states.describe(handle,
                                                              message["state_position"])
