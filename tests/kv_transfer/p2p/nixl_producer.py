@@ -49,7 +49,9 @@ def main() -> None:
             break  # stdin closed: the test is done
     if engine.has_unfinished():
         engine.step()  # frees what a release that came with the close let go
-    states = getattr(engine.model_runner.kv_connector.connector, "_held_states", None)
+    connector = engine.model_runner.kv_connector.connector
+    front = getattr(connector, "front", None)  # a TieredConnector's NixlConnector
+    states = getattr(connector if front is None else front.connector, "_held_states", None)
     if states is not None:  # a hybrid's kept recurrent states
         print("STATES", len(states), flush=True)
     print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)

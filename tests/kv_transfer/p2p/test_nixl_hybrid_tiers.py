@@ -1,0 +1,89 @@
+"""A TieredConnector of NIXL first and a shared-storage store behind it, on a hybrid
+(Qwen3-Next, recurrent-state) model (issue 42): the claim ends where a tier has the
+state; the pulled state is installed when it verified, else the store's at the same
+boundary, else the request rolls back and recomputes. Token ids always equal a run
+without a connector, sync and async; a live producer ends holding nothing."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from models.test_qwen3_next_vs_hf import FAMILIES, build_hybrid
+from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's producers die
+    consume,
+    kill_producers,
+    no_connector,
+)
+from test_nixl_hybrid import CLAIMED_BLOCKS, HybridProducer
+
+from kvrecover.kv_transfer.p2p import nixl_connector
+
+pytest.importorskip("nixl_cu12")
+
+ASYNC = pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> Path:
+    return build_hybrid(tmp_path_factory.mktemp("qwen3_next"), **FAMILIES["qwen3_next"])
+
+
+@pytest.fixture(scope="module")
+def dead_producer(hybrid, tmp_path_factory) -> tuple[list[dict], Path]:
+    """A tiered producer's references and store, the producer killed (its references
+    point nowhere)."""
+    store = tmp_path_factory.mktemp("store")
+    producer = HybridProducer(hybrid, store=store)
+    references = producer.references
+    producer.kill()
+    return references, store
+
+
+@ASYNC
+def test_the_pull_comes_first_and_a_bad_pulled_state_falls_through_to_the_store(
+        hybrid, tmp_path, monkeypatch, async_load):
+    """The first pulled state to be verified has a byte flipped: that request takes the
+    store's state at the same boundary, the other the pulled one; every block is
+    pulled, nothing is recomputed, and the producer frees both prompts and states."""
+    real, calls = nixl_connector.verify, itertools.count()
+
+    def first_flipped(state, rows):
+        if next(calls) == 0:
+            rows.reshape(-1)[state.nbytes // 2] ^= 0x5A
+        return real(state, rows)
+
+    monkeypatch.setattr(nixl_connector, "verify", first_flipped)
+    producer = HybridProducer(hybrid, store=tmp_path / "store")
+    run = consume(hybrid, producer.references, async_load=async_load,
+                  store=tmp_path / "store")
+    assert run.ids == no_connector(hybrid)
+    assert run.stats["prompt_tokens_external"] == CLAIMED_BLOCKS * 8
+    assert run.pulled == run.stats["kv_tier0_loaded_blocks"] == CLAIMED_BLOCKS
+    assert run.stats["kv_tier0_loaded_states"] == run.stats["kv_tier1_loaded_states"] == 1
+    assert run.stats.get("kv_tier1_loaded_blocks", 0) == 0
+    assert run.stats["kv_load_failed_blocks"] == 0
+    assert producer.finish_with_states() == (0, 0)
+
+
+@ASYNC
+def test_a_dead_producer_falls_through_to_the_stores_blocks_and_states(
+        hybrid, dead_producer, async_load):
+    references, store = dead_producer
+    run = consume(hybrid, references, async_load=async_load, store=store)
+    assert run.ids == no_connector(hybrid)
+    assert run.pulled == 0 and run.stats["kv_tier0_failed_blocks"] == CLAIMED_BLOCKS
+    assert run.stats["kv_tier1_loaded_blocks"] == CLAIMED_BLOCKS
+    assert run.stats["kv_tier1_loaded_states"] == 2
+    assert run.stats["kv_load_failed_blocks"] == 0
+
+
+@ASYNC
+def test_what_both_tiers_lost_is_recomputed(hybrid, dead_producer, tmp_path, async_load):
+    references, _ = dead_producer
+    run = consume(hybrid, references, async_load=async_load, store=tmp_path / "empty")
+    assert run.ids == no_connector(hybrid)
+    assert run.pulled == 0 and run.stats.get("kv_tier1_loaded_blocks", 0) == 0
+    assert run.stats.get("kv_tier1_loaded_states", 0) == 0
+    assert run.stats["kv_load_failed_blocks"] >= CLAIMED_BLOCKS
