@@ -318,11 +318,9 @@ class TieredConnector(BlockStoreConnector):
         read = iter(super()._read_states(rest, cancelled) if rest else [])
         payloads = [payload if payload is not None else next(read) for payload in pulled]
         pulls = sum(payload is not None for payload in pulled)
-        if pulls and self.front is not None:
-            self._counts["kv_tier0_loaded_states"] += pulls
         stored = sum(payload is not None for payload in payloads) - pulls
-        if stored:
-            self._counts[f"kv_tier{self.tiers[0].index}_loaded_states"] += stored
+        self._counts["kv_tier0_loaded_states"] += pulls  # tier 0 is the pull when it pulls
+        self._counts[f"kv_tier{self.tiers[0].index}_loaded_states"] += stored
         return payloads
 
     def _read_blocks(self, transfers: list[BlockTransfer],

@@ -8,7 +8,8 @@ stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
 are still kept (a hybrid's first "STATES N": the recurrent states still kept). With
 STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
-engine arguments (e.g. max_num_batched_tokens).
+engine arguments (e.g. max_num_batched_tokens; "state_interval_blocks" goes to the
+tiered producer's KVTransferConfig).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ def main() -> None:
     nixl = {"side_channel_port": port, "lease_s": lease_s}
     transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
     engine_args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    interval = engine_args.pop("state_interval_blocks", None)
     if len(sys.argv) > 5 and sys.argv[5]:
         transfer = KVTransferConfig("TieredConnector", "kv_producer", {"connectors": [
             {"kv_connector": "NixlConnector", "kv_connector_extra_config": nixl},
             {"kv_connector": "SharedStorageConnector",
-             "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]})
+             "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]},
+            **({} if interval is None else {"state_interval_blocks": interval}))
     llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer,
               **engine_args)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
