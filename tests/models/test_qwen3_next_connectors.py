@@ -2,7 +2,8 @@
 connector (`kv_transfer/stores/state_entries.py`): a producer prefills, a consumer loads KV and
 state and decodes the same tokens as a connector-free run, sync and async; a claim ends
 at the last boundary whose state is stored; connectors that cannot carry states are
-refused (the NixlConnector carries them: `tests/kv_transfer/p2p/test_nixl_hybrid.py`)."""
+refused (the NixlConnector carries them: `tests/kv_transfer/p2p/test_nixl_hybrid.py`; a
+TieredConnector with one store tier too, NIXL first or not)."""
 
 from __future__ import annotations
 
@@ -132,15 +133,39 @@ def test_connectors_without_state_support_are_refused(qwen3_next_dir, tmp_path):
         hybrid_llm(qwen3_next_dir, transfer)
 
 
-def test_p2p_behind_a_tier_is_refused_for_a_hybrid_model(qwen3_next_dir):
-    """The NixlConnector alone carries a hybrid's states (`p2p/states.py`); as a
-    TieredConnector's first tier it does not (yet): the pair is refused at start-up."""
-    connectors = [{"kv_connector": "NixlConnector"},
-                  {"kv_connector": "SharedStorageConnector",
-                   "kv_connector_extra_config": {"shared_storage_path": "kv"}}]
-    transfer = KVTransferConfig("TieredConnector", "kv_consumer", {"connectors": connectors})
-    with pytest.raises(ValueError, match="does not store their states"):
+def tiered_transfer(role: str, stores: list[Path], nixl: bool = False) -> KVTransferConfig:
+    """A TieredConnector over these shared-storage folders, behind a NixlConnector if
+    `nixl`."""
+    connectors = [{"kv_connector": "NixlConnector"}] if nixl else []
+    connectors += [{"kv_connector": "SharedStorageConnector",
+                    "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+                   for store in stores]
+    return KVTransferConfig("TieredConnector", role, {"connectors": connectors})
+
+
+@pytest.mark.parametrize("nixl", [False, True], ids=["stores", "nixl-first"])
+def test_more_than_one_store_tier_is_refused_for_a_hybrid_model(qwen3_next_dir, tmp_path,
+                                                               nixl):
+    """A hybrid's states live in one store (NIXL first or not: `tiered/connector.py`);
+    two store tiers are refused at start-up, naming why."""
+    transfer = tiered_transfer("kv_consumer", [tmp_path / "a", tmp_path / "b"], nixl)
+    with pytest.raises(ValueError, match="exactly one block-store tier"):
         hybrid_llm(qwen3_next_dir, transfer)
+
+
+def test_a_tiered_store_carries_the_states(qwen3_next_dir, baseline, tmp_path):
+    """A TieredConnector of one store: the producer saves KV and states through it, the
+    consumer loads both from it (NIXL first: `tests/kv_transfer/p2p/test_nixl_hybrid_tiers.py`)."""
+    store = tmp_path / "store"
+    producer = hybrid_llm(qwen3_next_dir, tiered_transfer("kv_producer", [store]))
+    generate(producer)
+    producer.close()
+    assert len(state_entries(store)) == len(PROMPTS)
+    consumer = hybrid_llm(qwen3_next_dir, tiered_transfer("kv_consumer", [store]))
+    assert generate(consumer) == baseline
+    loaded = sum((len(p) - 1) // BLOCK * BLOCK for p in PROMPTS)
+    assert consumer.stats["prompt_tokens_external"] == loaded
+    assert consumer.stats["kv_tier0_loaded_states"] == len(PROMPTS)
 
 
 def test_a_producer_without_checkpoint_slots_is_refused(qwen3_next_dir, tmp_path):

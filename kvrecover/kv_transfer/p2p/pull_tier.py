@@ -9,6 +9,11 @@ verified into the cache under the load's fence, `ReadCancel`: a load given up ge
 nothing more written), so those are in the cache already (`IN_CACHE`), every other block of the load is read from the stores tier by tier, and
 only what every tier lost is invalid (recomputed). A producer's TieredConnector keeps
 its prompts for pulls through the same connector (and saves them into the stores).
+
+A hybrid's pull reads its recurrent state with the blocks; `pull` keeps what it
+verified (`pulled_state`) for the load's state read, which takes it instead of the
+store's when it is at the load's end (the TieredConnector installs it, on the engine's
+thread; never from here).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class PullTier:
         self.connector = connector
         self._claims: dict[str, int] = {}
         self._pulls: dict[str, Pull] = {}  # worker: pulls not yet run, by request id
+        # Worker, a hybrid's: each pull's state (position, verified payload or None).
+        self._states: dict[str, tuple[int, bytes | None]] = {}
         self._lock = threading.Lock()
 
     # ----- scheduler role ---------------------------------------------------------------
@@ -81,9 +88,27 @@ class PullTier:
             return set(), set()
         failed = self.connector.pull_blocks(pulls, timeout_s, fence)
         loaded = {b for pull in pulls for b in pull.block_ids} - failed
+        with self._lock:
+            if fence is None or not fence.is_set():  # a load given up keeps no state
+                self._states.update((p.request_id, (p.state_position, p.state_payload))
+                                    for p in pulls if p.state_position is not None)
         return loaded, failed
+
+    def pulled_state(self, request_id: str, position: int | None) -> bytes | None:
+        """The verified state this request's pull read at `position` (taken: asked once),
+        else None (no pull, another position, or it failed: the stores' turn)."""
+        with self._lock:
+            pulled = self._states.pop(request_id, None)
+        return pulled[1] if pulled is not None and pulled[0] == position else None
+
+    def forget_states(self, request_ids: Iterable[str]) -> None:
+        """Drop the pulled states of these requests (they ended)."""
+        with self._lock:
+            for request_id in request_ids:
+                self._states.pop(request_id, None)
 
     def drop_pulls(self) -> None:
         """Forget pulls never run (shutdown)."""
         with self._lock:
             self._pulls.clear()
+            self._states.clear()

@@ -31,10 +31,32 @@ P2P reference pulls first and each block the pull fails is read from the stores,
 recomputed; its counters are `kv_tier0_loaded_blocks` (verified from the pull) and
 `kv_tier0_failed_blocks`, beside the connector's own `kv_nixl_pulled_blocks`.
 
+Hybrid models (linear-attention layers, a recurrent state per request: Qwen3-Next,
+Qwen3.5) take exactly one block-store tier, behind an optional NixlConnector (the
+store's states are `store_states`' and only its store holds them; more store tiers
+are refused at start-up, `recurrent_states_supported`). The rule:
+
+- Claim: the larger of the two ends, each at a boundary its tier has the state of: the
+  pull's at the reference's `kv_state_block`, the store's at its last stored state
+  inside its stored prefix. The load's state is the one at the claim's end, E.
+- State at E: the pull's, when the pull ended at E and its state verified; else the
+  store's at E (read as a store load's, `_read_states`). If neither, E's state is
+  zeros and the claim's last block invalid, and the store's resume rule applies
+  (`keeps_resume_states`): the store's state at the latest multiple of
+  `state_interval_blocks` inside the load at or before the first failed block, else a
+  checkpoint the engine holds, or 0.
+- Blocks go tier by tier as above; states are installed on the engine's thread only
+  (sync: right after the load's reads; async: in `get_finished`), never by the reader
+  thread that pulled them (`PullTier.pulled_state` only hands the payload over).
+
+A producer keeps each prompt's last-boundary state for pulls (the NixlConnector) and
+saves its states into the store (every K blocks and at the last boundary).
+
 Per-tier counters appear in `LLM.stats` as `kv_tier<i>_<counter>_blocks`, `<i>`
 being the tier's position in `connectors`: `hit` (blocks planned to load from
 it), `loaded` (verified from it), `failed` (missing or bad there),
-`fallen_through` (failed there and tried in a later tier), `saved`, `save_failed`.
+`fallen_through` (failed there and tried in a later tier), `saved`, `save_failed`;
+a hybrid's also `kv_tier<i>_loaded_states` (the load's state came from that tier).
 """
 
 from __future__ import annotations
@@ -51,6 +73,7 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
 from kvrecover.kv_transfer.p2p.pull_tier import IN_CACHE, PullTier
+from kvrecover.kv_transfer.p2p.states import is_hybrid
 from kvrecover.kv_transfer.stores.block_store import StoredBlock
 from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
 from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
@@ -65,6 +88,7 @@ from kvrecover.kv_transfer.tiered.config import TieredSettings, tier_config
 
 if TYPE_CHECKING:
     from kvrecover.kv_transfer.request_view import KVRequestView
+    from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
     from kvrecover.step_messages import SchedulerOutput
 
 COUNTERS = ("hit", "loaded", "failed", "fallen_through", "saved", "save_failed")
@@ -102,9 +126,9 @@ class TieredConnector(BlockStoreConnector):
     """Loads each block from the first tier that has it, falling through on failure."""
 
     settings_class = TieredSettings
-    # Its loads pick a tier per block; recurrent states are not routed through tiers yet.
-    supports_recurrent_states = False
-    keeps_resume_states = False
+    # A hybrid's states: with one store tier (`recurrent_states_supported`), see above.
+    supports_recurrent_states = True
+    keeps_resume_states = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         self.tiers: list[Tier] = []
@@ -113,6 +137,22 @@ class TieredConnector(BlockStoreConnector):
         super().__init__(config, role, layout)
         self._counts = {f"kv_tier{i}_{name}_blocks": 0
                         for i in range(len(self.settings.connectors)) for name in COUNTERS}
+        if self._stateful:
+            self._counts.update((f"kv_tier{i}_loaded_states", 0)
+                                for i in range(len(self.settings.connectors)))
+
+    @classmethod
+    def recurrent_states_supported(cls, config: KVTransferConfig) -> bool:
+        """True with one block-store tier (after an optional NixlConnector); a ValueError
+        that says so otherwise: a hybrid's states live in one store (`store_states`)."""
+        stores = _store_tiers(config)
+        if len(stores) != 1:
+            raise ValueError(
+                "TieredConnector on a model with linear-attention layers (recurrent states) "
+                "takes exactly one block-store tier, optionally behind a NixlConnector: its "
+                f"states are stored in and loaded from that store; got {len(stores)} "
+                f"({', '.join(stores) or 'none'})")
+        return True
 
     def _open_store(self) -> BatchedBlockStore:
         from kvrecover.kv_transfer.registry import connector_class
@@ -140,6 +180,8 @@ class TieredConnector(BlockStoreConnector):
         if not self.tiers:
             raise ValueError("TieredConnector needs a block-store tier after the NixlConnector "
                              "(for pulls alone, use the NixlConnector itself)")
+        if is_hybrid(self.layout):
+            self.recurrent_states_supported(self.config)  # the resolver's check, if skipped
         return self.tiers[0].store  # the codec every tier shares (one engine layout)
 
     def _default_load_timeout_s(self) -> float:
@@ -219,6 +261,21 @@ class TieredConnector(BlockStoreConnector):
         if self.front is not None:
             self.front.connector.register_kv_caches(kv_caches)
 
+    def register_recurrent_states(self, states: RecurrentStateAccess) -> None:
+        super().register_recurrent_states(states)
+        if self.front is not None:
+            self.front.connector.register_recurrent_states(states)
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        if self.front is not None:  # a hybrid producer copies out the states it keeps
+            self.front.connector.wait_for_save()
+
+    def discard_saves_for(self, request_ids: set[str]) -> None:
+        super().discard_saves_for(request_ids)
+        if self.front is not None:
+            self.front.connector.discard_saves_for(request_ids)
+
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
         if self.front is not None and isinstance(metadata, TieredMetadata) \
@@ -234,6 +291,7 @@ class TieredConnector(BlockStoreConnector):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, receiving = super().get_finished(finished_req_ids)
         if self.front is not None:
+            self.front.forget_states(finished_req_ids)
             released, _ = self.front.connector.get_finished(finished_req_ids)
             sending = (sending or set()) | (released or set()) or None
         return sending, receiving
@@ -249,6 +307,22 @@ class TieredConnector(BlockStoreConnector):
         super()._install(transfer, blocks)
 
     # ----- worker role ----------------------------------------------------------------
+    def _read_states(self, transfers: list[BlockTransfer], cancelled: ReadCancel,
+                     ) -> list[bytes | None]:
+        """Each load's state at its end: the one its pull verified there, else the
+        store's (on the load's reader thread, after its blocks; installed by the caller
+        on the engine's thread)."""
+        pulled = [None if self.front is None else
+                  self.front.pulled_state(t.request_id, t.state_position) for t in transfers]
+        rest = [t for t, payload in zip(transfers, pulled) if payload is None]
+        read = iter(super()._read_states(rest, cancelled) if rest else [])
+        payloads = [payload if payload is not None else next(read) for payload in pulled]
+        pulls = sum(payload is not None for payload in pulled)
+        stored = sum(payload is not None for payload in payloads) - pulls
+        self._counts["kv_tier0_loaded_states"] += pulls  # tier 0 is the pull when it pulls
+        self._counts[f"kv_tier{self.tiers[0].index}_loaded_states"] += stored
+        return payloads
+
     def _read_blocks(self, transfers: list[BlockTransfer],
                      cancelled: threading.Event) -> list[list[StoredBlock | None]]:
         """Read every block from its first tier, then each failed one from later tiers:
@@ -326,6 +400,16 @@ class TieredConnector(BlockStoreConnector):
         """The tiers' understood configs, in order."""
         return {"connectors": [tier.connector.extra() for tier in self.tiers],
                 "async_load": self.async_load, "load_timeout_s": self.load_timeout_s}
+
+
+def _store_tiers(config: KVTransferConfig) -> list[str]:
+    """The block-store tiers `config` names (a leading NixlConnector is not one)."""
+    from kvrecover.kv_transfer.registry import connector_class
+
+    entries = TieredConnector.own_settings(config).connectors or ()
+    return [entry.kv_connector for index, entry in enumerate(entries)
+            if not (index == 0 and issubclass(connector_class(tier_config(config, index, entry)),
+                                              NixlConnector))]
 
 
 def _first_tier(transfer: BlockTransfer, position: int) -> int:

@@ -8,7 +8,8 @@ stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
 are still kept (a hybrid's first "STATES N": the recurrent states still kept). With
 STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
-engine arguments (e.g. max_num_batched_tokens).
+engine arguments (e.g. max_num_batched_tokens; "state_interval_blocks" goes to the
+tiered producer's KVTransferConfig).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ def main() -> None:
     nixl = {"side_channel_port": port, "lease_s": lease_s}
     transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
     engine_args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    interval = engine_args.pop("state_interval_blocks", None)
     if len(sys.argv) > 5 and sys.argv[5]:
         transfer = KVTransferConfig("TieredConnector", "kv_producer", {"connectors": [
             {"kv_connector": "NixlConnector", "kv_connector_extra_config": nixl},
             {"kv_connector": "SharedStorageConnector",
-             "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]})
+             "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]},
+            **({} if interval is None else {"state_interval_blocks": interval}))
     llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer,
               **engine_args)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -49,7 +52,9 @@ def main() -> None:
             break  # stdin closed: the test is done
     if engine.has_unfinished():
         engine.step()  # frees what a release that came with the close let go
-    states = getattr(engine.model_runner.kv_connector.connector, "_held_states", None)
+    connector = engine.model_runner.kv_connector.connector
+    front = getattr(connector, "front", None)  # a TieredConnector's NixlConnector
+    states = getattr(connector if front is None else front.connector, "_held_states", None)
     if states is not None:  # a hybrid's kept recurrent states
         print("STATES", len(states), flush=True)
     print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)
