@@ -48,16 +48,20 @@ def test_scenario_on_tiny_model(long_context_model, tmp_path):
     run_passing_scenario(long_context_model, tmp_path)
 
 
-@pytest.mark.slow  # a NIXL prefill process per decode phase
-def test_scenario_over_nixl(long_context_model, tmp_path):
-    """Prefill and decode in two processes, the KV pulled over NIXL (UCX on loopback),
-    the first pull failing through the fault injector around the NixlConnector."""
+def run_scenario_over_nixl(model, tmp_path) -> str:
+    """The passing scenario with its KV pulled over NIXL from a free loopback port."""
     pytest.importorskip("nixl_cu12")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    baseline = run_passing_scenario(long_context_model, tmp_path, "--store",
-                                    f"nixl://127.0.0.1:{port}")
+    return run_passing_scenario(model, tmp_path, "--store", f"nixl://127.0.0.1:{port}")
+
+
+@pytest.mark.slow  # a NIXL prefill process per decode phase
+def test_scenario_over_nixl(long_context_model, tmp_path):
+    """Prefill and decode in two processes, the KV pulled over NIXL (UCX on loopback),
+    the first pull failing through the fault injector around the NixlConnector."""
+    baseline = run_scenario_over_nixl(long_context_model, tmp_path)
     stats = json.loads((tmp_path / "decode_output.stats.json").read_text())
     assert stats["prompt_tokens_external"] > 0 and stats["kv_nixl_pulled_blocks"] > 0
     assert baseline.count("Token ids: [") == 4
@@ -121,12 +125,7 @@ def test_scenario_on_a_hybrid_model(hybrid_model, tmp_path):
 def test_scenario_over_nixl_on_a_hybrid_model(hybrid_model, tmp_path):
     """The hybrid's KV and recurrent states pulled point to point (`p2p/states.py`), the
     first pull failing through the fault injector: outputs byte-identical as always."""
-    pytest.importorskip("nixl_cu12")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    baseline = run_passing_scenario(hybrid_model, tmp_path, "--store",
-                                    f"nixl://127.0.0.1:{port}")
+    baseline = run_scenario_over_nixl(hybrid_model, tmp_path)
     outputs = [line for line in baseline.splitlines() if line.startswith("Token ids: [")]
     assert len(set(outputs)) > 1  # the weights tell the prompts apart: a wrong state shows
     stats = json.loads((tmp_path / "decode_output.stats.json").read_text())
