@@ -799,14 +799,18 @@ class NixlConnector(KVConnectorBase):
         if not good:
             return bad
         half = self._half_nbytes()
-        staged = rows[torch.tensor(good, dtype=torch.long)].view(
-            len(good), 2, len(self._caches), half)
+        # Moved in 8-byte words where the halves allow: an indexed copy of bytes moves one
+        # byte per element (a 16 x 1024-token CPU pull spent 3 s here).
+        word = torch.int64 if half % 8 == 0 else torch.uint8
+        kept = rows if len(good) == len(local_ids) else rows[torch.tensor(good)]
+        staged = kept.view(len(good), 2, len(self._caches), half).view(word)
         targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long)
 
         def copy() -> None:
             for c, cache in enumerate(self._caches):
-                cache_bytes = cache.view(torch.uint8).view(2, cache.shape[1], half)
-                cache_bytes[:, targets] = staged[:, :, c].transpose(0, 1)
+                cache_words = cache.view(torch.uint8).view(2, cache.shape[1], half).view(word)
+                source = staged[:, :, c].transpose(0, 1).to(cache.device)
+                cache_words.index_copy_(1, targets.to(cache.device), source)
 
         if fence is None:
             copy()
