@@ -145,8 +145,9 @@ class SharedStorageConnector(StoreConnectorBase):
         if self._paged is not None:
             self._paged.close()
         self._paged = PagedBlocks(kv_caches)
-        if self.settings.io_threads is None and self._paged.on_gpu \
-                and EntryReader.shared() is not None:
+        # (Built, compiled at first use, here: not on a reader thread under a deadline.)
+        native_reads = not self._paged.direct and EntryReader.shared() is not None
+        if self.settings.io_threads is None and self._paged.on_gpu and native_reads:
             self.io_threads = min(MAX_STAGED_IO_THREADS, os.cpu_count() or 1)
 
     def shutdown(self) -> None:
