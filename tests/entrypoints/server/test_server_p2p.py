@@ -176,7 +176,6 @@ def test_an_idle_producer_keeps_stepping_until_the_lease_ends(model_dir, tmp_pat
     try:
         reference = reference_of(producer.url)  # kept, pulled by nobody
         assert metric(producer.url, "kvrecover_kv_cache_usage_ratio") > 0
-        assert metric(producer.url, "kvrecover_kv_nixl_lease_freed_blocks_total") == 0
         deadline = time.monotonic() + 15  # past the lease the engine loop's steps free them
         while metric(producer.url, "kvrecover_kv_cache_usage_ratio") > 0:
             assert time.monotonic() < deadline, "the lease never ended"
