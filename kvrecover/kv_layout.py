@@ -50,6 +50,12 @@ class KVCacheLayout:
         return self.groups or single_group(self.num_layers)
 
     @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layers are in no KV cache group (linear attention: a recurrent
+        state per request instead of KV)."""
+        return self.num_layers > sum(len(g.layer_indices) for g in self.kv_groups)
+
+    @property
     def num_cache_tensors(self) -> int:
         """Layers one block id spans: the KV cache has this many tensors (S)."""
         return max(len(g.layer_indices) for g in self.kv_groups)

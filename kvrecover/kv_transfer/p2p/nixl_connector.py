@@ -73,7 +73,6 @@ from kvrecover.kv_transfer.p2p.states import (
     StateCaptures,
     chunks,
     claim_end,
-    is_hybrid,
     num_rows,
     parse_remote_state,
     verify,
@@ -227,7 +226,7 @@ class NixlConnector(KVConnectorBase):
         self.kv_groups = layout.kv_groups
         # A model with windows hands out (and reads) a block list per group.
         self._grouped = layout.kv_groups != single_group(layout.num_layers)
-        self._hybrid = is_hybrid(layout)  # a recurrent state travels with the blocks
+        self._hybrid = layout.has_recurrent_layers  # a state travels with the blocks
         # Scheduler role.
         self._captures = StateCaptures(self.block_size)
         self._state_holds: dict[str, tuple[str, int]] = {}

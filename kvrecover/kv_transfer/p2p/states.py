@@ -52,11 +52,6 @@ logger = logging.getLogger(__name__)
 ROW_ALIGN = 64  # each pool slot starts on a cache line
 
 
-def is_hybrid(layout: Any) -> bool:
-    """Whether the model has layers in no KV cache group (linear attention: a state)."""
-    return layout.num_layers > sum(len(g.layer_indices) for g in layout.kv_groups)
-
-
 def claim_end(state_block: int | None, first: int, end: int) -> int:
     """Where a hybrid's claim of blocks [first, end) ends: at the reference's state
     boundary if it lies in (first, end], else nowhere (`first`)."""

@@ -147,8 +147,7 @@ class StoreConnectorBase(AsyncStoreLoads, KVConnectorBase):
         self.kv_groups = layout.kv_groups
         # Several groups or a window: blocks and keys per group (`_group_blocks`).
         self._grouped = layout.kv_groups != single_group(layout.num_layers)
-        # Layers in no KV cache group are recurrent (linear attention): claims need states.
-        self._stateful = layout.num_layers > sum(len(g.layer_indices) for g in layout.kv_groups)
+        self._stateful = layout.has_recurrent_layers  # claims need states
         # A hybrid's states (`store_states`), stored beside its KV.
         self._states = (StoreStates(self.store, layout.block_size, config.state_interval_blocks)
                         if self._stateful else None)

@@ -73,7 +73,6 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
 from kvrecover.kv_transfer.p2p.pull_tier import IN_CACHE, PullTier
-from kvrecover.kv_transfer.p2p.states import is_hybrid
 from kvrecover.kv_transfer.stores.block_store import StoredBlock
 from kvrecover.kv_transfer.stores.reader_threads import ReadCancel
 from kvrecover.kv_transfer.stores.shared_storage import SharedStorageConnector
@@ -180,7 +179,7 @@ class TieredConnector(BlockStoreConnector):
         if not self.tiers:
             raise ValueError("TieredConnector needs a block-store tier after the NixlConnector "
                              "(for pulls alone, use the NixlConnector itself)")
-        if is_hybrid(self.layout):
+        if self.layout.has_recurrent_layers:
             self.recurrent_states_supported(self.config)  # the resolver's check, if skipped
         return self.tiers[0].store  # the codec every tier shares (one engine layout)
 
