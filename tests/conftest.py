@@ -350,6 +350,19 @@ def make_layout(dtype: torch.dtype = torch.float32, **overrides):
     return KVCacheLayout(**settings)
 
 
+def require_nixl() -> None:
+    """Skip the calling NIXL test (or module) without the nixl package, except under CI
+    (CI=true), where that is a failure: requirements.txt pins nixl-cu12."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("nixl_cu12 is not installed but CI=true: requirements.txt pins "
+                        "nixl-cu12 (scripts/bootstrap.sh installs it)", pytrace=False)
+        pytest.skip("nixl_cu12 is not installed (pip install -r requirements.txt)",
+                    allow_module_level=True)
+
+
 def random_block(store, seed: int) -> torch.Tensor:
     """A seeded random block of the store's layout."""
     generator = torch.Generator().manual_seed(seed)

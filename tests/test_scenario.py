@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import build_tiny_model
+from conftest import build_tiny_model, require_nixl
 
 from kvrecover import scenario
 from kvrecover.config import EngineArgs
@@ -50,7 +50,7 @@ def test_scenario_on_tiny_model(long_context_model, tmp_path):
 
 def run_scenario_over_nixl(model, tmp_path) -> str:
     """The passing scenario with its KV pulled over NIXL from a free loopback port."""
-    pytest.importorskip("nixl_cu12")
+    require_nixl()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -11,14 +11,14 @@ import json
 
 import httpx
 import pytest
-from conftest import build_tiny_model
+from conftest import build_tiny_model, require_nixl
 from router_helpers import ENGINE as PD_ENGINE
 from router_helpers import NO_PREFIX_CACHE, PROMPT, nixl_transfer
 from serving_utils import Process, add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 ENGINE = (*PD_ENGINE, *NO_PREFIX_CACHE)
 PULLED = "kvrecover_kv_nixl_pulled_blocks_total"

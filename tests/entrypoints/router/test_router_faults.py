@@ -11,14 +11,14 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import build_tiny_model
+from conftest import build_tiny_model, require_nixl
 from router_helpers import ENGINE as PD_ENGINE
 from router_helpers import NO_PREFIX_CACHE, PROMPT, Router, nixl_transfer, required_router_binary
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 ENGINE = (*PD_ENGINE, *NO_PREFIX_CACHE)
 

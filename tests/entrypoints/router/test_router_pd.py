@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import build_tiny_model
+from conftest import build_tiny_model, require_nixl
 from router_helpers import ENGINE, PROMPT, Router, nixl_transfer, required_router_binary
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 # Several full blocks of 8 tokens.
 MESSAGES = [{"role": "user", "content": PROMPT}]

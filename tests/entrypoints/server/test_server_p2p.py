@@ -12,12 +12,12 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import build_tiny_model
+from conftest import build_tiny_model, require_nixl
 from serving_utils import add_chat_template, free_port, metric, serve
 
 pytestmark = pytest.mark.slow  # separate processes
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 # Long enough for several full blocks of 8 tokens.
 PROMPT = ("the quick brown fox jumps over the lazy dog and the capital of france is paris; "

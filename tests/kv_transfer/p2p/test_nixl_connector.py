@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts
+from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts, require_nixl
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 PRODUCER = Path(__file__).with_name("nixl_producer.py")
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

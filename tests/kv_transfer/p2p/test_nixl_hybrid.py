@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import require_nixl
 from models.test_qwen3_next_vs_hf import FAMILIES, build_hybrid
 from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's producers die
     PARAMS,
@@ -26,7 +27,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's p
 from kvrecover import LLM
 from kvrecover.kv_transfer.p2p import nixl_connector
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 # 61 and 45 tokens (test_nixl_connector.PROMPTS), blocks of 8: states at blocks 7 and 5.
 CLAIMED_BLOCKS = 7 + 5

@@ -11,6 +11,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+from conftest import require_nixl
 from models.test_qwen3_next_vs_hf import FAMILIES, build_hybrid
 from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's producers die
     PROMPTS,
@@ -27,7 +28,7 @@ from kvrecover.kv_layout import hash_block_tokens
 from kvrecover.kv_transfer.p2p import nixl_connector
 from kvrecover.kv_transfer.stores.state_entries import state_key
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 ASYNC = pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 

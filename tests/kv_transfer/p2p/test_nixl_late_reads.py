@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import require_nixl
 from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fixture
     PROMPTS,
     Producer,
@@ -29,7 +30,7 @@ from kvrecover.kv_transfer.p2p.pull_tier import PullTier
 from kvrecover.kv_transfer.p2p.side_channel import call
 from kvrecover.kv_transfer.stores.reader_threads import ReaderThreads, StoreRead
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 SENTINEL = 0xA5  # what the cache holds once the given-up blocks belong to someone else
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import require_nixl
 from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fixture
     BAD_REFERENCES,
     PARAMS,
@@ -36,7 +37,7 @@ from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, Pull, _Peer
 from kvrecover.kv_transfer.p2p.side_channel import call
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 LONG_TIMEOUT_S = 60.0  # a pull that waited for it would fail the elapsed bounds below
 FAST_S = 5.0  # a generous bound on a fallback that must not wait (a loaded 2-core box)

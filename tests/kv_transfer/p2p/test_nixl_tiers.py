@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import require_nixl
 from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fixture
     BAD_REFERENCES,
     Producer,
@@ -20,7 +21,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     tiny_model,
 )
 
-pytest.importorskip("nixl_cu12")
+require_nixl()
 
 STORE_BLOCKS = "kv_tier1_loaded_blocks"
 
