@@ -87,6 +87,8 @@ def time_kvrecover(model_dir: Path, batch: int, prompt_len: int, new_tokens: int
     # prefill, whose spread (+-30 ms at batch 64) is 0.24 ms a decode step.
     decode_s = clock.ends[-1] - clock.first_token_of_all
     result["decode_tok_s_in_run"] = batch * (new_tokens - 1) / decode_s
+    result["decode_tok_s_decode_only"] = clock.decode_only_tokens / max(clock.decode_only_s, 1e-9)
+    result["decode_only_steps"] = clock.decode_only_steps
     full = [start.elapsed_time(end) for size, start, end in replays if size == batch]
     if full:
         result["decode_gpu_ms_per_step"] = sorted(full)[len(full) // 2]
@@ -98,18 +100,33 @@ def time_kvrecover(model_dir: Path, batch: int, prompt_len: int, new_tokens: int
 
 
 class _StepClock:
-    """The host clock at the end of every engine step from now on, and at the end of the
-    first step by which `requests` requests have reported a token."""
+    """The host clock at the end of every engine step from now on, the end of the first
+    step by which `requests` requests have reported a token, and a decode-only clock.
+
+    The decode-only clock adds up the intervals of the steps that computed no prompt
+    token and produced tokens (the engine's own counters, read after each step), and
+    the tokens those steps produced: under chunked prefill a long prompt's chunks share
+    steps with the other requests' decode, and "first token of all to the last step"
+    would count tokens produced before that window and time steps that prefilled."""
 
     def __init__(self, engine, requests: int) -> None:
         self.ends: list[float] = []
         self.first_token_of_all = float("nan")
+        self.decode_only_s = 0.0
+        self.decode_only_tokens = 0
+        self.decode_only_steps = 0
         started: set[str] = set()
-        step = engine.step
+        step, stats = engine.step, engine.stats
 
         def timed():
+            prompt, generated = stats.prompt_tokens_computed, stats.generation_tokens
             outputs = step()
             now = time.perf_counter()
+            produced = stats.generation_tokens - generated
+            if self.ends and stats.prompt_tokens_computed == prompt and produced:
+                self.decode_only_s += now - self.ends[-1]
+                self.decode_only_tokens += produced
+                self.decode_only_steps += 1
             self.ends.append(now)
             if len(started) < requests:
                 started.update(o.request_id for o in outputs if o.outputs[0].token_ids)
@@ -410,15 +427,19 @@ def main() -> None:
                   f"{run.get('decode_gpu_ms_per_step', float('nan')):.3f} ms + host "
                   f"{run.get('decode_host_ms_per_step', float('nan')):.3f} ms; same run's decode "
                   f"steps: {run['decode_tok_s_in_run']:9,.0f} tok/s, host "
-                  f"{run.get('decode_in_run_host_ms_per_step', float('nan')):.3f} ms", flush=True)
+                  f"{run.get('decode_in_run_host_ms_per_step', float('nan')):.3f} ms; decode-only "
+                  f"steps ({run['decode_only_steps']}): {run['decode_tok_s_decode_only']:9,.0f} "
+                  "tok/s", flush=True)
         results["runs"].append({"engine": "roofline", "batch": batch, **roof})
 
     print(f"\n{shape.label}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens "
           f"(HF: {args.hf_new_tokens}); bf16; tok/s, x HF, % of roofline")
     print("(decode: batch x (new - 1) / (this run's time - a prefill run's time); in-run: the "
-          "same run's decode steps on the host clock)")
+          "same run's decode phase on the host clock; dec-only: the same run's steps that "
+          "computed no prompt token)")
     header = f"{'batch':>5} {'engine':24} {'prefill':>10} {'xHF':>6} {'%roof':>6} " \
-             f"{'decode':>9} {'xHF':>6} {'%roof':>6} {'in-run':>9} {'%roof':>6}"
+             f"{'decode':>9} {'xHF':>6} {'%roof':>6} {'in-run':>9} {'%roof':>6} " \
+             f"{'dec-only':>9} {'%roof':>6}"
     print(header)
     for batch in args.batches:
         rows = [r for r in results["runs"] if r["batch"] == batch]
@@ -428,11 +449,13 @@ def main() -> None:
             x_pre = r["prefill_tok_s"] / hf["prefill_tok_s"] if hf else float("nan")
             x_dec = r["decode_tok_s"] / hf["decode_tok_s"] if hf else float("nan")
             in_run = r.get("decode_tok_s_in_run", float("nan"))
+            only = r.get("decode_tok_s_decode_only", float("nan"))
             print(f"{batch:5d} {r['engine']:24} {r['prefill_tok_s']:10,.0f} {x_pre:6.1f} "
                   f"{100 * r['prefill_tok_s'] / roof['prefill_tok_s']:6.1f} "
                   f"{r['decode_tok_s']:9,.0f} {x_dec:6.1f} "
                   f"{100 * r['decode_tok_s'] / roof['decode_tok_s']:6.1f} "
-                  f"{in_run:9,.0f} {100 * in_run / roof['decode_tok_s']:6.1f}")
+                  f"{in_run:9,.0f} {100 * in_run / roof['decode_tok_s']:6.1f} "
+                  f"{only:9,.0f} {100 * only / roof['decode_tok_s']:6.1f}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=2))

@@ -30,12 +30,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import _time_cuda, device_ceilings, random_prompts  # noqa: E402
-from model_shapes import build_checkpoint  # noqa: E402
+from model_shapes import ModelShape, build_checkpoint  # noqa: E402
 
 ALL = 1 << 20  # target programs: one program per segment
 # Decode attention variants against FAST_DECODE: (label, DecodeKernelConfig fields).
 ATTENTION = [
     ("separate combine", dict(fused_combine=False)),
+    ("a state per segment", dict(merge_in_program=False)),
     ("all", dict(target_programs=ALL)),
     ("bn128 st3", dict(block_n=128, num_stages=3)),
     ("w2 st3 all", dict(num_warps=2, num_stages=3, target_programs=ALL)),
@@ -299,8 +300,10 @@ def profile_batch(model_dir: Path, batch: int, prompt_len: int, steps: int, copy
                   batch_invariant: bool, wanted: list[str]) -> dict:
     from kvrecover import LLM
 
+    tokens = batch * (prompt_len + 160)  # room for the batch's KV: no preemption
+    kv_gb = max(12.0, 1.25 * tokens * ModelShape.of(model_dir).kv_bytes_per_token / 1e9)
     llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", max_model_len=prompt_len + 144,
-              enable_prefix_caching=False, kv_cache_memory_gb=12, max_num_seqs=max(batch, 16),
+              enable_prefix_caching=False, kv_cache_memory_gb=kv_gb, max_num_seqs=max(batch, 16),
               batch_invariant=batch_invariant)
     engine = start_decoding(llm, batch, prompt_len)
     runner = engine.model_runner

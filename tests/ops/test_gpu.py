@@ -381,6 +381,40 @@ def test_decode_segment_sizes_match_reference(segment, block_n, fused):
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("target_programs", [12, 24, 60])
+def test_decode_programs_merging_their_own_segments_match_reference(target_programs):
+    """FAST_DECODE's programs each merge several segments before the last one merges a
+    state per program (12, 24 and 60 target programs for 6 requests x 2 KV heads: 1, 2
+    or 5 programs a token over up to 63 segments): the reference's attention, the same
+    bits on a second launch, every arrival counter back at zero."""
+    import dataclasses
+
+    from kvrecover.ops.reference.attention_metadata import AttentionMetadata
+    from kvrecover.ops.reference.torch_attention import TorchPagedAttention
+    from kvrecover.ops.triton import attention as ta
+    from kvrecover.ops.triton.arrival import all_counters_zero
+    from kvrecover.ops.triton.step_inputs import StepInputBuilder
+
+    long_step = [(37, 1), (0, 1), (2000, 1), (255, 1), (256, 1), (1000, 1)]
+    q, k, v, cache, scheduled = _random_step(long_step, 16, 8, 2, 32, torch.float32, 7)
+    ref_meta = AttentionMetadata.build(
+        [s.num_computed_tokens for s in scheduled], [1] * len(scheduled),
+        [s.block_ids for s in scheduled], 16, torch.device(DEVICE),
+    )
+    ref = TorchPagedAttention().forward(q, k, v, cache.clone(), ref_meta, 32**-0.5)
+    builder = StepInputBuilder(16, ta.tile_tokens(4), torch.device(DEVICE))
+    layout = builder.pack(scheduled)
+    meta = builder.views(layout, builder.upload(layout)).attn
+    ta.store_kv(k, v, cache, meta.slot_mapping)
+    config = dataclasses.replace(ta.FAST_DECODE, segment=32, block_n=32,
+                                 target_programs=target_programs)
+    assert config.merge_in_program and config.fused_combine
+    first = ta.paged_attention(q, cache, meta, 32**-0.5, decode=config)
+    torch.testing.assert_close(first, ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(ta.paged_attention(q, cache, meta, 32**-0.5, decode=config), first)
+    assert all_counters_zero(q.device)
+
+
 def test_decode_pack_matches_generic_pack():
     """The graph path's cached decode packing writes what the generic packing writes."""
     import random

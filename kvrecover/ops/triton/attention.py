@@ -78,11 +78,16 @@ class DecodeKernelConfig:
     # The last program of a (token, KV head) to finish merges the segments itself
     # (an arrival counter) instead of a second kernel: the same merges, in order.
     fused_combine: bool = False
+    # Each program merges its own segments as it goes and leaves one state, so the last
+    # program merges one state per program, not per segment (a long context has hundreds
+    # of segments: merged one by one, they were a serial tail of every decode step).
+    # Other merges than the combine kernel's: default mode only, with `fused_combine`.
+    merge_in_program: bool = False
 
 
 INVARIANT_DECODE = DecodeKernelConfig(DECODE_BLOCK_M, BLOCK_N, DECODE_WARPS, NUM_STAGES)
 # The smallest tile tl.dot takes: a decode tile holds one token, the rest is padding.
-FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2, fused_combine=True)
+FAST_DECODE = DecodeKernelConfig(16, 64, 4, 2, fused_combine=True, merge_in_program=True)
 
 
 def tile_tokens(group_size: int, block_m: int = PREFILL_BLOCK_M) -> int:
@@ -180,6 +185,16 @@ def _merge_sink(m_i, l_i, acc, sinks_ptr, head, mask):
 
 
 @triton.jit
+def _store_state(part_m_ptr, part_l_ptr, part_acc_ptr, base, rows, dims, first,
+                 HEAD_DIM: tl.constexpr, m_s, l_s, acc_s):
+    """Store a decode token's online-softmax state (rows `first`) at state row `base`."""
+    tl.store(part_m_ptr + base + rows, m_s, mask=first)
+    tl.store(part_l_ptr + base + rows, l_s, mask=first)
+    tl.store(part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :], acc_s,
+             mask=first[:, None])
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_query_start_ptr,
@@ -188,8 +203,8 @@ def _paged_attention_kernel(
     max_segments, num_splits, PAGE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
-    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, IEEE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, PROGRAM_STATES: tl.constexpr,
+    IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -221,11 +236,15 @@ def _paged_attention_kernel(
     kv_base = kv_head * HEAD_DIM
     if SPLIT:
         # Decode: this program computes segments split, split + num_splits, ... and stores
-        # each one's state; the combine kernel (or, with FUSED_COMBINE, the last of the
-        # token's programs to finish) merges them in segment order.
+        # each one's state (with PROGRAM_STATES, their merge: one state per program); the
+        # combine kernel (or, with FUSED_COMBINE, the last of the token's programs to
+        # finish) merges the states in order.
         num_segments = tl.cdiv(kv_end, SEGMENT)
         state_rows = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_segments
         first = rows < GROUP_PAD  # a decode tile has one token: rows [0, GROUP_PAD)
+        m_p = tl.full([ROWS], float("-inf"), tl.float32)
+        l_p = tl.zeros([ROWS], tl.float32)
+        acc_p = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         for segment in range(first_segment + tl.program_id(2), num_segments, num_splits):
             seg_start = segment * SEGMENT
             m_s, l_s, acc_s = _segment(
@@ -233,11 +252,16 @@ def _paged_attention_kernel(
                 seg_start, tl.minimum(seg_start + SEGMENT, kv_end), key_lo, scale_log2, PAGE,
                 ROWS, HEAD_DIM, BLOCK_N, IEEE, WINDOW, SOFTCAP,
             )
-            base = (state_rows + segment) * GROUP_PAD
-            tl.store(part_m_ptr + base + rows, m_s, mask=first)
-            tl.store(part_l_ptr + base + rows, l_s, mask=first)
-            tl.store(part_acc_ptr + (base + rows)[:, None] * HEAD_DIM + dims[None, :], acc_s,
-                     mask=first[:, None])
+            if PROGRAM_STATES:
+                m_p, l_p, acc_p = _merge(m_p, l_p, acc_p, m_s, l_s, acc_s)
+            else:
+                _store_state(part_m_ptr, part_l_ptr, part_acc_ptr,
+                             (state_rows + segment) * GROUP_PAD, rows, dims, first, HEAD_DIM,
+                             m_s, l_s, acc_s)
+        if PROGRAM_STATES:  # a program without segments leaves an empty state
+            _store_state(part_m_ptr, part_l_ptr, part_acc_ptr,
+                         (state_rows + tl.program_id(2)) * GROUP_PAD, rows, dims, first,
+                         HEAD_DIM, m_p, l_p, acc_p)
         if FUSED_COMBINE:
             # Publish this program's states (barrier, then a release at GPU scope); the
             # num_splits-th arrival merges every segment in order and re-arms the counter.
@@ -247,8 +271,14 @@ def _paged_attention_kernel(
                 m_i = tl.full([ROWS], float("-inf"), tl.float32)
                 l_i = tl.zeros([ROWS], tl.float32)
                 acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-                for segment in range(first_segment, num_segments):
-                    base = (state_rows + segment) * GROUP_PAD
+                if PROGRAM_STATES:
+                    state_lo = 0
+                    state_hi = num_splits
+                else:
+                    state_lo = first_segment
+                    state_hi = num_segments
+                for state in range(state_lo, state_hi):
+                    base = (state_rows + state) * GROUP_PAD
                     m_s = tl.load(part_m_ptr + base + rows, mask=first, other=float("-inf"),
                                   cache_modifier=".cg")
                     l_s = tl.load(part_l_ptr + base + rows, mask=first, other=0.0,
@@ -392,7 +422,8 @@ def paged_attention(
         kv_cache.stride(2), max_segments, num_splits, PAGE=kv_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad), HEAD_DIM=head_dim,
         BLOCK_N=decode.block_n if split else BLOCK_N, SEGMENT=segment, SPLIT=split,
-        FUSED_COMBINE=fused, IEEE=query.dtype == torch.float32, WINDOW=window or 0,
+        FUSED_COMBINE=fused, PROGRAM_STATES=fused and decode.merge_in_program,
+        IEEE=query.dtype == torch.float32, WINDOW=window or 0,
         SOFTCAP=float(softcap or 0.0), SINKS=sinks is not None,
         num_warps=decode.num_warps if split else prefill_warps,
         num_stages=decode.num_stages if split else num_stages,
