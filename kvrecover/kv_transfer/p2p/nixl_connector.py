@@ -64,7 +64,12 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvrecover.kv_transfer.p2p.params import RemoteReference, parse_reference, wants_remote_prefill
+from kvrecover.kv_transfer.p2p.params import (
+    RemoteReference,
+    parse_reference,
+    rank_side_channel_port,
+    wants_remote_prefill,
+)
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer, StagingExhausted, StagingPool
 from kvrecover.kv_transfer.p2p.states import (
@@ -212,10 +217,15 @@ class NixlConnector(KVConnectorBase):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
-        if layout.tensor_parallel_size > 1:
-            raise ValueError("NixlConnector serves tensor_parallel_size 1 for now (each "
-                             "rank would need its own side channel and agent)")
         settings: NixlSettings = self.settings
+        # Under tensor parallelism each rank has its own connector: rank r serves (a
+        # producer) or pulls from (a consumer) side channel port + r, its own shard only.
+        self.rank = layout.tensor_parallel_rank
+        if rank_side_channel_port(settings.side_channel_port,
+                                  layout.tensor_parallel_size - 1) > 65535:
+            raise ValueError(f"side_channel_port {settings.side_channel_port} + rank passes "
+                             f"65535 at tensor_parallel_size {layout.tensor_parallel_size}: "
+                             "choose a lower side_channel_port")
         self.load_timeout_s = settings.load_timeout_s
         if config.is_producer:  # the engine keeps stepping for a release until the lease ends
             self.load_timeout_s = max(settings.load_timeout_s, settings.lease_s + 1.0)
@@ -270,6 +280,15 @@ class NixlConnector(KVConnectorBase):
         if not self.config.is_consumer or not wants_remote_prefill(params):
             return 0, False
         reference = parse_reference(params)
+        if reference.tp_size != self.layout.tensor_parallel_size:
+            logger.warning("request %s: its KV reference is of a producer at "
+                           "tensor_parallel_size %d, this engine runs %d (a rank pulls its "
+                           "own rank's shard only); the prompt is computed here",
+                           request.request_id, reference.tp_size,
+                           self.layout.tensor_parallel_size)
+            return 0, False
+        # This role holds rank 0's layout and the reference names the producer's rank 0's;
+        # each worker rank's handshake then checks its own rank's.
         if reference.fingerprint != self.layout.fingerprint:
             logger.warning("request %s: its KV reference is of another model or layout; "
                            "the prompt is computed here", request.request_id)
@@ -378,7 +397,8 @@ class NixlConnector(KVConnectorBase):
         kept = tuple(_held_suffix(table[:num_blocks]) for table in tables)
         self._holds[handle] = (kept, [h.hex() for h in request.block_hashes[:num_blocks]])
         self._params[request.request_id] = RemoteReference(
-            self.engine_id, handle, kept, self.host, self.port, 1,
+            self.engine_id, handle, kept, self.host, self.port,
+            self.layout.tensor_parallel_size,
             self.layout.fingerprint, self._grouped, state_block).as_params()
         return True
 
@@ -390,11 +410,12 @@ class NixlConnector(KVConnectorBase):
         self._caches = kv_caches
         if any(not c.is_contiguous() or c.shape[0] != 2 for c in kv_caches):
             raise ValueError("NixlConnector needs contiguous [2, blocks, ...] cache tensors")
-        self._agent_name = f"kvrecover-{self.engine_id}-{secrets.token_hex(6)}"
+        self._agent_name = f"kvrecover-{self.engine_id}-rank{self.rank}-{secrets.token_hex(6)}"
         self._agent = _nixl_agent(self._agent_name)
         if self.config.is_producer:  # a consumer's reads land in staging buffers only
             self._agent.register_memory(list(kv_caches))
-            self._server = SideChannelServer(self.host, self.port, self._serve)
+            self._server = SideChannelServer(
+                self.host, rank_side_channel_port(self.port, self.rank), self._serve)
             self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
                                               name="kvrecover-nixl-progress")
             self._progress.start()
@@ -639,7 +660,7 @@ class NixlConnector(KVConnectorBase):
         # refused one is left to its lease (it may be someone else's, or not be at all).
         for pull, _, _ in checked:
             try:
-                call(pull.reference.host, pull.reference.port,
+                call(pull.reference.host, pull.reference.side_channel_port(self.rank),
                      {"op": "release", "handle": pull.reference.request_id}, timeout_s=1.0)
             except SideChannelError:
                 pass
@@ -650,7 +671,7 @@ class NixlConnector(KVConnectorBase):
         checksums, and the peer (handshaking when its agent is new)."""
         reference = pull.reference
         remote_ids = pull.remote_block_ids
-        answer = call(reference.host, reference.port,
+        answer = call(reference.host, reference.side_channel_port(self.rank),
                       {"op": "check", "handle": reference.request_id,
                        "position": pull.last_position,
                        "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots, remote_ids)],
@@ -677,7 +698,8 @@ class NixlConnector(KVConnectorBase):
         return peer, checksums
 
     def _handshake(self, reference: RemoteReference) -> _Peer:
-        answer = call(reference.host, reference.port, {"op": "handshake"})
+        answer = call(reference.host, reference.side_channel_port(self.rank),
+                      {"op": "handshake"})
         if answer.get("ok") is not True:
             raise ValueError(f"handshake refused: {answer.get('reason')}")
         if answer.get("fingerprint") != self.layout.fingerprint or \
