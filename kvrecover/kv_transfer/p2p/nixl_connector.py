@@ -36,10 +36,22 @@ layout, a read that errors or outlives `load_timeout_s`, a checksum mismatch) ma
 those blocks invalid: the engine recomputes them (rule 10).
 
 It serves full-attention, sliding-window and hybrid (recurrent-state: Qwen3-Next,
-Qwen3.5) models at tensor_parallel_size 1. A hybrid's kept prompt keeps its state at the
-last loadable boundary too, read in the same READ as the blocks and verified alike; a
-claim ends at that boundary, and a state that fails rolls the request back to a
-checkpoint it holds, or 0 (`states.py`).
+Qwen3.5) models. A hybrid's kept prompt keeps its state at the last loadable boundary
+too, read in the same READ as the blocks and verified alike; a claim ends at that
+boundary, and a state that fails rolls the request back to a checkpoint it holds, or 0
+(`states.py`).
+
+Tensor parallelism (vLLM's scheme; producer and consumer of the SAME size N): every rank
+has its own worker-role connector, NIXL agent and layout (whose fingerprint names N and
+the rank). Producer rank r registers its own KV shard (and a hybrid's own heads' states)
+and serves its side channel on `side_channel_port + r`; the reference, built by the
+scheduler role from rank 0's layout, hands out the base port, `tp_size` N and rank 0's
+fingerprint. Consumer rank r handshakes with, checks, reads from and releases on
+producer rank r only (the handshake checks rank r's fingerprint, the check answers rank
+r's checksums). A rank's failure is its invalid blocks, which the engine unions over
+the ranks; a kept prompt is freed once every rank reported it in `finished_sending`
+(released or past its lease on each: `distributed/rank_reports.py`). A reference of
+another size (`tp_size`) claims nothing: the prompt is computed here, with a warning.
 """
 
 from __future__ import annotations
@@ -112,7 +124,8 @@ class NixlSettings:
     side_channel_host: str = option(
         "127.0.0.1", "the address a producer's side channel listens on and hands out", str)
     side_channel_port: int = option(
-        DEFAULT_SIDE_CHANNEL_PORT, "the port of a producer's side channel", int,
+        DEFAULT_SIDE_CHANNEL_PORT, "the port of a producer's side channel (its rank r's: "
+        "port + r)", int,
         minimum=1, maximum=65535)
     engine_id: str | None = option(
         None, "the producer's engine id in its references (default host:port)", str,
