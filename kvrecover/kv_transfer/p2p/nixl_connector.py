@@ -36,10 +36,22 @@ layout, a read that errors or outlives `load_timeout_s`, a checksum mismatch) ma
 those blocks invalid: the engine recomputes them (rule 10).
 
 It serves full-attention, sliding-window and hybrid (recurrent-state: Qwen3-Next,
-Qwen3.5) models at tensor_parallel_size 1. A hybrid's kept prompt keeps its state at the
-last loadable boundary too, read in the same READ as the blocks and verified alike; a
-claim ends at that boundary, and a state that fails rolls the request back to a
-checkpoint it holds, or 0 (`states.py`).
+Qwen3.5) models. A hybrid's kept prompt keeps its state at the last loadable boundary
+too, read in the same READ as the blocks and verified alike; a claim ends at that
+boundary, and a state that fails rolls the request back to a checkpoint it holds, or 0
+(`states.py`).
+
+Tensor parallelism (vLLM's scheme; producer and consumer of the SAME size N): every rank
+has its own worker-role connector, NIXL agent and layout (whose fingerprint names N and
+the rank). Producer rank r registers its own KV shard (and a hybrid's own heads' states)
+and serves its side channel on `side_channel_port + r`; the reference, built by the
+scheduler role from rank 0's layout, hands out the base port, `tp_size` N and rank 0's
+fingerprint. Consumer rank r handshakes with, checks, reads from and releases on
+producer rank r only (the handshake checks rank r's fingerprint, the check answers rank
+r's checksums). A rank's failure is its invalid blocks, which the engine unions over
+the ranks; a kept prompt is freed once every rank reported it in `finished_sending`
+(released or past its lease on each: `distributed/rank_reports.py`). A reference of
+another size (`tp_size`) claims nothing: the prompt is computed here, with a warning.
 """
 
 from __future__ import annotations
@@ -64,7 +76,12 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvrecover.kv_transfer.p2p.params import RemoteReference, parse_reference, wants_remote_prefill
+from kvrecover.kv_transfer.p2p.params import (
+    RemoteReference,
+    parse_reference,
+    rank_side_channel_port,
+    wants_remote_prefill,
+)
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer, StagingExhausted, StagingPool
 from kvrecover.kv_transfer.p2p.states import (
@@ -107,7 +124,8 @@ class NixlSettings:
     side_channel_host: str = option(
         "127.0.0.1", "the address a producer's side channel listens on and hands out", str)
     side_channel_port: int = option(
-        DEFAULT_SIDE_CHANNEL_PORT, "the port of a producer's side channel", int,
+        DEFAULT_SIDE_CHANNEL_PORT, "the port of a producer's side channel (its rank r's: "
+        "port + r)", int,
         minimum=1, maximum=65535)
     engine_id: str | None = option(
         None, "the producer's engine id in its references (default host:port)", str,
@@ -212,10 +230,15 @@ class NixlConnector(KVConnectorBase):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout):
         super().__init__(config, role, layout)
-        if layout.tensor_parallel_size > 1:
-            raise ValueError("NixlConnector serves tensor_parallel_size 1 for now (each "
-                             "rank would need its own side channel and agent)")
         settings: NixlSettings = self.settings
+        # Under tensor parallelism each rank has its own connector: rank r serves (a
+        # producer) or pulls from (a consumer) side channel port + r, its own shard only.
+        self.rank = layout.tensor_parallel_rank
+        if rank_side_channel_port(settings.side_channel_port,
+                                  layout.tensor_parallel_size - 1) > 65535:
+            raise ValueError(f"side_channel_port {settings.side_channel_port} + rank passes "
+                             f"65535 at tensor_parallel_size {layout.tensor_parallel_size}: "
+                             "choose a lower side_channel_port")
         self.load_timeout_s = settings.load_timeout_s
         if config.is_producer:  # the engine keeps stepping for a release until the lease ends
             self.load_timeout_s = max(settings.load_timeout_s, settings.lease_s + 1.0)
@@ -270,6 +293,15 @@ class NixlConnector(KVConnectorBase):
         if not self.config.is_consumer or not wants_remote_prefill(params):
             return 0, False
         reference = parse_reference(params)
+        if reference.tp_size != self.layout.tensor_parallel_size:
+            logger.warning("request %s: its KV reference is of a producer at "
+                           "tensor_parallel_size %d, this engine runs %d (a rank pulls its "
+                           "own rank's shard only); the prompt is computed here",
+                           request.request_id, reference.tp_size,
+                           self.layout.tensor_parallel_size)
+            return 0, False
+        # This role holds rank 0's layout and the reference names the producer's rank 0's;
+        # each worker rank's handshake then checks its own rank's.
         if reference.fingerprint != self.layout.fingerprint:
             logger.warning("request %s: its KV reference is of another model or layout; "
                            "the prompt is computed here", request.request_id)
@@ -378,7 +410,8 @@ class NixlConnector(KVConnectorBase):
         kept = tuple(_held_suffix(table[:num_blocks]) for table in tables)
         self._holds[handle] = (kept, [h.hex() for h in request.block_hashes[:num_blocks]])
         self._params[request.request_id] = RemoteReference(
-            self.engine_id, handle, kept, self.host, self.port, 1,
+            self.engine_id, handle, kept, self.host, self.port,
+            self.layout.tensor_parallel_size,
             self.layout.fingerprint, self._grouped, state_block).as_params()
         return True
 
@@ -390,11 +423,12 @@ class NixlConnector(KVConnectorBase):
         self._caches = kv_caches
         if any(not c.is_contiguous() or c.shape[0] != 2 for c in kv_caches):
             raise ValueError("NixlConnector needs contiguous [2, blocks, ...] cache tensors")
-        self._agent_name = f"kvrecover-{self.engine_id}-{secrets.token_hex(6)}"
+        self._agent_name = f"kvrecover-{self.engine_id}-rank{self.rank}-{secrets.token_hex(6)}"
         self._agent = _nixl_agent(self._agent_name)
         if self.config.is_producer:  # a consumer's reads land in staging buffers only
             self._agent.register_memory(list(kv_caches))
-            self._server = SideChannelServer(self.host, self.port, self._serve)
+            self._server = SideChannelServer(
+                self.host, rank_side_channel_port(self.port, self.rank), self._serve)
             self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
                                               name="kvrecover-nixl-progress")
             self._progress.start()
@@ -639,7 +673,7 @@ class NixlConnector(KVConnectorBase):
         # refused one is left to its lease (it may be someone else's, or not be at all).
         for pull, _, _ in checked:
             try:
-                call(pull.reference.host, pull.reference.port,
+                call(pull.reference.host, pull.reference.side_channel_port(self.rank),
                      {"op": "release", "handle": pull.reference.request_id}, timeout_s=1.0)
             except SideChannelError:
                 pass
@@ -650,7 +684,7 @@ class NixlConnector(KVConnectorBase):
         checksums, and the peer (handshaking when its agent is new)."""
         reference = pull.reference
         remote_ids = pull.remote_block_ids
-        answer = call(reference.host, reference.port,
+        answer = call(reference.host, reference.side_channel_port(self.rank),
                       {"op": "check", "handle": reference.request_id,
                        "position": pull.last_position,
                        "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots, remote_ids)],
@@ -677,7 +711,8 @@ class NixlConnector(KVConnectorBase):
         return peer, checksums
 
     def _handshake(self, reference: RemoteReference) -> _Peer:
-        answer = call(reference.host, reference.port, {"op": "handshake"})
+        answer = call(reference.host, reference.side_channel_port(self.rank),
+                      {"op": "handshake"})
         if answer.get("ok") is not True:
             raise ValueError(f"handshake refused: {answer.get('reason')}")
         if answer.get("fingerprint") != self.layout.fingerprint or \

@@ -14,6 +14,11 @@ every group's list has an entry per prompt block position, the null block (0) wh
 windowed group holds none (`kv_groups.py`). A hybrid (recurrent-state) model's reference
 also says the block boundary whose state the producer keeps (`kv_state_block`, ours,
 `states.py`): a consumer's claim ends there.
+
+At tensor_parallel_size N > 1 (vLLM's convention) `tp_size` is the producer's N,
+`remote_port` its rank 0's side channel (rank r serves `remote_port + r`) and
+`kv_fingerprint` its rank 0's layout fingerprint; a consumer pulls only from a producer
+of its own size, rank r from rank r.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ from typing import Any
 
 MAX_BLOCKS = 1 << 20  # more block ids than any cache holds: refused before a read is built
 MAX_GROUPS = 256
+MAX_TP_SIZE = 1024  # a producer's tensor-parallel size: rank r serves remote_port + r
 
 
 @dataclass(frozen=True)
 class RemoteReference:
     """What a consumer pulls: `group_block_ids` (per KV cache group, one entry per block
     position, 0 where the group holds none) of the producer `engine_id` at host:port,
-    kept there for its request `request_id`, with the producer's layout `fingerprint`.
+    kept there for its request `request_id`, with the producer's layout `fingerprint`
+    (its rank 0's); `tp_size`: the producer's tensor-parallel size, its rank r at
+    port + r.
     `grouped`: the params carry a list per group (else one flat list: one group);
     `state_block`: a hybrid's boundary (in blocks) whose recurrent state is kept."""
 
@@ -42,6 +50,10 @@ class RemoteReference:
     fingerprint: str
     grouped: bool = False
     state_block: int | None = None
+
+    def side_channel_port(self, rank: int) -> int:
+        """The side channel of the producer's rank `rank` (`rank_side_channel_port`)."""
+        return rank_side_channel_port(self.port, rank)
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +77,12 @@ class RemoteReference:
         if self.state_block is not None:
             params["kv_state_block"] = self.state_block
         return params
+
+
+def rank_side_channel_port(base_port: int, rank: int) -> int:
+    """The port rank `rank` serves its side channel on (vLLM's convention: base + rank);
+    a reference hands out the base port."""
+    return base_port + rank
 
 
 def wants_remote_prefill(params: Any) -> bool:
@@ -106,13 +124,15 @@ def parse_reference(params: Any) -> RemoteReference:
     state_block = params.get("kv_state_block")
     if state_block is not None:
         state_block = _integer(params, "kv_state_block", 1, len(groups[0]))
+    port = _integer(params, "remote_port", 1, 65535)
+    tp_size = _integer(params, "tp_size", 1, min(MAX_TP_SIZE, 65536 - port))
     return RemoteReference(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
         group_block_ids=tuple(tuple(ids) for ids in groups),
         host=_text(params, "remote_host"),
-        port=_integer(params, "remote_port", 1, 65535),
-        tp_size=_integer(params, "tp_size", 1, 1),
+        port=port,
+        tp_size=tp_size,
         fingerprint=_text(params, "kv_fingerprint"),
         grouped=grouped,
         state_block=state_block,

@@ -8,8 +8,8 @@ stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
 are still kept (a hybrid's first "STATES N": the recurrent states still kept). With
 STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
-engine arguments (e.g. max_num_batched_tokens; "state_interval_blocks" goes to the
-tiered producer's KVTransferConfig).
+engine arguments (e.g. max_num_batched_tokens, tensor_parallel_size: rank r then serves
+PORT + r; "state_interval_blocks" goes to the tiered producer's KVTransferConfig).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> None:
             {"kv_connector": "SharedStorageConnector",
              "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]},
             **({} if interval is None else {"state_interval_blocks": interval}))
-    llm = LLM(model, device="cpu", block_size=8, num_kv_blocks=128, kv_transfer_config=transfer,
-              **engine_args)
+    llm = LLM(model, kv_transfer_config=transfer,
+              **{"device": "cpu", "block_size": 8, "num_kv_blocks": 128, **engine_args})
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=1))
     for output in outputs:
@@ -52,7 +52,7 @@ def main() -> None:
             break  # stdin closed: the test is done
     if engine.has_unfinished():
         engine.step()  # frees what a release that came with the close let go
-    connector = engine.model_runner.kv_connector.connector
+    connector = engine.model_runner.connector  # rank 0's at tensor_parallel_size > 1
     front = getattr(connector, "front", None)  # a TieredConnector's NixlConnector
     states = getattr(connector if front is None else front.connector, "_held_states", None)
     if states is not None:  # a hybrid's kept recurrent states

@@ -42,11 +42,13 @@ class Producer:
     started: list[subprocess.Popen] = []  # killed after each test (`kill_producers`)
 
     def __init__(self, model: Path, lease_s: float = 60.0, port: int | None = None,
-                 store: Path | None = None, engine: dict | None = None) -> None:
+                 store: Path | None = None, engine: dict | None = None,
+                 prompts: list[list[int]] | None = None) -> None:
         self.port = free_port() if port is None else port
+        prompts = PROMPTS if prompts is None else prompts
         self.process = subprocess.Popen(
             [sys.executable, str(PRODUCER), str(model), str(self.port), str(lease_s),
-             json.dumps(PROMPTS), "" if store is None else str(store), json.dumps(engine or {})],
+             json.dumps(prompts), "" if store is None else str(store), json.dumps(engine or {})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         Producer.started.append(self.process)
@@ -55,7 +57,7 @@ class Producer:
         for line in self.process.stdout:  # other lines are the libraries' logs
             if line.startswith("REF "):
                 self.references.append(json.loads(line[4:]))
-                if len(self.references) == len(PROMPTS):
+                if len(self.references) == len(prompts):
                     break
         assert all(r and r["do_remote_prefill"] for r in self.references), self.references
 
