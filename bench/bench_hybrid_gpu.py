@@ -14,7 +14,10 @@ shapes, 4 of its 48 layers (3 Gated DeltaNet + 1 gated full attention) and 64 of
 512 experts (10 per token), as bench/NOTES.md's "Qwen3-Next on the H200". `--tiny`: a
 float32 model of the same layout with small dims. Prefill tok/s = batch x prompt / time
 to the batch's first tokens; decode tok/s = batch x (new - 1) / the rest (best of
---repeats, after a warm-up run); the tokens of both implementations are compared.
+--repeats, after a warm-up run); the tokens of both implementations are compared. On
+the GPU, decode is also given as a share of its roofline: the bytes a step must move
+(`decode_step_bytes`: weights, the experts routed to, KV, recurrent states read and
+written) at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -85,6 +88,47 @@ def write_model(folder: Path, tiny: bool, device: str) -> Path:
     return folder
 
 
+def decode_step_bytes(model_dir: Path, batch: int, context: int) -> dict[str, float]:
+    """The bytes one decode step of `batch` requests at `context` tokens must move, by
+    kind: every weight but the embedding once (the LM head included), the experts a batch
+    routes to (the expected number of distinct ones, at uniform routing), the full-attention
+    layers' KV, and each Gated DeltaNet layer's recurrent state read and written (float32)
+    with its conv state: the minimum of a recurrent decode kernel."""
+    import json
+
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+    weights = expert_bytes = 0.0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as tensors:
+            for name in tensors.keys():
+                part = tensors.get_slice(name)
+                count = 1
+                for size in part.get_shape():
+                    count *= size
+                nbytes = count * (4 if part.get_dtype() in ("F32", "float32") else 2)
+                if "embed_tokens" in name:
+                    continue
+                if ".mlp.experts." in name:
+                    expert_bytes += nbytes
+                else:
+                    weights += nbytes
+    routed = experts * (1 - (1 - top_k / experts) ** batch)  # distinct experts a layer reads
+    layer_types = config["layer_types"]
+    full = layer_types.count("full_attention")
+    linear = layer_types.count("linear_attention")
+    kv = 2 * 2 * config["num_key_value_heads"] * config["head_dim"] * full * context * batch
+    heads_v, dk, dv = (config["linear_num_value_heads"], config["linear_key_head_dim"],
+                       config["linear_value_head_dim"])
+    conv_dim = 2 * config["linear_num_key_heads"] * dk + heads_v * dv
+    state = linear * batch * (2 * 4 * heads_v * dk * dv
+                              + 2 * 2 * conv_dim * (config["linear_conv_kernel_dim"] - 1))
+    return {"weights": weights, "experts": expert_bytes * routed / experts, "kv": kv,
+            "state": state}
+
+
 def use_reference_linear_layers(llm: LLM) -> None:
     """Route the engine's Gated DeltaNet layers through the torch reference (per request),
     as the Triton backend ran them before its kernels existed."""
@@ -127,22 +171,29 @@ def measure(model_dir: Path, implementation: str, batch: int, prompt_tokens: int
                batch * (args.new_tokens - 1) / best_decode, outputs)
 
 
-def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+def print_table(rows: list[Row], args: argparse.Namespace, model_dir: Path,
+                copy_bytes_per_s: float | None) -> None:
     print(f"\nQwen3-Next {'tiny float32' if args.tiny else '80B-A3B shape, 4 layers, bf16'} on "
           f"{args.device}, block {args.block_size}, chunk {args.chunk_tokens}, "
           f"{args.new_tokens} new tokens, best of {args.repeats}, batch_invariant "
           f"{args.batch_invariant}")
-    print("\n| batch | prompt | linear layers | prefill tok/s | decode tok/s | tokens equal |")
-    print("| ---: | ---: | --- | ---: | ---: | --- |")
+    print("\n| batch | prompt | linear layers | prefill tok/s | decode tok/s | decode % of "
+          "roofline | tokens equal |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for row in rows:
         base = next(r for r in rows if r.batch == row.batch and r.prompt_tokens ==
                     row.prompt_tokens and r.implementation == args.implementations[0])
+        roof = float("nan")
+        if copy_bytes_per_s:
+            step = decode_step_bytes(model_dir, row.batch,
+                                     row.prompt_tokens + args.new_tokens // 2)
+            roof = 100 * row.decode_tok_s / (row.batch * copy_bytes_per_s / sum(step.values()))
         print(f"| {row.batch} | {row.prompt_tokens} | {row.implementation} | "
-              f"{row.prefill_tok_s:,.0f} | {row.decode_tok_s:,.1f} | "
+              f"{row.prefill_tok_s:,.0f} | {row.decode_tok_s:,.1f} | {roof:.1f} | "
               f"{row.outputs == base.outputs} |")
         if row is not base:
             print(f"| | | ratio / {base.implementation} | {row.prefill_tok_s / base.prefill_tok_s:.2f}x"
-                  f" | {row.decode_tok_s / base.decode_tok_s:.2f}x | |")
+                  f" | {row.decode_tok_s / base.decode_tok_s:.2f}x | | |")
 
 
 def main() -> None:
@@ -175,7 +226,16 @@ def main() -> None:
                 rows.append(measure(model_dir, implementation, batch, prompt_tokens, args))
                 print(f"{implementation}, batch {batch} x {prompt_tokens}: "
                       f"{time.perf_counter() - started:.1f} s", flush=True)
-    print_table(rows, args)
+    copy_bytes_per_s = None
+    if args.device == "cuda":
+        from bench_gpu import device_ceilings
+
+        copy_bytes_per_s = device_ceilings()["copy_bytes_per_s"]
+        for batch in args.batches:
+            step = decode_step_bytes(model_dir, batch, args.prompt_tokens[0] + args.new_tokens // 2)
+            print(f"decode step bytes, batch {batch} x {args.prompt_tokens[0]}: " + ", ".join(
+                f"{kind} {nbytes / 1e6:,.0f} MB" for kind, nbytes in step.items()))
+    print_table(rows, args, model_dir, copy_bytes_per_s)
 
 
 if __name__ == "__main__":
