@@ -373,11 +373,13 @@ class FaultInjectionConnector(KVConnectorBase):
     def _poison(self, block_ids: Iterable[int]) -> None:
         """Fill failed blocks with NaN and report them invalid."""
         num_blocks = self.kv_caches[0].shape[1] if self.kv_caches else 0
-        for block_id in block_ids:
-            if isinstance(block_id, int) and 0 < block_id < num_blocks:
-                for cache in self.kv_caches:
-                    cache[:, block_id].fill_(float("nan"))
-            self._missing_reported.add(block_id)  # (an invalid id: the engine rejects the report)
+        block_ids = list(block_ids)
+        self._missing_reported.update(block_ids)  # (an invalid id: the engine rejects the report)
+        valid = [b for b in block_ids if isinstance(b, int) and 0 < b < num_blocks]
+        if valid:  # one fill per cache tensor: a block at a time was a launch per block
+            index = torch.tensor(valid, device=self.kv_caches[0].device)
+            for cache in self.kv_caches:
+                cache.index_fill_(1, index, float("nan"))
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         self.inner.wait_for_layer_load(layer_index)
