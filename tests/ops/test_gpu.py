@@ -355,17 +355,15 @@ def test_decode_combine_in_kernel_is_bit_identical(dtype, batch_invariant):
         assert all_counters_zero(q.device)
 
 
-@pytest.mark.parametrize("segment,block_n,fused", [(128, 32, True), (512, 128, False)])
-def test_decode_segment_sizes_match_reference(segment, block_n, fused):
-    """Other decode segment sizes (default mode only) compute the same attention."""
-    import dataclasses
-
+def _decode_step_and_reference(requests, seed):
+    """A float32 decode step (block 16, 8 heads over 2 KV heads of 32 dims): its query, the
+    cache with the step's keys stored, the Triton metadata and the torch reference output."""
     from kvrecover.ops.reference.attention_metadata import AttentionMetadata
     from kvrecover.ops.reference.torch_attention import TorchPagedAttention
     from kvrecover.ops.triton import attention as ta
     from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
-    q, k, v, cache, scheduled = _random_step(DECODE_STEP, 16, 8, 2, 32, torch.float32, 6)
+    q, k, v, cache, scheduled = _random_step(requests, 16, 8, 2, 32, torch.float32, seed)
     ref_meta = AttentionMetadata.build(
         [s.num_computed_tokens for s in scheduled], [1] * len(scheduled),
         [s.block_ids for s in scheduled], 16, torch.device(DEVICE),
@@ -375,6 +373,17 @@ def test_decode_segment_sizes_match_reference(segment, block_n, fused):
     layout = builder.pack(scheduled)
     meta = builder.views(layout, builder.upload(layout)).attn
     ta.store_kv(k, v, cache, meta.slot_mapping)
+    return q, cache, meta, ref
+
+
+@pytest.mark.parametrize("segment,block_n,fused", [(128, 32, True), (512, 128, False)])
+def test_decode_segment_sizes_match_reference(segment, block_n, fused):
+    """Other decode segment sizes (default mode only) compute the same attention."""
+    import dataclasses
+
+    from kvrecover.ops.triton import attention as ta
+
+    q, cache, meta, ref = _decode_step_and_reference(DECODE_STEP, 6)
     config = dataclasses.replace(ta.FAST_DECODE, segment=segment, block_n=block_n,
                                  fused_combine=fused)
     out = ta.paged_attention(q, cache, meta, 32**-0.5, decode=config)
@@ -389,23 +398,11 @@ def test_decode_programs_merging_their_own_segments_match_reference(target_progr
     bits on a second launch, every arrival counter back at zero."""
     import dataclasses
 
-    from kvrecover.ops.reference.attention_metadata import AttentionMetadata
-    from kvrecover.ops.reference.torch_attention import TorchPagedAttention
     from kvrecover.ops.triton import attention as ta
     from kvrecover.ops.triton.arrival import all_counters_zero
-    from kvrecover.ops.triton.step_inputs import StepInputBuilder
 
     long_step = [(37, 1), (0, 1), (2000, 1), (255, 1), (256, 1), (1000, 1)]
-    q, k, v, cache, scheduled = _random_step(long_step, 16, 8, 2, 32, torch.float32, 7)
-    ref_meta = AttentionMetadata.build(
-        [s.num_computed_tokens for s in scheduled], [1] * len(scheduled),
-        [s.block_ids for s in scheduled], 16, torch.device(DEVICE),
-    )
-    ref = TorchPagedAttention().forward(q, k, v, cache.clone(), ref_meta, 32**-0.5)
-    builder = StepInputBuilder(16, ta.tile_tokens(4), torch.device(DEVICE))
-    layout = builder.pack(scheduled)
-    meta = builder.views(layout, builder.upload(layout)).attn
-    ta.store_kv(k, v, cache, meta.slot_mapping)
+    q, cache, meta, ref = _decode_step_and_reference(long_step, 7)
     config = dataclasses.replace(ta.FAST_DECODE, segment=32, block_n=32,
                                  target_programs=target_programs)
     assert config.merge_in_program and config.fused_combine
