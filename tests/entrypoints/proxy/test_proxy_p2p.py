@@ -7,14 +7,21 @@ passing errors on."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 from conftest import build_tiny_model, require_nixl
 from router_helpers import ENGINE as PD_ENGINE
-from router_helpers import NO_PREFIX_CACHE, PROMPT, nixl_transfer
-from serving_utils import Process, add_chat_template, free_port, metric, serve
+from router_helpers import (
+    NO_PREFIX_CACHE,
+    PROMPT,
+    completion,
+    consumer,
+    producer,
+    serve_nixl,
+    served_requests,
+    streamed_token_ids,
+)
+from serving_utils import Process, add_chat_template, free_port, metric
 
 pytestmark = pytest.mark.slow  # separate processes
 
@@ -31,24 +38,10 @@ class Fleet:
 
     def __init__(self, tmp, model_dir) -> None:
         self.tmp = tmp
-        self.processes: list[Process] = []
-        self.instances = {
-            "prefill": serve(tmp, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-                "kv_producer", side_channel_port=free_port(), lease_s=60), name="prefill"),
-            "prefill2": serve(tmp, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-                "kv_producer", side_channel_port=free_port(), lease_s=60), name="prefill2"),
-            "d0": serve(tmp, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-                "kv_consumer", load_timeout_s=10), name="d0"),
-            "d1": serve(tmp, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-                "kv_consumer", load_timeout_s=10), name="d1"),
-            "recompute": serve(tmp, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-                "kv_consumer", faulty=True, load_timeout_s=10), name="recompute"),
-            "fail": serve(tmp, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-                "kv_consumer", "fail", faulty=True, load_timeout_s=10), name="fail"),
-        }
-        self.processes.extend(self.instances.values())
-        for process in self.processes:
-            process.wait_healthy()
+        self.instances = serve_nixl(tmp, model_dir, ENGINE, {
+            "prefill": producer(), "prefill2": producer(), "d0": consumer(), "d1": consumer(),
+            "recompute": consumer(faulty=True), "fail": consumer("fail", faulty=True)})
+        self.processes: list[Process] = list(self.instances.values())
 
     def __getitem__(self, name: str) -> Process:
         return self.instances[name]
@@ -80,49 +73,10 @@ def fleet(tmp_path_factory):
         fleet.close()
 
 
-def completion(url: str, stream: bool, max_tokens: int = 8,
-               path: str = "/v1/completions") -> tuple[int, list[int], str]:
-    """(status, token ids, error text) of a greedy request for PROMPT via `url`."""
-    request = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-               "return_token_ids": True, "ignore_eos": True}
-    if path == "/v1/completions":
-        request["prompt"] = PROMPT
-    else:
-        request["messages"] = [{"role": "user", "content": PROMPT}]
-    with httpx.stream("POST", f"{url}{path}", json=request, timeout=60) as response:
-        if response.status_code != 200:
-            return response.status_code, [], response.read().decode()
-        if not stream:
-            return 200, json.loads(response.read())["choices"][0]["token_ids"], ""
-        ids, done = streamed_token_ids(response)
-        assert done, "a stream without [DONE]"
-        return 200, ids, ""
-
-
-def streamed_token_ids(response: httpx.Response) -> tuple[list[int], bool]:
-    """The token ids of a streamed answer's choices, and whether it ended with [DONE]."""
-    ids: list[int] = []
-    done = False
-    for line in response.iter_lines():
-        if line == "data: [DONE]":
-            done = True
-        elif line.startswith("data: "):
-            for choice in json.loads(line[6:])["choices"]:
-                ids += choice.get("token_ids") or []
-    return ids, done
-
-
 def pulls(fleet: Fleet, *names: str) -> tuple[float, float]:
     """(blocks pulled, pulled blocks that failed) on the decodes `names`."""
     return (sum(metric(fleet[n].url, PULLED) for n in names),
             sum(metric(fleet[n].url, FAILED) for n in names))
-
-
-def served_requests(url: str) -> float:
-    """Generation requests `url` finished, whatever their endpoint and outcome."""
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines
-               if line.startswith("kvrecover_requests_total{"))
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,19 @@ import openai
 import pytest
 from conftest import build_tiny_model, require_nixl
 from router_helpers import ENGINE as PD_ENGINE
-from router_helpers import NO_PREFIX_CACHE, PROMPT, Router, nixl_transfer, required_router_binary
-from serving_utils import add_chat_template, free_port, metric, serve
+from router_helpers import (
+    NO_PREFIX_CACHE,
+    PROMPT,
+    Router,
+    completion,
+    consumer,
+    producer,
+    required_router_binary,
+    sdk,
+    serve_nixl,
+    served_requests,
+)
+from serving_utils import add_chat_template, metric
 
 pytestmark = pytest.mark.slow  # separate processes
 
@@ -33,22 +44,11 @@ def fleet(tmp_path_factory):
     binary = required_router_binary()
     model_dir = add_chat_template(build_tiny_model(tmp_path_factory.mktemp("model"), seed=3))
     logs = tmp_path_factory.mktemp("router_fault_logs")
-    instances = {
-        "prefill": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-            "kv_producer", side_channel_port=free_port(), lease_s=60), name="prefill"),
-        "recompute": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-            "kv_consumer", faulty=True, load_timeout_s=10), name="recompute"),
-        "fail": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-            "kv_consumer", "fail", faulty=True, load_timeout_s=10), name="fail"),
-        "doomed": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-            "kv_consumer", load_timeout_s=10), name="doomed"),
-        "prefill2": serve(logs, model_dir, *ENGINE, "--kv-transfer-config", nixl_transfer(
-            "kv_producer", side_channel_port=free_port(), lease_s=60), name="prefill2"),
-    }
+    instances = serve_nixl(logs, model_dir, ENGINE, {
+        "prefill": producer(), "recompute": consumer(faulty=True),
+        "fail": consumer("fail", faulty=True), "doomed": consumer(), "prefill2": producer()})
     routers: dict[str, Router] = {}
     try:
-        for process in instances.values():
-            process.wait_healthy()
         for name, prefills, decodes in (
                 ("recompute", ["prefill"], ["recompute"]), ("fail", ["prefill"], ["fail"]),
                 ("pair", ["prefill"], ["recompute", "doomed"]),
@@ -65,34 +65,6 @@ def fleet(tmp_path_factory):
             router.kill()
         for process in instances.values():
             process.kill()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def completion(url: str, stream: bool) -> tuple[int, list[int], str]:
-    """(status, token ids, text of an error) of a greedy completion of PROMPT via `url`."""
-    request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-               "stream": stream, "return_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=60) as response:
-        if response.status_code != 200:
-            return response.status_code, [], response.read().decode()
-        if not stream:
-            return 200, json.loads(response.read())["choices"][0]["token_ids"], ""
-        ids: list[int] = []
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:])["choices"]:
-                    ids += choice.get("token_ids") or []
-        return 200, ids, ""
-
-
-def served_requests(url: str) -> float:
-    """Generation requests `url` finished, whatever their endpoint and outcome."""
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines
-               if line.startswith("kvrecover_requests_total{"))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +98,7 @@ def test_policy_fail_is_an_error_never_a_200_behind_the_router(fleet, stream):
     assert json.loads(error)["error"]["type"] == "kv_load_failed"
     assert metric(instances["fail"].url, "kvrecover_kv_load_failed_requests_total") == failed + 1
     with pytest.raises(openai.APIStatusError) as info:
-        client(routers["fail"].url).completions.create(
+        sdk(routers["fail"].url).completions.create(
             model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=stream)
     assert info.value.status_code == 503
 

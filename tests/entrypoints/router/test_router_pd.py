@@ -6,11 +6,20 @@ the router, via the official `openai` SDK, equals what one instance answers alon
 
 from __future__ import annotations
 
-import openai
 import pytest
 from conftest import build_tiny_model, require_nixl
-from router_helpers import ENGINE, PROMPT, Router, nixl_transfer, required_router_binary
-from serving_utils import add_chat_template, free_port, metric, serve
+from router_helpers import (
+    ENGINE,
+    NO_PREFIX_CACHE,
+    PROMPT,
+    Router,
+    consumer,
+    producer,
+    required_router_binary,
+    sdk,
+    serve_nixl,
+)
+from serving_utils import add_chat_template, metric
 
 pytestmark = pytest.mark.slow  # separate processes
 
@@ -28,16 +37,11 @@ def fleet(tmp_path_factory):
     binary = required_router_binary()
     model_dir = add_chat_template(build_tiny_model(tmp_path_factory.mktemp("model"), seed=3))
     logs = tmp_path_factory.mktemp("router_logs")
-    prefill = serve(logs, model_dir, *ENGINE, "--kv-transfer-config",
-                    nixl_transfer("kv_producer", side_channel_port=free_port(), lease_s=60),
-                    name="prefill")
-    decodes = [serve(logs, model_dir, *ENGINE, "--no-enable-prefix-caching",
-                     "--kv-transfer-config", nixl_transfer("kv_consumer", load_timeout_s=10),
-                     name=f"decode{i}") for i in range(2)]
+    instances = serve_nixl(logs, model_dir, (*ENGINE, *NO_PREFIX_CACHE), {
+        "prefill": producer(), "decode0": consumer(), "decode1": consumer()})
+    prefill, decodes = instances["prefill"], [instances["decode0"], instances["decode1"]]
     router = None
     try:
-        for process in (prefill, *decodes):
-            process.wait_healthy()
         router = Router(binary, [prefill.url], [d.url for d in decodes],
                         logs / "router.log").wait_healthy()
         yield router, prefill, decodes
@@ -46,10 +50,6 @@ def fleet(tmp_path_factory):
             router.kill()
         for process in (prefill, *decodes):
             process.kill()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def pulled(decodes) -> float:
@@ -74,7 +74,7 @@ def test_completions_through_the_router_equal_one_instance(fleet, sampling, stre
     def complete(url: str) -> tuple[str, list[int]]:
         kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=8, stream=stream,
                       extra_body={"return_token_ids": True}, **sampling)
-        answer = client(url).completions.create(**kwargs)
+        answer = sdk(url).completions.create(**kwargs)
         if not stream:
             choice = answer.choices[0]
             return choice.text, choice.model_extra["token_ids"]
@@ -99,7 +99,7 @@ def test_chat_through_the_router_equals_one_instance(fleet, sampling, stream):
     router, _, decodes = fleet
 
     def chat(url: str) -> tuple[str, list[int]]:
-        answer = client(url).chat.completions.create(
+        answer = sdk(url).chat.completions.create(
             model="tiny", messages=MESSAGES, max_tokens=8, stream=stream,
             extra_body={"return_token_ids": True}, **sampling)
         if not stream:
@@ -124,7 +124,7 @@ def test_completion_logprobs_through_the_router_equal_one_instance(fleet):
     router, _, decodes = fleet
 
     def logprobs(url: str):
-        answer = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+        answer = sdk(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
                                                 temperature=0, logprobs=3)
         return answer.choices[0].logprobs.model_dump()
 
@@ -138,7 +138,7 @@ def test_chat_logprobs_through_the_router_equal_one_instance(fleet):
     router, _, decodes = fleet
 
     def logprobs(url: str):
-        answer = client(url).chat.completions.create(
+        answer = sdk(url).chat.completions.create(
             model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
             top_logprobs=2)
         return answer.choices[0].logprobs.model_dump()
@@ -153,12 +153,12 @@ def test_the_answer_is_named_by_the_routers_request_id(fleet, chat):
     """vllm-router sends prefill and decode one X-Request-Id naming both; the decode's
     answer (what the client gets) is named by it, as vLLM names it."""
     router, prefill, decodes = fleet
-    sdk = client(router.url)
+    api = sdk(router.url)
     if chat:
-        answer_id = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+        answer_id = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
                                                 temperature=0).id
     else:
-        answer_id = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+        answer_id = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
                                            temperature=0).id
     prefix = "chatcmpl" if chat else "cmpl"
     named = f"{prefix}-___prefill_addr_{prefill.url.removeprefix('http://')}___decode_addr_"
@@ -168,4 +168,4 @@ def test_the_answer_is_named_by_the_routers_request_id(fleet, chat):
 
 def test_the_router_lists_the_model(fleet):
     router, _, _ = fleet
-    assert [m.id for m in client(router.url).models.list()] == ["tiny"]
+    assert [m.id for m in sdk(router.url).models.list()] == ["tiny"]
