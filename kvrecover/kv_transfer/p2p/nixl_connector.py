@@ -7,8 +7,9 @@ out (`kv_transfer_params`: vLLM's field names, a block list per group for a mode
 windows, `params.py`). The
 worker role registers the KV cache with a NIXL agent and serves the side channel
 (`side_channel.py`): the handshake, a check of each pull (the reference must still be
-held, its blocks and prompt must match) answered with the blocks' checksums, and the
-release. A check may come before the step that holds the blocks (the reference is
+held, its blocks and prompt must match) answered with the blocks' checksums (computed
+once, in the step that binds the hold: a kept block is never written while held), and
+the release. A check may come before the step that holds the blocks (the reference is
 answered as the request finishes; vllm-router forwards it at once): it waits for that
 step (`UNBOUND_HOLD_WAIT_S`) unless its reference was released or expired already. A
 kept prompt is freed on release or when its lease (`lease_s`) ends, reported in
@@ -201,6 +202,9 @@ class _Hold:
     group_block_ids: tuple[tuple[int, ...], ...]
     block_hashes: list[str]
     deadline: float
+    # Block id -> checksum, computed once in the step that binds the hold (a kept block
+    # is never written while held: `engine/held_blocks.py`); None until then.
+    checksums: dict[int, int] | None = None
 
 
 @dataclass
@@ -501,13 +505,25 @@ class NixlConnector(KVConnectorBase):
             self._held_states.drop(metadata.state_drops)
         if holds:
             deadline = time.monotonic() + self.settings.lease_s
+            bound = []
             with self._bound:
                 for handle, (group_block_ids, hashes) in holds.items():
-                    self._held[handle] = _Hold(group_block_ids, hashes, deadline)
+                    bound.append(_Hold(group_block_ids, hashes, deadline))
+                    self._held[handle] = bound[-1]
                     state = metadata.state_holds.get(handle)
                     if state is not None and self._held_states is not None:
                         self._held_states.hold(handle, *state)
                 self._bound.notify_all()
+            # Checksummed once, here, not at each check: the step that wrote the kept
+            # blocks has ended and none is written while held (the engine holds them for
+            # the request id, never given to another request nor freed, until reported
+            # in `finished_sending`; a prefix-cache hit never covers a request's last
+            # token, so it never writes a cached block). Outside the lock: a check that
+            # comes first computes its blocks' own (`_serve`).
+            for hold in bound:
+                ids = sorted({b for ids in hold.group_block_ids for b in ids
+                              if b != NULL_BLOCK_ID})
+                hold.checksums = dict(zip(ids, self._checksums(ids)))
 
     def _serve(self, message: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (a thread of the server)."""
@@ -553,9 +569,12 @@ class NixlConnector(KVConnectorBase):
                 return {"ok": False, "reason": "the reference is of another prompt"}
             self._reading[handle] = time.monotonic() + self.settings.load_timeout_s
             self._reading_now.set()
+            block_ids = [item[2] for item in blocks]
+            kept = hold.checksums
             answer: dict[str, Any] = {
                 "ok": True, "agent": self._agent_name,
-                "checksums": self._checksums([item[2] for item in blocks])}
+                "checksums": self._checksums(block_ids) if kept is None
+                else [kept[b] for b in block_ids]}
             if self._held_states is not None and "state_position" in message:
                 answer["state"] = self._held_states.describe(handle,
                                                              message["state_position"])
