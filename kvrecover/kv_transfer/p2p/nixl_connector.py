@@ -7,8 +7,9 @@ out (`kv_transfer_params`: vLLM's field names, a block list per group for a mode
 windows, `params.py`). The
 worker role registers the KV cache with a NIXL agent and serves the side channel
 (`side_channel.py`): the handshake, a check of each pull (the reference must still be
-held, its blocks and prompt must match) answered with the blocks' checksums, and the
-release. A check may come before the step that holds the blocks (the reference is
+held, its blocks and prompt must match) answered with the blocks' checksums (computed
+once, in the step that binds the hold: a kept block is never written while held), and
+the release. A check may come before the step that holds the blocks (the reference is
 answered as the request finishes; vllm-router forwards it at once): it waits for that
 step (`UNBOUND_HOLD_WAIT_S`) unless its reference was released or expired already. A
 kept prompt is freed on release or when its lease (`lease_s`) ends, reported in
@@ -24,7 +25,8 @@ invalid without a read (rule 8 decides what that costs). A block id spans every 
 tensor whatever its group, so the worker role moves and verifies pairs of ids: it
 checks the reference with the producer, handshakes once per producer agent (again
 when the producer restarted: a new agent), reads every block of the step with NIXL
-READ in one transfer per producer, verifies each block's checksum and releases the
+READ in one transfer per producer (a descriptor per side, cache tensor and run of
+consecutive block ids: `staging.py`), verifies each block's checksum and releases the
 reference. The READ lands in a registered staging buffer (`staging.py`), never in the
 cache: only verified blocks are copied into the cache (one indexed copy per cache tensor,
 under the load's fence when a TieredConnector pulls), so a READ given up at its deadline
@@ -64,8 +66,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-import xxhash
 
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_groups import single_group
@@ -83,7 +85,14 @@ from kvrecover.kv_transfer.p2p.params import (
     wants_remote_prefill,
 )
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, SideChannelServer, call
-from kvrecover.kv_transfer.p2p.staging import StagingBuffer, StagingExhausted, StagingPool
+from kvrecover.kv_transfer.p2p.staging import (
+    StagingBuffer,
+    StagingExhausted,
+    StagingPool,
+    block_checksums,
+    block_descriptors,
+    staged_blocks,
+)
 from kvrecover.kv_transfer.p2p.states import (
     HeldStates,
     RemoteState,
@@ -193,6 +202,9 @@ class _Hold:
     group_block_ids: tuple[tuple[int, ...], ...]
     block_hashes: list[str]
     deadline: float
+    # Block id -> checksum, computed once in the step that binds the hold (a kept block
+    # is never written while held: `engine/held_blocks.py`); None until then.
+    checksums: dict[int, int] | None = None
 
 
 @dataclass
@@ -260,6 +272,7 @@ class NixlConnector(KVConnectorBase):
         self._params: dict[str, dict[str, Any]] = {}
         # Worker role.
         self._caches: list[torch.Tensor] = []
+        self._cache_sides: list[np.ndarray] = []  # each cache's bytes, (2, blocks, half)
         self._agent: Any = None
         self._agent_name = ""
         self._server: SideChannelServer | None = None
@@ -427,6 +440,8 @@ class NixlConnector(KVConnectorBase):
         self._agent = _nixl_agent(self._agent_name)
         if self.config.is_producer:  # a consumer's reads land in staging buffers only
             self._agent.register_memory(list(kv_caches))
+            self._cache_sides = [c.view(torch.uint8).view(2, c.shape[1], -1).numpy()
+                                 for c in kv_caches]
             self._server = SideChannelServer(
                 self.host, rank_side_channel_port(self.port, self.rank), self._serve)
             self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
@@ -477,13 +492,9 @@ class NixlConnector(KVConnectorBase):
         return cache[0, 0].numel() * cache.element_size()
 
     def _checksums(self, block_ids: list[int]) -> list[int]:
-        """xxh3 of each block's K and V in every cache tensor (one gather, then one hash
-        per block over its bytes laid out block-major: both sides compute it so)."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        gathered = torch.stack([cache.index_select(1, index) for cache in self._caches])
-        rows = gathered.transpose(0, 2).contiguous().view(len(block_ids), -1)
-        raw = rows.view(torch.uint8).numpy()
-        return [xxhash.xxh3_64_intdigest(raw[i].data) for i in range(len(block_ids))]
+        """xxh3 of each block's K and V in every cache tensor, laid out block-major
+        (`staging.block_checksums`: the consumer hashes its staged rows so)."""
+        return block_checksums(self._cache_sides, block_ids)
 
     # ----- worker role: producer ----------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
@@ -494,13 +505,25 @@ class NixlConnector(KVConnectorBase):
             self._held_states.drop(metadata.state_drops)
         if holds:
             deadline = time.monotonic() + self.settings.lease_s
+            bound = []
             with self._bound:
                 for handle, (group_block_ids, hashes) in holds.items():
-                    self._held[handle] = _Hold(group_block_ids, hashes, deadline)
+                    bound.append(_Hold(group_block_ids, hashes, deadline))
+                    self._held[handle] = bound[-1]
                     state = metadata.state_holds.get(handle)
                     if state is not None and self._held_states is not None:
                         self._held_states.hold(handle, *state)
                 self._bound.notify_all()
+            # Checksummed once, here, not at each check: the step that wrote the kept
+            # blocks has ended and none is written while held (the engine holds them for
+            # the request id, never given to another request nor freed, until reported
+            # in `finished_sending`; a prefix-cache hit never covers a request's last
+            # token, so it never writes a cached block). Outside the lock: a check that
+            # comes first computes its blocks' own (`_serve`).
+            for hold in bound:
+                ids = sorted({b for ids in hold.group_block_ids for b in ids
+                              if b != NULL_BLOCK_ID})
+                hold.checksums = dict(zip(ids, self._checksums(ids)))
 
     def _serve(self, message: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (a thread of the server)."""
@@ -546,9 +569,12 @@ class NixlConnector(KVConnectorBase):
                 return {"ok": False, "reason": "the reference is of another prompt"}
             self._reading[handle] = time.monotonic() + self.settings.load_timeout_s
             self._reading_now.set()
+            block_ids = [item[2] for item in blocks]
+            kept = hold.checksums
             answer: dict[str, Any] = {
                 "ok": True, "agent": self._agent_name,
-                "checksums": self._checksums([item[2] for item in blocks])}
+                "checksums": self._checksums(block_ids) if kept is None
+                else [kept[b] for b in block_ids]}
             if self._held_states is not None and "state_position" in message:
                 answer["state"] = self._held_states.describe(handle,
                                                              message["state_position"])
@@ -732,9 +758,11 @@ class NixlConnector(KVConnectorBase):
     def _read(self, agent: str, items: list[tuple[Pull, _Peer, list[int]]],
               deadline: float) -> StagingBuffer | None:
         """One NIXL READ of every block of `items` from `agent` into a staging buffer
-        (never into the cache: `staging.py`), one row per block in the order of `items`;
-        the buffer if the READ completed (the caller gives it back), else None (a READ
-        given up in flight leaves its buffer quarantined)."""
+        (never into the cache: `staging.py`): the blocks of `items` in order, laid out
+        (side, cache, block), one descriptor per run of consecutive remote ids, a
+        hybrid's state rows after them. The buffer if the READ completed (the caller
+        gives it back), else None (a READ given up in flight leaves its buffer
+        quarantined)."""
         half = self._half_nbytes()
         count = len(self._caches)
         row_nbytes = 2 * count * half
@@ -747,15 +775,15 @@ class NixlConnector(KVConnectorBase):
             logger.warning("NIXL read from %s refused: %s", agent, error)
             return None
         base = buffer.rows.data_ptr()
+        num_blocks = sum(len(p.block_ids) for p, _, _ in items)
         local, remote = [], []
         row = 0
-        for pull, peer, _ in items:
-            for remote_id in pull.remote_block_ids:
-                for side in range(2):  # a row is laid out as `_checksums` hashes a block
-                    for c, bases in enumerate(peer.regions):
-                        local.append((base + ((row * 2 + side) * count + c) * half, half, 0))
-                        remote.append((bases[side] + remote_id * half, half, 0))
-                row += 1
+        for pull, peer, _ in items:  # block rows laid out (side, cache, block): `staging.py`
+            pull_local, pull_remote = block_descriptors(
+                pull.remote_block_ids, peer.regions, half, base, row, num_blocks)
+            local += pull_local
+            remote += pull_remote
+            row += len(pull.remote_block_ids)
         state_row = row
         for remote_state in states:  # a hybrid's, in rows after the blocks' (`states.py`)
             state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes)
@@ -821,9 +849,11 @@ class NixlConnector(KVConnectorBase):
         `fence` when given: nothing is written once it is set. The blocks not installed."""
         local_ids = [b for pull, _, _ in items for b in pull.block_ids]
         expected = [x for _, _, checksums in items for x in checksums]
-        rows = buffer.rows[:len(local_ids)]
-        raw = rows.numpy()
-        good = [i for i, x in enumerate(expected) if xxhash.xxh3_64_intdigest(raw[i].data) == x]
+        count = len(self._caches)
+        staged = staged_blocks(buffer.rows, len(local_ids), count)  # (side, cache, block)
+        raw = staged.numpy()
+        actual = block_checksums([raw[:, c] for c in range(count)], range(len(local_ids)))
+        good = [i for i, x in enumerate(expected) if actual[i] == x]
         bad = set(local_ids) - {local_ids[i] for i in good}
         for pull, _, _ in items:
             failed = sum(b in bad for b in pull.block_ids)
@@ -836,15 +866,15 @@ class NixlConnector(KVConnectorBase):
         # Moved in 8-byte words where the halves allow: an indexed copy of bytes moves one
         # byte per element (a 16 x 1024-token CPU pull spent 3 s here).
         word = torch.int64 if half % 8 == 0 else torch.uint8
-        kept = rows if len(good) == len(local_ids) else rows[torch.tensor(good)]
-        staged = kept.view(len(good), 2, len(self._caches), half).view(word)
+        words = staged.view(word)
+        chosen = None if len(good) == len(local_ids) else torch.tensor(good)
         targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long)
 
         def copy() -> None:
             for c, cache in enumerate(self._caches):
                 cache_words = cache.view(torch.uint8).view(2, cache.shape[1], half).view(word)
-                source = staged[:, :, c].transpose(0, 1).to(cache.device)
-                cache_words.index_copy_(1, targets.to(cache.device), source)
+                source = words[:, c] if chosen is None else words[:, c].index_select(1, chosen)
+                cache_words.index_copy_(1, targets.to(cache.device), source.to(cache.device))
 
         if fence is None:
             copy()

@@ -12,16 +12,28 @@ While `MAX_QUARANTINED_READS` buffers wait so, `acquire` refuses (`StagingExhaus
 the pull fails at once and its blocks are recomputed) instead of growing memory for a
 transport that hangs for good. Buffers are registered once and reused: at most
 `MAX_FREE_BUFFERS` idle ones are kept, each sized to a power of two of rows.
+
+Layout. A READ of n blocks fills the buffer's first n rows (a row: a block's K and V in
+every cache tensor) side-major: (side, cache tensor, block), each piece `half` bytes, so
+that a run of consecutive producer block ids is one descriptor per (side, cache tensor)
+(`block_descriptors`) instead of one per (side, cache tensor, block): 60 descriptors a
+block of 12 KB each were most of a CPU pull's READ time. A block's checksum stays the
+xxh3 of its bytes block-major (K of each cache tensor, then V), computed by streaming the
+pieces (`block_checksums`), so producer and consumer hash the same bytes with no
+permuted copy on either side. A hybrid's state rows follow the n block rows (`states.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -134,3 +146,57 @@ class StagingPool:
             _RETIRED.extend(buffer.rows for buffer, _ in self._quarantined)
             self._quarantined = []
             self.agent = None
+
+
+def block_runs(remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The runs of consecutive ids in `remote_ids`: (index of its first, first id,
+    length) each, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for index, block_id in enumerate(remote_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            first, first_id, length = runs[-1]
+            runs[-1] = (first, first_id, length + 1)
+        else:
+            runs.append((index, block_id, 1))
+    return runs
+
+
+def block_descriptors(remote_ids: Sequence[int], regions: Sequence[tuple[int, int]],
+                      half: int, local_base: int, first_row: int, num_blocks: int
+                      ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """The (local, remote) READ descriptors of the producer's blocks `remote_ids` (each
+    cache tensor's (K base, V base) in `regions`, `half` bytes a block's side) into block
+    rows `first_row`.. of a staging buffer at `local_base` whose READ holds `num_blocks`
+    blocks, laid out (side, cache tensor, block): one descriptor per (side, cache
+    tensor, run of consecutive ids)."""
+    count = len(regions)
+    local: list[tuple[int, int, int]] = []
+    remote: list[tuple[int, int, int]] = []
+    for index, first_id, length in block_runs(remote_ids):
+        for side in range(2):
+            for c, bases in enumerate(regions):
+                offset = ((side * count + c) * num_blocks + first_row + index) * half
+                local.append((local_base + offset, length * half, 0))
+                remote.append((bases[side] + first_id * half, length * half, 0))
+    return local, remote
+
+
+def staged_blocks(rows: torch.Tensor, num_blocks: int, num_caches: int) -> torch.Tensor:
+    """The first `num_blocks` rows of a staging buffer as `block_descriptors` filled
+    them: a (2, num_caches, num_blocks, half) uint8 view."""
+    return rows[:num_blocks].reshape(-1).view(2, num_caches, num_blocks, -1)
+
+
+def block_checksums(sides: Sequence[np.ndarray], block_ids: Sequence[int]) -> list[int]:
+    """xxh3 of each block's bytes block-major (K of every cache tensor in order, then V),
+    streamed piece by piece: `sides[c]` is cache tensor c's uint8 (2, blocks, half) array
+    (the producer's cache, or a staged view's `[:, c]`). Producer and consumer both hash
+    so: a checksum covers exactly the bytes the consumer installs."""
+    checksums = []
+    for block_id in block_ids:
+        digest = xxhash.xxh3_64()
+        for side in range(2):
+            for array in sides:
+                digest.update(array[side, block_id])
+        checksums.append(digest.intdigest())
+    return checksums

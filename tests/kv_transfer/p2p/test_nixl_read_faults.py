@@ -35,7 +35,7 @@ from kvrecover.kv_groups import KVCacheGroup
 from kvrecover.kv_transfer.p2p import nixl_connector
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, Pull, _Peer
 from kvrecover.kv_transfer.p2p.side_channel import call
-from kvrecover.kv_transfer.p2p.staging import StagingBuffer
+from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
 
 require_nixl()
 
@@ -211,10 +211,12 @@ def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
     def partly_wrong(self: NixlConnector, items: list[tuple[Pull, _Peer, list[int]]],
                      buffer: StagingBuffer, fence: Any) -> set[int]:
         row = 0
+        blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
+                               len(self._caches))  # (side, cache, block)
         for pull, _, _ in items:
             if pull.reference.request_id == handle:
-                buffer.rows[row, 0] ^= 0xFF
-                buffer.rows[row + len(pull.block_ids) - 1].zero_()
+                blocks[0, 0, row, 0] ^= 0xFF
+                blocks[:, :, row + len(pull.block_ids) - 1].zero_()
                 corrupted.extend([pull.block_ids[0], pull.block_ids[-1]])
             row += len(pull.block_ids)
         bad = install(self, items, buffer, fence)

@@ -1,12 +1,23 @@
 """The staging pool of a consumer's NIXL READs (`p2p/staging.py`), model- and NIXL-free:
 buffers are registered once and reused, a buffer whose READ was given up is not handed
-out again until that READ ended, and past the bound on such READs none is handed out."""
+out again until that READ ended, and past the bound on such READs none is handed out;
+the staging layout: a run of consecutive block ids is one descriptor per (side, cache
+tensor), and a staged block checksums as the producer's block-major bytes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import xxhash
 
-from kvrecover.kv_transfer.p2p.staging import StagingExhausted, StagingPool
+from kvrecover.kv_transfer.p2p.staging import (
+    StagingExhausted,
+    StagingPool,
+    block_checksums,
+    block_descriptors,
+    block_runs,
+    staged_blocks,
+)
 
 
 class FakeAgent:
@@ -58,3 +69,51 @@ def test_a_given_up_read_quarantines_its_buffer_until_it_ended():
     assert pool.num_quarantined() == 1
     pool.close()  # the one still in flight is never freed
     assert agent.released == ["read1"]
+
+
+def test_consecutive_block_ids_make_one_run_and_others_split():
+    assert block_runs([5, 6, 7, 9, 10, 3]) == [(0, 5, 3), (3, 9, 2), (5, 3, 1)]
+    assert block_runs([4, 4, 3]) == [(0, 4, 1), (1, 4, 1), (2, 3, 1)]
+    assert block_runs([]) == []
+
+
+def test_a_run_is_one_descriptor_per_side_and_cache_tensor():
+    half, regions = 8, [(1000, 2000), (3000, 4000)]  # two cache tensors' (K, V) bases
+    local, remote = block_descriptors([5, 6, 7, 2], regions, half, local_base=0,
+                                      first_row=1, num_blocks=6)
+    assert len(local) == len(remote) == 2 * 2 * 2  # two runs x (side, cache tensor)
+    # The run [5, 6, 7] of rows 1..3: K of cache 0, then of cache 1, then V of each.
+    assert remote[:4] == [(1000 + 5 * half, 3 * half, 0), (3000 + 5 * half, 3 * half, 0),
+                          (2000 + 5 * half, 3 * half, 0), (4000 + 5 * half, 3 * half, 0)]
+    assert local[:4] == [((c * 6 + 1) * half, 3 * half, 0) for c in range(4)]
+    assert remote[4] == (1000 + 2 * half, half, 0) and local[4] == (4 * half, half, 0)
+
+
+def test_staged_blocks_checksum_as_the_producers_block_major_bytes():
+    """A READ simulated from the descriptors: each staged block hashes as the old layout
+    (one row per block: K of every cache tensor, then V) and as the producer's cache."""
+    generator = torch.Generator().manual_seed(0)
+    num_caches, cache_blocks, half = 3, 10, 16
+    caches = [torch.randint(0, 256, (2, cache_blocks, half), generator=generator,
+                            dtype=torch.uint8) for _ in range(num_caches)]
+    memory = torch.cat([c.reshape(-1) for c in caches])  # a fake producer address space
+    regions = [(c * 2 * cache_blocks * half, (c * 2 + 1) * cache_blocks * half)
+               for c in range(num_caches)]
+    remote_ids = [7, 8, 9, 1, 2, 4]
+    rows = torch.zeros(8, 2 * num_caches * half, dtype=torch.uint8)
+    flat = rows.view(-1)
+    for (at, length, _), (source, _, _) in zip(*block_descriptors(
+            remote_ids, regions, half, local_base=0, first_row=0, num_blocks=6)):
+        flat[at:at + length] = memory[source:source + length]
+    staged = staged_blocks(rows, 6, num_caches)
+    assert staged.shape == (2, num_caches, 6, half)
+    old_rows = [torch.cat([caches[c][side, b] for side in range(2)
+                           for c in range(num_caches)]).numpy().tobytes()
+                for b in remote_ids]
+    expected = [xxhash.xxh3_64_intdigest(row) for row in old_rows]
+    sides = staged.numpy()
+    assert block_checksums([sides[:, c] for c in range(num_caches)], range(6)) == expected
+    assert block_checksums([c.numpy() for c in caches], remote_ids) == expected
+    for index, block_id in enumerate(remote_ids):
+        for c in range(num_caches):
+            assert torch.equal(staged[:, c, index], caches[c][:, block_id])
