@@ -35,7 +35,10 @@ NIXL reports that READ ended (past `MAX_QUARANTINED_READS` such buffers, pulls f
 once and are recomputed). Only a producer registers its cache with NIXL. Anything that
 fails (unreachable producer, unknown or reused reference, out-of-range ids, another
 layout, a read that errors or outlives `load_timeout_s`, a checksum mismatch) makes
-those blocks invalid: the engine recomputes them (rule 10).
+those blocks invalid: the engine recomputes them (rule 10). A request pulls its reference
+once: asked again after a failed load (`kv_load_retry_limit`) it claims nothing from it
+(the producer released it, or refused it already), so the retry goes to the next tier of
+a TieredConnector or is recomputed without another round trip.
 
 It serves full-attention, sliding-window and hybrid (recurrent-state: Qwen3-Next,
 Qwen3.5) models. A hybrid's kept prompt keeps its state at the last loadable boundary
@@ -124,6 +127,9 @@ SERVE_POLL_S = 0.0002
 # that a reference the producer never held (it restarted) still falls back within one.
 UNBOUND_HOLD_WAIT_S = 0.9
 ENDED_HANDLES_KEPT = 4096  # recently released or expired handles: refused without a wait
+# A consumer's requests whose reference a pull used (request id -> the reference), so that
+# one asking again after a failed load (`kv_load_retry_limit`) claims nothing from it.
+CONSUMED_REFERENCES_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -267,6 +273,11 @@ class NixlConnector(KVConnectorBase):
         self._state_holds: dict[str, tuple[str, int]] = {}
         self._state_drops: list[str] = []
         self._references: dict[str, RemoteReference] = {}
+        # Consumer: request id -> (engine id, handle) of the reference its pull used; the
+        # worker releases a reference it checked (the producer refuses it from then on)
+        # and one it could not check is refused again, so a retry goes past it at once.
+        self._consumed: collections.OrderedDict[str, tuple[str, str]] = \
+            collections.OrderedDict()
         self._pulls: list[Pull] = []
         self._holds: dict[str, tuple[tuple[tuple[int, ...], ...], list[str]]] = {}
         self._params: dict[str, dict[str, Any]] = {}
@@ -326,6 +337,11 @@ class NixlConnector(KVConnectorBase):
                            request.request_id, len(reference.group_block_ids),
                            len(self.kv_groups))
             return 0, False
+        if self._consumed.get(request.request_id) == (reference.engine_id,
+                                                       reference.request_id):
+            logger.info("request %s: its KV reference was pulled already (the producer "
+                        "released it); not pulled again", request.request_id)
+            return 0, False
         self._references[request.request_id] = reference
         first = num_computed_tokens // self.block_size
         limit = min(reference.num_blocks, (request.num_prompt_tokens - 1) // self.block_size)
@@ -377,6 +393,9 @@ class NixlConnector(KVConnectorBase):
                 local.append(table[position])
                 remote.append(source)
                 slots.append((g, position))
+        self._consumed[request.request_id] = (reference.engine_id, reference.request_id)
+        if len(self._consumed) > CONSUMED_REFERENCES_KEPT:
+            self._consumed.popitem(last=False)
         self._pulls.append(Pull(
             request.request_id, local, remote, slots, missing, reference, end - 1,
             request.block_hashes[end - 1].hex(), self.settings.async_load,
@@ -392,6 +411,7 @@ class NixlConnector(KVConnectorBase):
 
     def request_finished(self, request: KVRequestView, block_ids: list[int]) -> bool:
         self._references.pop(request.request_id, None)
+        self._consumed.pop(request.request_id, None)
         captured = self._captures.finished(request.request_id)
         if captured is not None:  # forgotten by the worker unless kept below
             self._state_drops.append(request.request_id)
