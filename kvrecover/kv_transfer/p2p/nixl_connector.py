@@ -44,7 +44,8 @@ It serves full-attention, sliding-window and hybrid (recurrent-state: Qwen3-Next
 Qwen3.5) models. A hybrid's kept prompt keeps its state at the last loadable boundary
 too, read in the same READ as the blocks and verified alike; a claim ends at that
 boundary, and a state that fails rolls the request back to a checkpoint it holds, or 0
-(`states.py`).
+(`states.py`). A prompt whose state finds no slot (`max_held_states`) keeps no blocks
+either: they are freed at once and its reference is refused.
 
 Tensor parallelism (vLLM's scheme; producer and consumer of the SAME size N): every rank
 has its own worker-role connector, NIXL agent and layout (whose fingerprint names N and
@@ -155,7 +156,8 @@ class NixlSettings:
         float, above=0, maximum=1e6)
     max_held_states: int = option(
         16, "a hybrid model's producer keeps at most this many prompts' recurrent states "
-        "(CPU memory, allocated at start-up)", int, minimum=1, maximum=1 << 16)
+        "(CPU memory, allocated at start-up); a prompt past them is not kept", int,
+        minimum=1, maximum=1 << 16)
 
     def __post_init__(self) -> None:
         validate(self, SETTING_LABEL)
@@ -528,11 +530,15 @@ class NixlConnector(KVConnectorBase):
             bound = []
             with self._bound:
                 for handle, (group_block_ids, hashes) in holds.items():
+                    state = metadata.state_holds.get(handle)
+                    if state is not None and (self._held_states is None
+                                              or not self._held_states.hold(handle, *state)):
+                        # A hybrid's blocks are of no use without their state (a claim
+                        # ends at it): freed now, and a check of the reference refused.
+                        self._end(handle)
+                        continue
                     bound.append(_Hold(group_block_ids, hashes, deadline))
                     self._held[handle] = bound[-1]
-                    state = metadata.state_holds.get(handle)
-                    if state is not None and self._held_states is not None:
-                        self._held_states.hold(handle, *state)
                 self._bound.notify_all()
             # Checksummed once, here, not at each check: the step that wrote the kept
             # blocks has ended and none is written while held (the engine holds them for
@@ -566,14 +572,13 @@ class NixlConnector(KVConnectorBase):
         with self._lock:
             hold = self._held.get(handle)
             if hold is None and op == "check" and handle not in self._ended:
-                self._bound.wait_for(lambda: handle in self._held, UNBOUND_HOLD_WAIT_S)
+                self._bound.wait_for(lambda: handle in self._held or handle in self._ended,
+                                     UNBOUND_HOLD_WAIT_S)
                 hold = self._held.get(handle)
             if op == "release":
                 if hold is not None:
                     del self._held[handle]
-                    self._ended.append(handle)
-                    self._released.add(handle.rsplit("@", 1)[0])
-                    self._release_state(handle)
+                    self._end(handle)
                 self._reading.pop(handle, None)
                 return {"ok": True}
             if op != "check":
@@ -611,9 +616,7 @@ class NixlConnector(KVConnectorBase):
                         b != NULL_BLOCK_ID for ids in self._held[handle].group_block_ids
                         for b in ids)
                     del self._held[handle]
-                    self._ended.append(handle)
-                    self._released.add(handle.rsplit("@", 1)[0])
-                    self._release_state(handle)
+                    self._end(handle)
                 sending, self._released = self._released, set()
         for request_id in finished_req_ids:  # aborted while pulling: no state to install
             self._async_pulls.pop(request_id, None)
@@ -627,8 +630,12 @@ class NixlConnector(KVConnectorBase):
                 self._install_states([pull])
         return sending or None, receiving or None
 
-    def _release_state(self, handle: str) -> None:
-        """The reference `handle` ended: free its state's slot (under `_lock`)."""
+    def _end(self, handle: str) -> None:
+        """The reference `handle` ended (released, expired, or never kept): checks of it
+        are refused at once, its request is reported in `finished_sending` (its blocks
+        freed) and its state's slot is free (under `_lock`)."""
+        self._ended.append(handle)
+        self._released.add(handle.rsplit("@", 1)[0])
         if self._held_states is not None:
             self._held_states.release(handle)
 
