@@ -65,7 +65,8 @@ def print_counts(engine) -> None:
     """"STATES N" (a hybrid's kept recurrent states) and "HELD N" (prompts kept)."""
     connector = engine.model_runner.connector  # rank 0's at tensor_parallel_size > 1
     front = getattr(connector, "front", None)  # a TieredConnector's NixlConnector
-    states = getattr(connector if front is None else front.connector, "_held_states", None)
+    producer = (connector if front is None else front.connector).producer
+    states = producer.held_states
     if states is not None:  # a hybrid's kept recurrent states
         print("STATES", len(states), flush=True)
     print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)

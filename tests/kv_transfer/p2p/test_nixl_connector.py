@@ -24,7 +24,7 @@ import pytest
 from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts, require_nixl
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
-from kvrecover.kv_transfer.p2p import nixl_connector
+from kvrecover.kv_transfer.p2p import consumer
 
 require_nixl()
 
@@ -89,7 +89,7 @@ def count_checks(monkeypatch) -> Counter:
     """Counts the consumer's side-channel checks, by reference handle (from now on)."""
     checks: Counter = Counter()
     lock = threading.Lock()  # async pulls check from their own threads
-    real = nixl_connector.call
+    real = consumer.call
 
     def counted(host, port, message, **kwargs):
         if message.get("op") == "check":
@@ -97,7 +97,7 @@ def count_checks(monkeypatch) -> Counter:
                 checks[message.get("handle")] += 1
         return real(host, port, message, **kwargs)
 
-    monkeypatch.setattr(nixl_connector, "call", counted)
+    monkeypatch.setattr(consumer, "call", counted)
     return checks
 
 
