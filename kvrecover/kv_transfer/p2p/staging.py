@@ -5,7 +5,7 @@ A READ that outlives its deadline is given up (its blocks are recomputed, or fre
 reused), yet it may still complete later, and NIXL offers no cancel that is proven to
 wait for the write. So every READ targets a staging buffer of this pool, never the
 cache: the caller verifies the staged rows and copies only verified ones into the cache
-itself (`NixlConnector._pull`). A buffer whose READ was given up is quarantined with its
+itself (`NixlConsumer._pull`, `consumer.py`). A buffer whose READ was given up is quarantined with its
 transfer handle, never released while in flight: it goes back into use only once NIXL
 reports that transfer DONE or ERR (a terminal state: nothing more of it is written).
 While `MAX_QUARANTINED_READS` buffers wait so, `acquire` refuses (`StagingExhausted`:
@@ -179,6 +179,13 @@ def block_descriptors(remote_ids: Sequence[int], regions: Sequence[tuple[int, in
                 local.append((local_base + offset, length * half, 0))
                 remote.append((bases[side] + first_id * half, length * half, 0))
     return local, remote
+
+
+def half_nbytes(caches: Sequence[torch.Tensor]) -> int:
+    """The bytes of one block's K (or V) in a cache tensor [2, blocks, ...]: every cache
+    tensor's the same (a handshake compares the producer's)."""
+    cache = caches[0]
+    return cache[0, 0].numel() * cache.element_size()
 
 
 def staged_blocks(rows: torch.Tensor, num_blocks: int, num_caches: int) -> torch.Tensor:

@@ -14,8 +14,11 @@ the copy into a slot of a state pool registered with NIXL when the worker regist
 (`max_held_states` slots, allocated up front: memory registered after a consumer's
 handshake would be unknown to it), checksummed (xxh3). A pull's check answers the
 state's address, size and checksum with the blocks' checksums (`describe`); the slot is
-freed with the blocks, on release or when the lease ends. A prompt whose state has no
-slot (the pool is full) is kept without one: its pulls fail their state and recompute.
+freed with the blocks, on release or when the lease ends. A prompt whose state gets no
+slot (the pool is full, or it was not captured) is not kept at all: a consumer's claim
+ends at the state boundary (`claim_end`), so no block of it is of use without the state;
+its blocks are freed at once (reported in `finished_sending` with the next step) and a
+check of its reference is refused without a wait, so consumers recompute the prompt.
 
 Consumer. A claim ends exactly at the reference's state boundary (none without one).
 The state is READ in the same NIXL transfer as the step's blocks, into staging rows
@@ -129,22 +132,25 @@ class HeldStates:
         for request_id in request_ids:
             self._pending.pop(request_id, None)
 
-    def hold(self, handle: str, request_id: str, position: int) -> None:
-        """Keep the request's captured state at `position` for the reference `handle`
-        (none if it was not captured there, or every slot is taken)."""
+    def hold(self, handle: str, request_id: str, position: int) -> bool:
+        """Keep the request's captured state at `position` for the reference `handle`;
+        False if it was not captured there, or every slot is taken (the caller then
+        keeps none of the prompt's blocks either)."""
         pending = self._pending.pop(request_id, None)
         if pending is None or pending[0] != position:
-            logger.warning("request %s: no recurrent state at %d to keep; its pulls "
-                           "recompute", request_id, position)
-            return
+            logger.warning("request %s: no recurrent state at %d to keep; its blocks are "
+                           "not kept and its pulls recompute", request_id, position)
+            return False
         if not self._free:
             logger.warning("request %s: every one of max_held_states=%d state slots is "
-                           "held; its pulls recompute", request_id, self.pool.shape[0])
-            return
+                           "held; its blocks are not kept and its pulls recompute",
+                           request_id, self.pool.shape[0])
+            return False
         slot = self._free.pop()
         self.pool[slot, :self.nbytes].copy_(torch.frombuffer(bytearray(pending[1]),
                                                              dtype=torch.uint8))
         self._held[handle] = _HeldState(slot, position, xxhash.xxh3_64_intdigest(pending[1]))
+        return True
 
     def release(self, handle: str) -> None:
         """The reference ended (released or expired): its slot is free again."""

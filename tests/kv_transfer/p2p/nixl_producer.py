@@ -5,11 +5,13 @@
 Prefills each prompt (max_tokens 1), prints a line "REF <json>" per prompt with its
 `kv_transfer_params`, then keeps the engine stepping (serving pulls and releases) until
 stdin closes or 60 s pass, and prints "HELD N": the prompts whose blocks
-are still kept (a hybrid's first "STATES N": the recurrent states still kept). With
+are still kept (a hybrid's first "STATES N": the recurrent states still kept); a line
+"COUNT" on stdin prints those counts at once and goes on. With
 STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
 engine arguments (e.g. max_num_batched_tokens, tensor_parallel_size: rank r then serves
-PORT + r; "state_interval_blocks" goes to the tiered producer's KVTransferConfig).
+PORT + r; "state_interval_blocks" goes to the tiered producer's KVTransferConfig, "nixl" is
+more of the NixlConnector's settings, e.g. max_held_states).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from kvrecover import LLM, KVTransferConfig, SamplingParams
 def main() -> None:
     model, port, lease_s, prompts = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
         json.loads(sys.argv[4])
-    nixl = {"side_channel_port": port, "lease_s": lease_s}
-    transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
     engine_args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     interval = engine_args.pop("state_interval_blocks", None)
+    nixl = {"side_channel_port": port, "lease_s": lease_s, **engine_args.pop("nixl", {})}
+    transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
     if len(sys.argv) > 5 and sys.argv[5]:
         transfer = KVTransferConfig("TieredConnector", "kv_producer", {"connectors": [
             {"kv_connector": "NixlConnector", "kv_connector_extra_config": nixl},
@@ -47,18 +49,27 @@ def main() -> None:
         if engine.has_unfinished():
             engine.step()
         idle = not engine.has_unfinished() or engine.awaits_only_sends()  # no busy loop
-        if select.select([sys.stdin], [], [], 0.01 if idle else 0)[0] \
-                and not sys.stdin.readline():
-            break  # stdin closed: the test is done
+        if select.select([sys.stdin], [], [], 0.01 if idle else 0)[0]:
+            line = sys.stdin.readline()
+            if not line:
+                break  # stdin closed: the test is done
+            if line.strip() == "COUNT":
+                print_counts(engine)
     if engine.has_unfinished():
         engine.step()  # frees what a release that came with the close let go
+    print_counts(engine)
+    llm.close()
+
+
+def print_counts(engine) -> None:
+    """"STATES N" (a hybrid's kept recurrent states) and "HELD N" (prompts kept)."""
     connector = engine.model_runner.connector  # rank 0's at tensor_parallel_size > 1
     front = getattr(connector, "front", None)  # a TieredConnector's NixlConnector
-    states = getattr(connector if front is None else front.connector, "_held_states", None)
+    producer = (connector if front is None else front.connector).producer
+    states = producer.held_states
     if states is not None:  # a hybrid's kept recurrent states
         print("STATES", len(states), flush=True)
     print("HELD", len(engine.scheduler.kv_loads.sends.holds), flush=True)
-    llm.close()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import pytest
 from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts, require_nixl
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
+from kvrecover.kv_transfer.p2p import consumer
 
 require_nixl()
 
@@ -80,6 +83,22 @@ def kill_producers():
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+def count_checks(monkeypatch) -> Counter:
+    """Counts the consumer's side-channel checks, by reference handle (from now on)."""
+    checks: Counter = Counter()
+    lock = threading.Lock()  # async pulls check from their own threads
+    real = consumer.call
+
+    def counted(host, port, message, **kwargs):
+        if message.get("op") == "check":
+            with lock:
+                checks[message.get("handle")] += 1
+        return real(host, port, message, **kwargs)
+
+    monkeypatch.setattr(consumer, "call", counted)
+    return checks
 
 
 _BASELINES: dict[Path, list[list[int]]] = {}

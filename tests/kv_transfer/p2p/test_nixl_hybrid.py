@@ -25,7 +25,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's p
 )
 
 from kvrecover import LLM
-from kvrecover.kv_transfer.p2p import nixl_connector
+from kvrecover.kv_transfer.p2p import consumer
 
 require_nixl()
 
@@ -47,6 +47,20 @@ class HybridProducer(Producer):
         counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
                   if line.startswith(("HELD ", "STATES "))}
         return counts["HELD"], counts["STATES"]
+
+
+    def counts(self) -> tuple[int, int]:
+        """(prompts, states) it holds now."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write("COUNT\n")
+        self.process.stdin.flush()
+        counts = {}
+        for line in self.process.stdout:  # other lines are the libraries' logs
+            if line.startswith(("HELD ", "STATES ")):
+                counts[line.split()[0]] = int(line.split()[1])
+                if "HELD" in counts:
+                    return counts["HELD"], counts["STATES"]
+        raise AssertionError("the producer ended")
 
 
 def tampered_state(references: list[dict], state_block: int) -> list[dict]:
@@ -117,13 +131,13 @@ def test_a_state_past_what_the_prompt_loads_claims_nothing(hybrid):
 def test_a_state_that_fails_its_checksum_is_recomputed(hybrid, monkeypatch):
     """A byte of each pulled state flipped in the staging buffer: its checksum fails, the
     requests roll back to 0 and recompute (their KV blocks verified all the same)."""
-    real = nixl_connector.verify
+    real = consumer.verify
 
     def flipped(state, rows):
         rows.reshape(-1)[state.nbytes // 2] ^= 0x5A
         return real(state, rows)
 
-    monkeypatch.setattr(nixl_connector, "verify", flipped)
+    monkeypatch.setattr(consumer, "verify", flipped)
     producer = HybridProducer(hybrid)
     run = consume(hybrid, producer.references)
     assert run.ids == no_connector(hybrid)
@@ -146,13 +160,13 @@ def test_a_failed_state_rolls_back_to_a_checkpoint_the_consumer_holds(hybrid, mo
     """The consumer computed the first prompt's first 33 tokens before (checkpoints at
     its block boundaries, 8 to 32): that prompt's pull claims blocks 4 to 6 only, its
     state fails, and it resumes from the checkpoint at 32, not 0; same tokens."""
-    real = nixl_connector.verify
+    real = consumer.verify
 
     def flipped(state, rows):
         rows.reshape(-1)[0] ^= 0x5A
         return real(state, rows)
 
-    monkeypatch.setattr(nixl_connector, "verify", flipped)
+    monkeypatch.setattr(consumer, "verify", flipped)
     producer = HybridProducer(hybrid)
     transfer = consumer_config(False, "recompute", None)
     llm = LLM(str(hybrid), device="cpu", block_size=8, num_kv_blocks=128,
@@ -172,4 +186,22 @@ def test_a_failed_state_rolls_back_to_a_checkpoint_the_consumer_holds(hybrid, mo
     assert grew == {"prefix_cache_hit_tokens": 32, "prompt_tokens_external": 0,
                     "kv_load_failed_blocks": 2, "kv_load_recomputed_tokens": 29 + 45,
                     "prompt_tokens_computed": 29 + 5 + 45 + 5}, grew
+    assert producer.finish_with_states() == (0, 0)
+
+
+def test_a_prompt_whose_state_finds_no_slot_keeps_no_blocks(hybrid):
+    """max_held_states=1: the first prompt keeps its blocks and state; the second's state
+    finds no slot, so its blocks (of no use without the state) are freed at once, not
+    at the end of the lease, and a consumer given its reference recomputes it."""
+    if hybrid.name.startswith("qwen3_5"):
+        pytest.skip("the state pool is the connector's: one hybrid family covers it")
+    producer = HybridProducer(hybrid, engine={"nixl": {"max_held_states": 1}})
+    deadline = time.monotonic() + 10
+    while (held := producer.counts()) != (1, 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held == (1, 1)
+    run = consume(hybrid, producer.references)
+    assert run.ids == no_connector(hybrid)
+    assert run.pulled == 7  # the first prompt's; the second's reference is refused
+    assert run.stats["kv_load_failed_blocks"] == 5
     assert producer.finish_with_states() == (0, 0)

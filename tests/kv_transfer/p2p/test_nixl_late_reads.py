@@ -24,7 +24,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
 )
 
 from kvrecover import LLM, KVTransferConfig
-from kvrecover.kv_transfer.p2p import nixl_connector
+from kvrecover.kv_transfer.p2p import consumer, nixl_connector
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector
 from kvrecover.kv_transfer.p2p.pull_tier import PullTier
 from kvrecover.kv_transfer.p2p.side_channel import call
@@ -119,7 +119,7 @@ def hung(monkeypatch) -> Hung:
 
     monkeypatch.setattr(nixl_connector, "_nixl_agent", hung_agent)
     monkeypatch.setattr(NixlConnector, "register_kv_caches", registered)
-    monkeypatch.setattr(nixl_connector, "call", held_back)
+    monkeypatch.setattr(consumer, "call", held_back)
     return state
 
 
@@ -149,13 +149,13 @@ def test_a_read_given_up_that_completes_late_writes_nothing(tiny_llama, hung, tm
     [connector] = hung.connectors
     assert agent.hung  # the pulls were given up with their READs in flight
     # The given-up blocks now hold another request's KV; the READs land only now.
-    caches = connector._caches
+    caches = connector.consumer.caches
     for cache in caches:
         cache.view(torch.uint8).fill_(SENTINEL)
     assert set(agent.complete_late()) == {"DONE"}
     assert all(bool((cache.view(torch.uint8) == SENTINEL).all()) for cache in caches)
     # Their staging buffers go back into use once NIXL reports the READs ended.
-    staging = connector._staging
+    staging = connector.consumer.staging
     assert staging is not None and staging.num_quarantined() == 0
     llm.close()
     hung.release_now()

@@ -13,7 +13,7 @@ import torch
 from kvrecover.config import KVTransferConfig
 from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.base import KVConnectorRole
-from kvrecover.kv_transfer.p2p import nixl_connector
+from kvrecover.kv_transfer.p2p import producer as p2p_producer
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector, NixlMetadata
 
 HANDLE = "cmpl-1@00ff"
@@ -22,19 +22,22 @@ BLOCKS, HASHES = [3, 5], ["aa", "bb"]  # one KV cache group: block ids by positi
 
 @pytest.fixture
 def producer(monkeypatch) -> NixlConnector:
-    monkeypatch.setattr(nixl_connector, "UNBOUND_HOLD_WAIT_S", 0.5)
+    monkeypatch.setattr(p2p_producer, "UNBOUND_HOLD_WAIT_S", 0.5)
     layout = KVCacheLayout("side-channel-test", torch.float32, 4, 1, 2, 8)
     connector = NixlConnector(KVTransferConfig("NixlConnector", "kv_producer"),
                               KVConnectorRole.WORKER, layout)
-    connector._caches = [torch.arange(2 * 8 * 4 * 2 * 8, dtype=torch.float32)
-                         .view(2, 8, 4, 2, 8)]  # no agent: a check reads only the cache
+    assert connector.producer is not None
+    connector.producer.caches = [torch.arange(2 * 8 * 4 * 2 * 8, dtype=torch.float32)
+                                 .view(2, 8, 4, 2, 8)]  # no agent: a check reads the cache
     return connector
 
 
 def check(connector: NixlConnector, handle: str = HANDLE) -> dict:
     slots = [[0, position, block] for position, block in enumerate(BLOCKS)]
-    return connector._serve({"op": "check", "handle": handle, "position": len(BLOCKS) - 1,
-                             "blocks": slots, "last_block_hash": HASHES[-1]})
+    assert connector.producer is not None
+    return connector.producer.serve({"op": "check", "handle": handle,
+                                     "position": len(BLOCKS) - 1, "blocks": slots,
+                                     "last_block_hash": HASHES[-1]})
 
 
 def bind_later(connector: NixlConnector, delay_s: float) -> threading.Thread:
@@ -57,7 +60,8 @@ def test_a_check_before_the_holding_step_waits_for_it(producer):
 def test_a_released_reference_is_refused_at_once(producer):
     bind_later(producer, 0).join(timeout=5)
     assert check(producer)["ok"] is True
-    assert producer._serve({"op": "release", "handle": HANDLE})["ok"] is True
+    assert producer.producer is not None
+    assert producer.producer.serve({"op": "release", "handle": HANDLE})["ok"] is True
     start = time.monotonic()
     assert check(producer)["ok"] is False
     assert time.monotonic() - start < 0.25

@@ -30,10 +30,11 @@ FIRST, SECOND, THIRD = SETS[:3], SETS[3:6], SETS[6:]  # each pulled once per pro
 RANK_ONE_FAILS = '''
 from dataclasses import replace
 
+from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
 from kvrecover.kv_transfer.p2p.nixl_connector import NixlConnector
 
 
-class NixlRankOneFails(NixlConnector):
+class RankOneFails(NixlConsumer):
     """Consumer rank 1 only: the 7-block prompt's checksums say its first block differs
     (a bad shard); the 5-block prompt's producer rank is unreachable (a dead port)."""
 
@@ -44,6 +45,10 @@ class NixlRankOneFails(NixlConnector):
         if self.rank == 1 and pull.last_position == 6:
             checksums = [checksums[0] ^ 1, *checksums[1:]]
         return peer, checksums
+
+
+class NixlRankOneFails(NixlConnector):
+    consumer_class = RankOneFails
 '''
 
 

@@ -7,7 +7,9 @@ full KV cache groups: every group's blocks go through both tiers)."""
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import require_nixl
@@ -15,11 +17,15 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     BAD_REFERENCES,
     Producer,
     consume,
+    count_checks,
     kill_producers,
     no_connector,
     tampered,
     tiny_model,
 )
+
+from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
+from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
 
 require_nixl()
 
@@ -73,3 +79,37 @@ def test_what_both_tiers_lost_is_recomputed(model, tmp_path, producer, async_loa
     assert run.ids == no_connector(model)
     assert run.stats.get(STORE_BLOCKS, 0) == 0 and run.pulled == 0
     assert run.stats["kv_load_failed_blocks"] >= sum(run.full_pulls)
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_retry_after_a_failed_pull_goes_past_the_released_reference(
+        tiny_llama, tmp_path, monkeypatch, async_load):
+    """The first prompt's first pulled block fails its checksum and the store behind
+    NIXL is empty: the load fails in part. Asked again (async), the pull tier claims
+    nothing from the reference it released already: no second check, the block is
+    recomputed, the token ids are exact."""
+    producer = Producer(tiny_llama)
+    handle = producer.references[0]["remote_request_id"]
+    install = NixlConsumer._install_staged
+
+    def first_block_wrong(self: NixlConsumer, items: list, buffer: StagingBuffer,
+                          fence: Any) -> set[int]:
+        blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
+                               len(self.caches))
+        row = 0
+        for pull, _, _ in items:
+            if pull.reference.request_id == handle:
+                blocks[0, 0, row, 0] ^= 0xFF
+            row += len(pull.block_ids)
+        return install(self, items, buffer, fence)
+
+    monkeypatch.setattr(NixlConsumer, "_install_staged", first_block_wrong)
+    checks = count_checks(monkeypatch)
+    run = consume(tiny_llama, producer.references, async_load=async_load,
+                  store=tmp_path / "empty")
+    assert run.ids == no_connector(tiny_llama)
+    assert run.pulled == sum(run.full_pulls) - 1
+    assert run.stats["kv_tier0_failed_blocks"] == 1 and run.stats.get(STORE_BLOCKS, 0) == 0
+    assert run.stats["kv_load_failed_blocks"] == 1
+    assert checks == Counter(r["remote_request_id"] for r in producer.references)
+    assert producer.finish() == 0

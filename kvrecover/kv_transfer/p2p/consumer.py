@@ -1,0 +1,389 @@
+"""The consumer's worker role: it runs the pulls the scheduler role planned (`claims.py`).
+
+A block id spans every cache tensor whatever its group, so pulls move and verify pairs
+of ids. For each pull the worker checks the reference with the producer (its answer
+has the blocks' checksums), handshakes once per producer agent (again when the producer
+restarted: a new agent), reads every block of the step with NIXL READ in one transfer
+per producer (a descriptor per side, cache tensor and run of consecutive block ids:
+`staging.py`), verifies each block's checksum and releases the reference. The READ
+lands in a registered staging buffer, never in the cache: only verified blocks are
+copied into the cache (one indexed copy per cache tensor, under the load's fence when a
+TieredConnector pulls), so a READ given up at its deadline that completes later writes
+nothing the engine uses; its buffer stays quarantined until NIXL reports that READ
+ended (past `MAX_QUARANTINED_READS` such buffers, pulls fail at once and are
+recomputed). Anything that fails (unreachable producer, unknown or reused reference,
+out-of-range ids, another layout, a read that errors or outlives `load_timeout_s`, a
+checksum mismatch) makes those blocks invalid: the engine recomputes them (rule 10).
+
+A hybrid's state is read in the same READ as the blocks, verified alike and installed
+on the engine's thread (`states.py`): at once for a sync pull, with `finished` for an
+async one; a state that fails makes the claim's last block invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.p2p.metadata import Pull
+from kvrecover.kv_transfer.p2p.params import RemoteReference
+from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, call
+from kvrecover.kv_transfer.p2p.staging import (
+    StagingBuffer,
+    StagingExhausted,
+    StagingPool,
+    block_checksums,
+    block_descriptors,
+    half_nbytes,
+    staged_blocks,
+)
+from kvrecover.kv_transfer.p2p.states import chunks, num_rows, parse_remote_state, verify
+from kvrecover.kv_transfer.stores.reader_threads import ReadCancel, ReadTimedOut
+
+if TYPE_CHECKING:
+    from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.001  # how often a READ's state is polled
+
+
+@dataclass
+class _Peer:
+    agent: str
+    num_blocks: int
+    block_half_nbytes: int
+    regions: list[tuple[int, int]]  # each cache tensor's (K base, V base) address
+
+
+class NixlConsumer:
+    """A consumer rank's pulls (worker role): sync ones in `start`, async ones on their
+    own threads (reported by `finished`), a TieredConnector's through `pull_blocks`."""
+
+    def __init__(self, layout: KVCacheLayout, load_timeout_s: float) -> None:
+        self.layout = layout
+        self.rank = layout.tensor_parallel_rank  # pulls from the producer's rank `rank`
+        self.load_timeout_s = load_timeout_s
+        self.caches: list[torch.Tensor] = []
+        self.agent: Any = None
+        self.staging: StagingPool | None = None  # made with the first read
+        self._recurrent: RecurrentStateAccess | None = None
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._invalid: set[int] = set()
+        self._async: dict[str, threading.Thread] = {}
+        self._async_invalid: dict[str, set[int]] = {}
+        self._async_pulls: dict[str, Pull] = {}  # async pulls of a state, by request
+        self._pulled_blocks = 0
+
+    def register(self, caches: list[torch.Tensor], agent: Any) -> None:
+        """The cache verified blocks are copied into, and the agent that reads them (the
+        cache itself is not registered: READs land in staging buffers only)."""
+        self.caches, self.agent = caches, agent
+
+    def register_states(self, states: RecurrentStateAccess) -> None:
+        """Where a hybrid's pulled states are installed."""
+        self._recurrent = states
+
+    def start(self, pulls: list[Pull]) -> None:
+        """The step's pulls (`start_load_kv`): the sync ones now, the async ones on
+        their own threads."""
+        sync = [p for p in pulls if not p.is_async]
+        if sync:
+            self._invalid |= self._pull(sync)
+            self._install_states(sync)
+        for pull in (p for p in pulls if p.is_async):
+            if pull.state_position is not None:
+                self._async_pulls[pull.request_id] = pull
+            thread = threading.Thread(target=self._pull_async, args=(pull,), daemon=True,
+                                      name=f"kvrecover-nixl-pull-{pull.request_id}")
+            self._async[pull.request_id] = thread
+            thread.start()
+
+    def _pull_async(self, pull: Pull) -> None:
+        self._async_invalid[pull.request_id] = self._pull([pull])
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """The requests whose async pulls ended since the last call (their invalid
+        blocks join `take_invalid`'s, their states are installed); the pulls of
+        `finished_req_ids` (aborted while pulling) install no state."""
+        for request_id in finished_req_ids:
+            self._async_pulls.pop(request_id, None)
+        receiving = {request_id for request_id, thread in self._async.items()
+                     if not thread.is_alive()}
+        for request_id in receiving:
+            del self._async[request_id]
+            self._invalid |= self._async_invalid.pop(request_id, set())
+            pull = self._async_pulls.pop(request_id, None)
+            if pull is not None:
+                self._install_states([pull])
+        return receiving
+
+    def take_invalid(self) -> set[int]:
+        """The local blocks whose pulls failed, since the last call."""
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def take_pulled_blocks(self) -> int:
+        """Blocks pulled and installed, since the last call."""
+        pulled, self._pulled_blocks = self._pulled_blocks, 0
+        return pulled
+
+    def pull_blocks(self, pulls: list[Pull], timeout_s: float,
+                    fence: ReadCancel | None = None) -> set[int]:
+        """Pull and verify `pulls` now, within `timeout_s` at most (a TieredConnector's
+        reader thread calls it for its P2P tier, `fence` its load's: once the load is
+        given up nothing more is copied into the cache); the local blocks that are not
+        valid (verified ones are in the cache)."""
+        return self._pull(pulls, min(timeout_s, self.load_timeout_s), fence)
+
+    def _pull(self, pulls: list[Pull], timeout_s: float | None = None,
+              fence: ReadCancel | None = None) -> set[int]:
+        """Pull and verify `pulls`; returns the local blocks that are not valid. Only
+        verified staged blocks are copied into the cache, before this returns."""
+        deadline = time.monotonic() + (self.load_timeout_s if timeout_s is None
+                                       else timeout_s)
+        invalid: set[int] = set()
+        checked: list[tuple[Pull, _Peer, list[int]]] = []
+        for pull in pulls:
+            invalid.update(pull.missing)
+            if not pull.block_ids:
+                continue
+            try:
+                peer, checksums = self._check(pull)
+                checked.append((pull, peer, checksums))
+            except (SideChannelError, ValueError) as error:
+                logger.warning("request %s: KV pull from %s refused: %s", pull.request_id,
+                               pull.reference.engine_id, error)
+                invalid.update(pull.block_ids)
+        by_agent: dict[str, list[tuple[Pull, _Peer, list[int]]]] = {}
+        for item in checked:
+            by_agent.setdefault(item[1].agent, []).append(item)
+        for agent, items in by_agent.items():
+            buffer = self._read(agent, items, deadline)
+            if buffer is None:
+                for pull, _, _ in items:
+                    invalid.update(pull.block_ids)
+                continue
+            try:
+                invalid |= self._install_staged(items, buffer, fence)
+                self._verify_states(items, buffer)
+            finally:
+                self._staging_pool().give_back(buffer)
+        # Done with each reference that checked out, read or not: the producer frees it. A
+        # refused one is left to its lease (it may be someone else's, or not be at all).
+        for pull, _, _ in checked:
+            try:
+                call(pull.reference.host, pull.reference.side_channel_port(self.rank),
+                     {"op": "release", "handle": pull.reference.request_id}, timeout_s=1.0)
+            except SideChannelError:
+                pass
+        return invalid
+
+    def _check(self, pull: Pull) -> tuple[_Peer, list[int]]:
+        """Ask the producer whether the reference still holds these blocks; its answer's
+        checksums, and the peer (handshaking when its agent is new)."""
+        reference = pull.reference
+        remote_ids = pull.remote_block_ids
+        answer = call(reference.host, reference.side_channel_port(self.rank),
+                      {"op": "check", "handle": reference.request_id,
+                       "position": pull.last_position,
+                       "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots, remote_ids)],
+                       "last_block_hash": pull.last_block_hash,
+                       **({} if pull.state_position is None
+                          else {"state_position": pull.state_position})})
+        if answer.get("ok") is not True:
+            raise ValueError(str(answer.get("reason", "refused")))
+        if pull.state_position is not None and self._recurrent is not None:
+            pull.remote_state = parse_remote_state(answer.get("state"), pull.state_position,
+                                                   self._recurrent.bytes_per_checkpoint)
+            if pull.remote_state is None:
+                logger.warning("request %s: the producer keeps no recurrent state at %d",
+                               pull.request_id, pull.state_position)
+        checksums = answer.get("checksums")
+        if not isinstance(checksums, list) or len(checksums) != len(remote_ids):
+            raise ValueError("the producer's checksums do not match the blocks")
+        peer = self._peers.get(reference.engine_id)
+        if peer is None or peer.agent != answer.get("agent"):
+            peer = self._handshake(reference)
+            self._peers[reference.engine_id] = peer
+        if any(b >= peer.num_blocks for b in remote_ids):
+            raise ValueError("block ids outside the producer's cache")
+        return peer, checksums
+
+    def _handshake(self, reference: RemoteReference) -> _Peer:
+        answer = call(reference.host, reference.side_channel_port(self.rank),
+                      {"op": "handshake"})
+        if answer.get("ok") is not True:
+            raise ValueError(f"handshake refused: {answer.get('reason')}")
+        if answer.get("fingerprint") != self.layout.fingerprint or \
+                answer.get("block_size") != self.layout.block_size:
+            raise ValueError("the producer's KV layout is not this engine's")
+        regions = answer.get("regions")
+        if (not isinstance(regions, list) or len(regions) != len(self.caches)
+                or answer.get("block_half_nbytes") != half_nbytes(self.caches)):
+            raise ValueError("the producer's cache regions do not match this engine's")
+        agent = self.agent.add_remote_agent(bytes.fromhex(str(answer["metadata"])))
+        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        if name != answer.get("agent"):
+            raise ValueError("the producer's agent metadata names another agent")
+        return _Peer(name, int(answer["num_blocks"]), int(answer["block_half_nbytes"]),
+                     [(int(k), int(v)) for k, v in regions])
+
+    def _read(self, agent: str, items: list[tuple[Pull, _Peer, list[int]]],
+              deadline: float) -> StagingBuffer | None:
+        """One NIXL READ of every block of `items` from `agent` into a staging buffer
+        (never into the cache: `staging.py`): the blocks of `items` in order, laid out
+        (side, cache, block), one descriptor per run of consecutive remote ids, a
+        hybrid's state rows after them. The buffer if the READ completed (the caller
+        gives it back), else None (a READ given up in flight leaves its buffer
+        quarantined)."""
+        half = half_nbytes(self.caches)
+        count = len(self.caches)
+        row_nbytes = 2 * count * half
+        states = [p.remote_state for p, _, _ in items if p.remote_state is not None]
+        try:
+            buffer = self._staging_pool().acquire(
+                sum(len(p.block_ids) for p, _, _ in items)
+                + sum(num_rows(s, row_nbytes) for s in states))
+        except StagingExhausted as error:
+            logger.warning("NIXL read from %s refused: %s", agent, error)
+            return None
+        base = buffer.rows.data_ptr()
+        num_blocks = sum(len(p.block_ids) for p, _, _ in items)
+        local, remote = [], []
+        row = 0
+        for pull, peer, _ in items:  # block rows laid out (side, cache, block): `staging.py`
+            pull_local, pull_remote = block_descriptors(
+                pull.remote_block_ids, peer.regions, half, base, row, num_blocks)
+            local += pull_local
+            remote += pull_remote
+            row += len(pull.remote_block_ids)
+        state_row = row
+        for remote_state in states:  # a hybrid's, in rows after the blocks' (`states.py`)
+            state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes)
+            local += state_local
+            remote += state_remote
+            state_row += num_rows(remote_state, row_nbytes)
+        handle = None
+        state = "ERR"
+        try:
+            local_descs = self.agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self.agent.get_xfer_descs(remote, "DRAM")
+            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, agent, b"")
+            state = self.agent.transfer(handle)
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(POLL_INTERVAL_S)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                logger.warning("NIXL read of %d blocks from %s: %s", row, agent,
+                               "failed" if state == "ERR" else "past its deadline")
+        except Exception as error:  # a transfer that cannot be posted is a failed pull
+            logger.warning("NIXL read from %s could not run: %r", agent, error)
+            state = "ERR" if handle is None else "PROC"  # posted: it may still write
+        if handle is not None and state not in ("DONE", "ERR"):
+            self._staging_pool().quarantine(buffer, handle)  # never released in flight
+            return None
+        if handle is not None:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - ended: nothing more is written
+                pass
+        if state != "DONE":
+            self._staging_pool().give_back(buffer)
+            return None
+        return buffer
+
+    def _verify_states(self, items: list[tuple[Pull, _Peer, list[int]]],
+                       buffer: StagingBuffer) -> None:
+        """Each pull's staged state, verified against its checksum (`state_payload`;
+        None if it fails), from the rows after the blocks' (as `_read` laid them out)."""
+        row = sum(len(pull.block_ids) for pull, _, _ in items)
+        for pull, _, _ in items:
+            state = pull.remote_state
+            if state is None:
+                continue
+            rows = num_rows(state, buffer.rows.shape[1])
+            pull.state_payload = verify(state, buffer.rows[row:row + rows])
+            row += rows
+            if pull.state_payload is None:
+                logger.warning("request %s: its pulled recurrent state fails its checksum",
+                               pull.request_id)
+
+    def _staging_pool(self) -> StagingPool:
+        with self._lock:
+            if self.staging is None:
+                row_nbytes = 2 * len(self.caches) * half_nbytes(self.caches)  # a block's K and V
+                self.staging = StagingPool(self.agent, row_nbytes)
+            return self.staging
+
+    def _install_staged(self, items: list[tuple[Pull, _Peer, list[int]]],
+                        buffer: StagingBuffer, fence: ReadCancel | None) -> set[int]:
+        """Verify the staged rows of `items` against the producer's checksums and copy
+        the verified ones into the cache (one indexed copy per cache tensor), under
+        `fence` when given: nothing is written once it is set. The blocks not installed."""
+        local_ids = [b for pull, _, _ in items for b in pull.block_ids]
+        expected = [x for _, _, checksums in items for x in checksums]
+        count = len(self.caches)
+        staged = staged_blocks(buffer.rows, len(local_ids), count)  # (side, cache, block)
+        raw = staged.numpy()
+        actual = block_checksums([raw[:, c] for c in range(count)], range(len(local_ids)))
+        good = [i for i, x in enumerate(expected) if actual[i] == x]
+        bad = set(local_ids) - {local_ids[i] for i in good}
+        for pull, _, _ in items:
+            failed = sum(b in bad for b in pull.block_ids)
+            if failed:
+                logger.warning("request %s: %d pulled KV block(s) fail their checksum",
+                               pull.request_id, failed)
+        if not good:
+            return bad
+        half = half_nbytes(self.caches)
+        # Moved in 8-byte words where the halves allow: an indexed copy of bytes moves one
+        # byte per element (a 16 x 1024-token CPU pull spent 3 s here).
+        word = torch.int64 if half % 8 == 0 else torch.uint8
+        words = staged.view(word)
+        chosen = None if len(good) == len(local_ids) else torch.tensor(good)
+        targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long)
+
+        def copy() -> None:
+            for c, cache in enumerate(self.caches):
+                cache_words = cache.view(torch.uint8).view(2, cache.shape[1], half).view(word)
+                source = words[:, c] if chosen is None else words[:, c].index_select(1, chosen)
+                cache_words.index_copy_(1, targets.to(cache.device), source.to(cache.device))
+
+        if fence is None:
+            copy()
+        else:
+            try:
+                fence.write_unless_set(copy)
+            except ReadTimedOut:
+                return set(local_ids)
+        self._pulled_blocks += len(good)
+        return bad
+
+    def _install_states(self, pulls: list[Pull]) -> None:
+        """Give each pull's request its pulled state on the engine's thread; a missing or
+        failed one is zeros and the claim's last block is invalid (`states.py`)."""
+        if self._recurrent is None:
+            return
+        for pull in pulls:
+            if pull.state_position is None:
+                continue
+            self._recurrent.install(pull.request_id, pull.state_position, pull.state_payload)
+            if pull.state_payload is None:
+                ids = pull.block_ids or pull.missing
+                self._invalid.add(ids[-1])
+
+    def close(self) -> None:
+        """Wait for the async pulls (bounded) and free the staging buffers (shutdown)."""
+        for thread in list(self._async.values()):
+            thread.join(timeout=self.load_timeout_s)
+        if self.staging is not None:
+            self.staging.close()
