@@ -264,7 +264,7 @@ def _paged_attention_kernel(
                          HEAD_DIM, m_p, l_p, acc_p)
         if FUSED_COMBINE:
             # Publish this program's states (barrier, then a release at GPU scope); the
-            # num_splits-th arrival merges every segment in order and re-arms the counter.
+            # num_splits-th arrival merges every state in order and re-arms the counter.
             tl.debug_barrier()
             counter = counter_ptr + tile * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
