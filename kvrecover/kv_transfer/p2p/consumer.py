@@ -246,18 +246,16 @@ class NixlConsumer:
         gives it back), else None (a READ given up in flight leaves its buffer
         quarantined)."""
         half = half_nbytes(self.caches)
-        count = len(self.caches)
-        row_nbytes = 2 * count * half
+        pool = self._staging_pool()
+        row_nbytes = pool.row_nbytes  # a block's K and V in every cache tensor
         states = [p.remote_state for p, _, _ in items if p.remote_state is not None]
+        num_blocks = sum(len(p.block_ids) for p, _, _ in items)
         try:
-            buffer = self._staging_pool().acquire(
-                sum(len(p.block_ids) for p, _, _ in items)
-                + sum(num_rows(s, row_nbytes) for s in states))
+            buffer = pool.acquire(num_blocks + sum(num_rows(s, row_nbytes) for s in states))
         except StagingExhausted as error:
             logger.warning("NIXL read from %s refused: %s", agent, error)
             return None
         base = buffer.rows.data_ptr()
-        num_blocks = sum(len(p.block_ids) for p, _, _ in items)
         local, remote = [], []
         row = 0
         for pull, peer, _ in items:  # block rows laid out (side, cache, block): `staging.py`
@@ -289,7 +287,7 @@ class NixlConsumer:
             logger.warning("NIXL read from %s could not run: %r", agent, error)
             state = "ERR" if handle is None else "PROC"  # posted: it may still write
         if handle is not None and state not in ("DONE", "ERR"):
-            self._staging_pool().quarantine(buffer, handle)  # never released in flight
+            pool.quarantine(buffer, handle)  # never released in flight
             return None
         if handle is not None:
             try:
@@ -297,7 +295,7 @@ class NixlConsumer:
             except Exception:  # noqa: BLE001 - ended: nothing more is written
                 pass
         if state != "DONE":
-            self._staging_pool().give_back(buffer)
+            pool.give_back(buffer)
             return None
         return buffer
 
