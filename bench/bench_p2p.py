@@ -1,16 +1,23 @@
 """P2P KV transfer benchmark: a batch's time to first token when its KV is pulled over
 NIXL, loaded from the shared-storage connector's folder, or recomputed, in one run.
 
-    PYTHONPATH=. python bench/bench_p2p.py [--batch 16] [--prompt-tokens 1024] \
+    PYTHONPATH=.:bench python bench/bench_p2p.py [--batch 16] [--prompt-tokens 1024] \
         [--model-dir DIR] [--repeats 2]
+    PYTHONPATH=.:bench python bench/bench_p2p.py --device cuda --shape 8b
 
 The producer is a process of its own (`--serve`, started here): it prefills the batch
 (max_tokens 1) with the NixlConnector and keeps its blocks for one pull. Each row is
 the best of --repeats (fresh prompts each, a fresh producer for each NIXL repeat):
 the consumer's TTFT of the whole batch (greedy, max_tokens 1: every request's first
-token), the KV tokens it did not compute, and those tokens per second of TTFT. CPU
-only: NIXL moves CPU memory through UCX on loopback. The default model is the
-built-in one (float32).
+token), the KV tokens it did not compute, and those tokens per second of TTFT. Every
+engine is warmed up first with a prompt of its own (kernels compiled, graphs captured).
+
+CPU (the default): NIXL moves CPU memory through UCX on loopback; the default model is
+the built-in one (float32). CUDA: both processes on the one GPU, KV in GPU memory (UCX's
+cuda_ipc), bf16 weights of `--model-dir`, else random ones of `--shape` (1b or 8b:
+`model_shapes.py`). The NIXL row's READ and check times come from the consumer's
+counters (`kv_nixl_read_*`, `kv_nixl_check_microseconds`), and a device-to-device copy
+of as many bytes is timed in the same run: the pull's bandwidth against it.
 """
 
 from __future__ import annotations
@@ -38,18 +45,26 @@ def prompts_for(batch: int, tokens: int, seed: int) -> list[list[int]]:
     return torch.randint(10, 20000, (batch, tokens), generator=generator).tolist()
 
 
-def engine(model: str | None, transfer: KVTransferConfig | None, batch: int,
-           tokens: int) -> LLM:
-    return LLM(model, device="cpu", kv_transfer_config=transfer, max_num_seqs=batch,
-               enable_prefix_caching=False,
-               num_kv_blocks=2 * batch * (tokens // 16 + 2) + 16)
+WARM_UP = prompts_for(1, 64, seed=1 << 20)[0]  # shares no block with the timed prompts
 
 
-def serve(model: str | None, port: int, prompts_file: str, batch: int, tokens: int) -> None:
+def engine(args, transfer: KVTransferConfig | None) -> LLM:
+    """An engine of the run's model and device, warmed up (its own prompt, no reference)."""
+    device = {"device": "cpu"} if args.device == "cpu" else {
+        "device": "cuda:0", "dtype": "bfloat16",
+        "max_model_len": args.prompt_tokens + 16}
+    llm = LLM(args.model_dir, kv_transfer_config=transfer, max_num_seqs=args.batch,
+              enable_prefix_caching=False,
+              num_kv_blocks=2 * args.batch * (args.prompt_tokens // 16 + 2) + 16, **device)
+    llm.generate([{"prompt_token_ids": WARM_UP}], FIRST_TOKEN)
+    return llm
+
+
+def serve(args, port: int, prompts_file: str) -> None:
     """The producer process: prefill, print the references, serve until stdin closes."""
     prompts = json.loads(Path(prompts_file).read_text())
     transfer = KVTransferConfig("NixlConnector", "kv_producer", {"side_channel_port": port})
-    llm = engine(model, transfer, batch, tokens)
+    llm = engine(args, transfer)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], FIRST_TOKEN)
     print("REFS", json.dumps([o.kv_transfer_params for o in outputs]), flush=True)
     end = time.monotonic() + 600
@@ -75,11 +90,16 @@ def timed(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[list[
     return time.perf_counter() - started, [o.outputs[0].token_ids for o in outputs]
 
 
-def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list]:
+NIXL_COUNTERS = ("kv_nixl_read_bytes", "kv_nixl_read_microseconds",
+                 "kv_nixl_check_microseconds")
+
+
+def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list, dict]:
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     command = [sys.executable, __file__, "--serve", str(free_port()), str(prompts_file),
-               "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens)]
+               "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
+               "--device", args.device]
     if args.model_dir:
         command += ["--model-dir", args.model_dir]
     producer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -88,8 +108,7 @@ def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, li
         assert producer.stdout is not None
         references = next(json.loads(line[5:]) for line in producer.stdout
                           if line.startswith("REFS "))
-        consumer = engine(args.model_dir, KVTransferConfig("NixlConnector", "kv_consumer"),
-                          args.batch, args.prompt_tokens)
+        consumer = engine(args, KVTransferConfig("NixlConnector", "kv_consumer"))
         params = []
         for reference in references:
             each = SamplingParams(temperature=0, max_tokens=1)
@@ -97,47 +116,91 @@ def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, li
             params.append(each)
         seconds, ids = timed(consumer, prompts, params)
         loaded = consumer.stats["prompt_tokens_external"]
+        counters = {name: consumer.stats.get(name, 0) for name in NIXL_COUNTERS}
         consumer.close()
-        return seconds, loaded, ids
+        return seconds, loaded, ids, counters
     finally:
         producer.communicate("", timeout=60)
 
 
-def storage_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list]:
+def storage_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list, dict]:
     folder = {"shared_storage_path": str(work / "store")}
-    producer = engine(args.model_dir, KVTransferConfig("SharedStorageConnector", "kv_producer",
-                                                       folder), args.batch, args.prompt_tokens)
+    producer = engine(args, KVTransferConfig("SharedStorageConnector", "kv_producer", folder))
     producer.generate([{"prompt_token_ids": p} for p in prompts], FIRST_TOKEN)
     producer.close()
-    consumer = engine(args.model_dir, KVTransferConfig("SharedStorageConnector", "kv_consumer",
-                                                       folder), args.batch, args.prompt_tokens)
+    consumer = engine(args, KVTransferConfig("SharedStorageConnector", "kv_consumer", folder))
     seconds, ids = timed(consumer, prompts, FIRST_TOKEN)
     loaded = consumer.stats["prompt_tokens_external"]
     consumer.close()
-    return seconds, loaded, ids
+    return seconds, loaded, ids, {}
 
 
-def recompute_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list]:
-    llm = engine(args.model_dir, None, args.batch, args.prompt_tokens)
+def recompute_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list, dict]:
+    llm = engine(args, None)
     seconds, ids = timed(llm, prompts, FIRST_TOKEN)
     llm.close()
-    return seconds, 0, ids
+    return seconds, 0, ids, {}
+
+
+def device_copy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """The best time of a device-to-device copy of `nbytes` on the GPU."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms up
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    del source, target
+    torch.cuda.empty_cache()
+    return best
+
+
+def print_pull(counters: dict[str, int]) -> None:
+    """The NIXL row's READ and check, as bandwidth (and against a D2D copy on a GPU)."""
+    nbytes = counters["kv_nixl_read_bytes"]
+    read_s = counters["kv_nixl_read_microseconds"] / 1e6
+    check_s = counters["kv_nixl_check_microseconds"] / 1e6
+    if not nbytes or not read_s:
+        print("NIXL pull: no READ counted")
+        return
+    print(f"\nNIXL pull of {nbytes / 1e9:.2f} GB: READ {read_s * 1e3:.1f} ms "
+          f"({nbytes / read_s / 1e9:.1f} GB/s), check {check_s * 1e3:.1f} ms, READ + check "
+          f"{nbytes / (read_s + check_s) / 1e9:.1f} GB/s")
+    if torch.cuda.is_available() and counters.get("device") == "cuda":
+        copy_s = device_copy_seconds(nbytes)
+        print(f"device-to-device copy of as many bytes: {copy_s * 1e3:.2f} ms "
+              f"({nbytes / copy_s / 1e9:.1f} GB/s); READ {copy_s / read_s:.2f}x of it, "
+              f"READ + check {copy_s / (read_s + check_s):.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shape", choices=["1b", "8b"], default=None,
+                        help="CUDA: random bf16 weights of this shape (default 1b) where "
+                             "--model-dir holds no checkpoint")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "PROMPTS_JSON"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda" and not args.serve:
+        from model_shapes import resolve_model_dir  # bench/ is on sys.path
+
+        args.model_dir = str(resolve_model_dir(
+            None if args.model_dir is None else Path(args.model_dir), args.shape))
+    elif args.shape is not None:
+        raise SystemExit("--shape writes random weights on the GPU: give --device cuda")
     if args.serve:
-        serve(args.model_dir, int(args.serve[0]), args.serve[1], args.batch, args.prompt_tokens)
+        serve(args, int(args.serve[0]), args.serve[1])
         return
     rows = {"recompute": recompute_row, "shared storage": storage_row, "NIXL pull": nixl_row}
-    best: dict[str, tuple[float, int]] = {}
+    best: dict[str, tuple[float, int, dict]] = {}
     with tempfile.TemporaryDirectory() as root:
         for repeat in range(args.repeats):
             prompts = prompts_for(args.batch, args.prompt_tokens, seed=repeat)
@@ -145,19 +208,21 @@ def main() -> None:
             for name, row in rows.items():
                 work = Path(root) / f"{repeat}-{name.replace(' ', '_')}"
                 work.mkdir()
-                seconds, loaded, ids = row(args, prompts, work)
+                seconds, loaded, ids, counters = row(args, prompts, work)
                 if expected is None:
                     expected = ids
                 elif ids != expected:
                     raise SystemExit(f"{name}: the first tokens differ from recomputing")
                 if name not in best or seconds < best[name][0]:
-                    best[name] = (seconds, loaded)
+                    best[name] = (seconds, loaded, counters)
     recompute = best["recompute"][0]
-    print(f"\n{args.batch} x {args.prompt_tokens} tokens, CPU, best of {args.repeats}")
+    where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"\n{args.batch} x {args.prompt_tokens} tokens, {where}, best of {args.repeats}")
     print(f"{'path':<16}{'TTFT s':>9}{'vs recompute':>14}{'KV tokens':>11}{'KV tok/s':>11}")
-    for name, (seconds, loaded) in best.items():
+    for name, (seconds, loaded, _) in best.items():
         rate = f"{loaded / seconds:>11.0f}" if loaded else f"{'-':>11}"
-        print(f"{name:<16}{seconds:>9.2f}{seconds / recompute:>13.2f}x{loaded:>11}{rate}")
+        print(f"{name:<16}{seconds:>9.3f}{seconds / recompute:>13.2f}x{loaded:>11}{rate}")
+    print_pull({**best["NIXL pull"][2], "device": args.device})
 
 
 if __name__ == "__main__":

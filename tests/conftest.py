@@ -4,6 +4,7 @@ store holding their KV for the storage, fingerprint and fault tests."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -351,11 +352,11 @@ def make_layout(dtype: torch.dtype = torch.float32, **overrides):
 
 
 def require_nixl() -> None:
-    """Skip the calling NIXL test (or module) without the nixl package, except under CI
-    (CI=true), where that is a failure: requirements.txt pins nixl-cu12."""
-    try:
-        import nixl_cu12  # noqa: F401
-    except ImportError:
+    """Skip the calling NIXL test (or module) without the nixl package (nixl-cu12, or
+    nixl-cu13 on a CUDA 13 machine), except under CI (CI=true), where that is a failure:
+    requirements.txt pins nixl-cu12."""
+    if importlib.util.find_spec("nixl_cu12") is None and \
+            importlib.util.find_spec("nixl_cu13") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("nixl_cu12 is not installed but CI=true: requirements.txt pins "
                         "nixl-cu12 (scripts/bootstrap.sh installs it)", pytrace=False)

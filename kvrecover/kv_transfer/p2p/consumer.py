@@ -5,12 +5,13 @@ of ids. For each pull the worker checks the reference with the producer (its ans
 has the blocks' checksums), handshakes once per producer agent (again when the producer
 restarted: a new agent), reads every block of the step with NIXL READ in one transfer
 per producer (a descriptor per side, cache tensor and run of consecutive block ids:
-`staging.py`), verifies each block's checksum and releases the reference. The READ
-lands in a registered staging buffer, never in the cache: only verified blocks are
-copied into the cache (one indexed copy per cache tensor, under the load's fence when a
-TieredConnector pulls), so a READ given up at its deadline that completes later writes
-nothing the engine uses; its buffer stays quarantined until NIXL reports that READ
-ended (past `MAX_QUARANTINED_READS` such buffers, pulls fail at once and are
+`staging.py`), verifies each block's checksum (by the algorithm the producer's
+handshake names: `checksums.py`) and releases the reference. The READ lands in a
+registered staging buffer on the cache's device, never in the cache: only verified
+blocks are copied into the cache (one indexed copy per cache tensor, under the load's
+fence when a TieredConnector pulls), so a READ given up at its deadline that completes
+later writes nothing the engine uses; its buffer stays quarantined until NIXL reports
+that READ ended (past `MAX_QUARANTINED_READS` such buffers, pulls fail at once and are
 recomputed). Anything that fails (unreachable producer, unknown or reused reference,
 out-of-range ids, another layout, a read that errors or outlives `load_timeout_s`, a
 checksum mismatch) makes those blocks invalid: the engine recomputes them (rule 10).
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrecover.kv_layout import KVCacheLayout
+from kvrecover.kv_transfer.p2p.checksums import ALGORITHMS, checksum_blocks
 from kvrecover.kv_transfer.p2p.metadata import Pull
 from kvrecover.kv_transfer.p2p.params import RemoteReference
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, call
@@ -39,9 +41,9 @@ from kvrecover.kv_transfer.p2p.staging import (
     StagingBuffer,
     StagingExhausted,
     StagingPool,
-    block_checksums,
     block_descriptors,
     half_nbytes,
+    memory_of,
     staged_blocks,
 )
 from kvrecover.kv_transfer.p2p.states import chunks, num_rows, parse_remote_state, verify
@@ -52,15 +54,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.001  # how often a READ's state is polled
-
-
 @dataclass
 class _Peer:
     agent: str
     num_blocks: int
     block_half_nbytes: int
     regions: list[tuple[int, int]]  # each cache tensor's (K base, V base) address
+    memory: str  # NIXL's memory type of the producer's cache: "DRAM" or "VRAM"
+    device_id: int
+    checksum: str  # the producer's algorithm (`checksums.py`)
 
 
 class NixlConsumer:
@@ -82,6 +84,10 @@ class NixlConsumer:
         self._async_invalid: dict[str, set[int]] = {}
         self._async_pulls: dict[str, Pull] = {}  # async pulls of a state, by request
         self._pulled_blocks = 0
+        # Bytes READ, and microseconds spent in READs and in checking staged blocks, since
+        # the last `take_transfer_counts` (async pulls add from their own threads).
+        self._transfer_counts = {"read_bytes": 0, "read_microseconds": 0,
+                                 "check_microseconds": 0}
 
     def register(self, caches: list[torch.Tensor], agent: Any) -> None:
         """The cache verified blocks are copied into, and the agent that reads them (the
@@ -135,6 +141,18 @@ class NixlConsumer:
         """Blocks pulled and installed, since the last call."""
         pulled, self._pulled_blocks = self._pulled_blocks, 0
         return pulled
+
+    def take_transfer_counts(self) -> dict[str, int]:
+        """READ bytes and microseconds, and microseconds checking staged blocks, since the
+        last call."""
+        with self._lock:
+            counts = dict(self._transfer_counts)
+            self._transfer_counts = dict.fromkeys(counts, 0)
+        return counts
+
+    def _count(self, name: str, amount: int) -> None:
+        with self._lock:
+            self._transfer_counts[name] += amount
 
     def pull_blocks(self, pulls: list[Pull], timeout_s: float,
                     fence: ReadCancel | None = None) -> set[int]:
@@ -230,12 +248,21 @@ class NixlConsumer:
         if (not isinstance(regions, list) or len(regions) != len(self.caches)
                 or answer.get("block_half_nbytes") != half_nbytes(self.caches)):
             raise ValueError("the producer's cache regions do not match this engine's")
+        memory, device_id, checksum = (answer.get(k) for k in ("memory", "device_id",
+                                                              "checksum"))
+        if memory not in ("DRAM", "VRAM") or not isinstance(device_id, int) \
+                or isinstance(device_id, bool) or device_id < 0:
+            raise ValueError(f"the producer's cache memory is unknown: {memory!r} "
+                             f"device {device_id!r}")
+        if checksum not in ALGORITHMS:
+            raise ValueError(f"the producer's checksum algorithm is unknown: {checksum!r}")
         agent = self.agent.add_remote_agent(bytes.fromhex(str(answer["metadata"])))
         name = agent.decode() if isinstance(agent, bytes) else str(agent)
         if name != answer.get("agent"):
             raise ValueError("the producer's agent metadata names another agent")
         return _Peer(name, int(answer["num_blocks"]), int(answer["block_half_nbytes"]),
-                     [(int(k), int(v)) for k, v in regions])
+                     [(int(k), int(v)) for k, v in regions], str(memory), device_id,
+                     str(checksum))
 
     def _read(self, agent: str, items: list[tuple[Pull, _Peer, list[int]]],
               deadline: float) -> StagingBuffer | None:
@@ -256,47 +283,29 @@ class NixlConsumer:
             logger.warning("NIXL read from %s refused: %s", agent, error)
             return None
         base = buffer.rows.data_ptr()
+        device = memory_of(buffer.rows)[1]
+        peer = items[0][1]  # one producer agent: one peer
         local, remote = [], []
         row = 0
-        for pull, peer, _ in items:  # block rows laid out (side, cache, block): `staging.py`
+        for pull, _, _ in items:  # block rows laid out (side, cache, block): `staging.py`
             pull_local, pull_remote = block_descriptors(
-                pull.remote_block_ids, peer.regions, half, base, row, num_blocks)
+                pull.remote_block_ids, peer.regions, half, base, row, num_blocks,
+                device, peer.device_id)
             local += pull_local
             remote += pull_remote
             row += len(pull.remote_block_ids)
         state_row = row
         for remote_state in states:  # a hybrid's, in rows after the blocks' (`states.py`)
-            state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes)
+            state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes,
+                                               device, peer.device_id)
             local += state_local
             remote += state_remote
             state_row += num_rows(remote_state, row_nbytes)
-        handle = None
-        state = "ERR"
-        try:
-            local_descs = self.agent.get_xfer_descs(local, "DRAM")
-            remote_descs = self.agent.get_xfer_descs(remote, "DRAM")
-            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, agent, b"")
-            state = self.agent.transfer(handle)
-            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-                time.sleep(POLL_INTERVAL_S)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                logger.warning("NIXL read of %d blocks from %s: %s", row, agent,
-                               "failed" if state == "ERR" else "past its deadline")
-        except Exception as error:  # a transfer that cannot be posted is a failed pull
-            logger.warning("NIXL read from %s could not run: %r", agent, error)
-            state = "ERR" if handle is None else "PROC"  # posted: it may still write
-        if handle is not None and state not in ("DONE", "ERR"):
-            pool.quarantine(buffer, handle)  # never released in flight
+        started = time.perf_counter()
+        if not pool.read(buffer, local, remote, peer.memory, agent, deadline):
             return None
-        if handle is not None:
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001 - ended: nothing more is written
-                pass
-        if state != "DONE":
-            pool.give_back(buffer)
-            return None
+        self._count("read_bytes", sum(length for _, length, _ in local))
+        self._count("read_microseconds", int((time.perf_counter() - started) * 1e6))
         return buffer
 
     def _verify_states(self, items: list[tuple[Pull, _Peer, list[int]]],
@@ -319,7 +328,8 @@ class NixlConsumer:
         with self._lock:
             if self.staging is None:
                 row_nbytes = 2 * len(self.caches) * half_nbytes(self.caches)  # a block's K and V
-                self.staging = StagingPool(self.agent, row_nbytes)
+                self.staging = StagingPool(self.agent, row_nbytes,
+                                           device=self.caches[0].device)
             return self.staging
 
     def _install_staged(self, items: list[tuple[Pull, _Peer, list[int]]],
@@ -331,8 +341,10 @@ class NixlConsumer:
         expected = [x for _, _, checksums in items for x in checksums]
         count = len(self.caches)
         staged = staged_blocks(buffer.rows, len(local_ids), count)  # (side, cache, block)
-        raw = staged.numpy()
-        actual = block_checksums([raw[:, c] for c in range(count)], range(len(local_ids)))
+        started = time.perf_counter()
+        actual = checksum_blocks(items[0][1].checksum, [staged[:, c] for c in range(count)],
+                                 range(len(local_ids)))
+        self._count("check_microseconds", int((time.perf_counter() - started) * 1e6))
         good = [i for i, x in enumerate(expected) if actual[i] == x]
         bad = set(local_ids) - {local_ids[i] for i in good}
         for pull, _, _ in items:
@@ -347,14 +359,21 @@ class NixlConsumer:
         # byte per element (a 16 x 1024-token CPU pull spent 3 s here).
         word = torch.int64 if half % 8 == 0 else torch.uint8
         words = staged.view(word)
-        chosen = None if len(good) == len(local_ids) else torch.tensor(good)
-        targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long)
+        chosen = None  # every staged block, in order
+        if len(good) < len(local_ids):
+            chosen = torch.tensor(good, device=staged.device)
+        targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long,
+                               device=staged.device)
 
         def copy() -> None:
             for c, cache in enumerate(self.caches):
                 cache_words = cache.view(torch.uint8).view(2, cache.shape[1], half).view(word)
                 source = words[:, c] if chosen is None else words[:, c].index_select(1, chosen)
-                cache_words.index_copy_(1, targets.to(cache.device), source.to(cache.device))
+                cache_words.index_copy_(1, targets, source)
+            if staged.is_cuda:
+                # The buffer goes back to the pool next, and the next READ into it runs on
+                # UCX's stream, not this one: the copies out of it must be done first.
+                torch.cuda.current_stream(staged.device).synchronize()
 
         if fence is None:
             copy()

@@ -1,8 +1,10 @@
 """NixlConnector: the decode instance pulls the prefill instance's KV blocks over NIXL.
 
-vLLM's P/D protocol, NIXL over UCX (CPU memory works). This module is the connector's
-face: its registered name, its settings and the dispatch of each contract method to the
-part that does the work, one job per module:
+vLLM's P/D protocol, NIXL over UCX: CPU memory, or GPU memory (a GPU engine registers
+its KV cache as VRAM, stages its reads on the GPU and checksums there: `checksums.py`;
+UCX moves it by cuda_ipc between processes on one node). This module is the
+connector's face: its registered name, its settings and the dispatch of each contract
+method to the part that does the work, one job per module:
 
 - `kept_prompts.py` (producer, scheduler role: `kv_producer`, or `kv_both` for a request
   with `do_remote_decode`): which finished prompts are kept (`request_finished` returns
@@ -49,6 +51,7 @@ another size (`tp_size`) claims nothing: the prompt is computed here, with a war
 
 from __future__ import annotations
 
+import importlib
 import logging
 import secrets
 from dataclasses import dataclass
@@ -65,6 +68,7 @@ from kvrecover.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from kvrecover.kv_transfer.p2p.checksums import ALGORITHMS
 from kvrecover.kv_transfer.p2p.claims import PullClaims
 from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
 from kvrecover.kv_transfer.p2p.kept_prompts import KeptPrompts
@@ -103,21 +107,36 @@ class NixlSettings:
     lease_s: float = option(
         120.0, "a producer frees a kept prompt no consumer released after this long",
         float, above=0, maximum=1e6)
+    checksum: str = option(
+        "auto", "how a producer checksums the blocks it serves: xxh3, fold64 (hashed "
+        "where the cache is), or auto (fold64 for a GPU's cache, xxh3 for the CPU's); a "
+        "consumer checks with the producer's", str, choices=("auto", *ALGORITHMS),
+        describe=f"one of {('auto', *ALGORITHMS)}")
     max_held_states: int = option(
         16, "a hybrid model's producer keeps at most this many prompts' recurrent states "
-        "(CPU memory, allocated at start-up); a prompt past them is not kept", int,
+        "(on the cache's device, allocated at start-up); a prompt past them is not kept", int,
         minimum=1, maximum=1 << 16)
 
     def __post_init__(self) -> None:
         validate(self, SETTING_LABEL)
 
 
+def _nixl_api() -> Any:
+    """NIXL's Python API: nixl-cu12's (pinned) or, where only it is installed (a CUDA 13
+    machine), nixl-cu13's."""
+    for package in ("nixl_cu12", "nixl_cu13"):
+        try:
+            return importlib.import_module(f"{package}._api")
+        except ImportError:
+            continue
+    raise ValueError("NixlConnector needs the nixl package (pip install nixl-cu12, or "
+                     "nixl-cu13 with CUDA 13)")
+
+
 def _nixl_agent(name: str):
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-    except ImportError as error:  # pragma: no cover - the pinned wheel is installed
-        raise ValueError("NixlConnector needs the nixl package (pip install nixl-cu12)") \
-            from error
+    api = _nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
+    nixl_thread_sync_t = api.nixl_thread_sync_t
     logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
     # STRICT: the agent is called from several threads (async pulls, the side channel's
     # server, the producer's progress loop); NIXL's default without a listener is
@@ -165,8 +184,8 @@ class NixlConnector(KVConnectorBase):
         self.kept = KeptPrompts(config, layout, self.engine_id, self.host, self.port, grouped)
         # Worker role: a producer only if this instance keeps prompts.
         self.producer = NixlProducer(layout, self.engine_id, settings.lease_s,
-                                     settings.load_timeout_s, settings.max_held_states
-                                     ) if config.is_producer else None
+                                     settings.load_timeout_s, settings.max_held_states,
+                                     settings.checksum) if config.is_producer else None
         self.consumer = self.consumer_class(layout, settings.load_timeout_s)
         self._discarded: set[str] = set()  # requests whose states this step must not keep
 
@@ -246,7 +265,9 @@ class NixlConnector(KVConnectorBase):
     def get_connector_stats(self) -> dict[str, int]:
         counts = {"kv_nixl_pulled_blocks": self.consumer.take_pulled_blocks(),
                   "kv_nixl_lease_freed_blocks": 0 if self.producer is None
-                  else self.producer.take_lease_freed_blocks()}
+                  else self.producer.take_lease_freed_blocks(),
+                  **{f"kv_nixl_{name}": count
+                     for name, count in self.consumer.take_transfer_counts().items()}}
         return {name: count for name, count in counts.items() if count}
 
     def pull_blocks(self, pulls: list[Pull], timeout_s: float,

@@ -29,13 +29,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kvrecover.kv_layout import NULL_BLOCK_ID, KVCacheLayout
+from kvrecover.kv_transfer.p2p.checksums import checksum_blocks, default_algorithm
 from kvrecover.kv_transfer.p2p.metadata import NixlMetadata
 from kvrecover.kv_transfer.p2p.side_channel import SideChannelServer
-from kvrecover.kv_transfer.p2p.staging import block_checksums, half_nbytes
+from kvrecover.kv_transfer.p2p.staging import half_nbytes, memory_of
 from kvrecover.kv_transfer.p2p.states import HeldStates
 
 if TYPE_CHECKING:
@@ -69,15 +69,15 @@ class NixlProducer:
     on the engine's thread. `register` starts the threads, `close` ends them."""
 
     def __init__(self, layout: KVCacheLayout, engine_id: str, lease_s: float,
-                 load_timeout_s: float, max_held_states: int) -> None:
+                 load_timeout_s: float, max_held_states: int, checksum: str = "auto") -> None:
         self.layout = layout
         self.engine_id = engine_id
         self.lease_s = lease_s
         self.load_timeout_s = load_timeout_s  # how long a checked pull may read
         self.max_held_states = max_held_states
+        self.checksum = checksum  # "auto": the cache's device decides (`_algorithm`)
         self._hybrid = layout.has_recurrent_layers
         self.caches: list[torch.Tensor] = []
-        self._cache_sides: list[np.ndarray] = []  # each cache's bytes, (2, blocks, half)
         self.agent: Any = None
         self.agent_name = ""
         self.held_states: HeldStates | None = None  # a hybrid's
@@ -100,9 +100,7 @@ class NixlProducer:
         """Register the KV cache with `agent`, serve the side channel on host:port and
         start the progress loop (`register_kv_caches`)."""
         self.caches, self.agent, self.agent_name = caches, agent, agent_name
-        agent.register_memory(list(caches))
-        self._cache_sides = [c.view(torch.uint8).view(2, c.shape[1], -1).numpy()
-                             for c in caches]
+        agent.register_memory(list(caches))  # VRAM for a GPU's cache, DRAM for the CPU's
         self._server = SideChannelServer(host, port, self.serve)
         self._progress = threading.Thread(target=self._progress_pulls, daemon=True,
                                           name="kvrecover-nixl-progress")
@@ -112,7 +110,8 @@ class NixlProducer:
         """A hybrid's state pool, registered with the agent (`register_recurrent_states`,
         after `register`)."""
         if self.agent is not None:
-            self.held_states = HeldStates(self.agent, states, self.max_held_states)
+            self.held_states = HeldStates(self.agent, states, self.max_held_states,
+                                          self.caches[0].device)
 
     def capture_states(self, captures: list[tuple[str, int, int]]) -> None:
         """Copy out the states the step wrote at kept prompts' boundaries (`wait_for_save`)."""
@@ -150,10 +149,14 @@ class NixlProducer:
                           if b != NULL_BLOCK_ID})
             hold.checksums = dict(zip(ids, self._checksums(ids)))
 
+    def _algorithm(self) -> str:
+        """The checksum algorithm this producer answers (and names in its handshake)."""
+        return default_algorithm(self.caches[0]) if self.checksum == "auto" else self.checksum
+
     def _checksums(self, block_ids: list[int]) -> list[int]:
-        """xxh3 of each block's K and V in every cache tensor, laid out block-major
-        (`staging.block_checksums`: the consumer hashes its staged rows so)."""
-        return block_checksums(self._cache_sides, block_ids)
+        """Each block's checksum (`checksums.py`: the consumer hashes its staged rows so)."""
+        sides = [c.view(torch.uint8).view(2, c.shape[1], -1) for c in self.caches]
+        return checksum_blocks(self._algorithm(), sides, block_ids)
 
     def serve(self, message: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (a thread of the server)."""
@@ -163,10 +166,12 @@ class NixlProducer:
         if op == "handshake":
             half = half_nbytes(self.caches)
             num_blocks = self.caches[0].shape[1]
+            memory, device_id = memory_of(self.caches[0])
             return {"ok": True, "engine_id": self.engine_id, "agent": self.agent_name,
                     "metadata": self.agent.get_agent_metadata().hex(),
                     "block_size": self.layout.block_size,
                     "fingerprint": self.layout.fingerprint,
+                    "memory": memory, "device_id": device_id, "checksum": self._algorithm(),
                     "num_blocks": num_blocks, "block_half_nbytes": half,
                     "regions": [[c.data_ptr(), c.data_ptr() + num_blocks * half]
                                 for c in self.caches]}

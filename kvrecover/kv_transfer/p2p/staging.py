@@ -17,29 +17,40 @@ Layout. A READ of n blocks fills the buffer's first n rows (a row: a block's K a
 every cache tensor) side-major: (side, cache tensor, block), each piece `half` bytes, so
 that a run of consecutive producer block ids is one descriptor per (side, cache tensor)
 (`block_descriptors`) instead of one per (side, cache tensor, block): 60 descriptors a
-block of 12 KB each were most of a CPU pull's READ time. A block's checksum stays the
-xxh3 of its bytes block-major (K of each cache tensor, then V), computed by streaming the
-pieces (`block_checksums`), so producer and consumer hash the same bytes with no
-permuted copy on either side. A hybrid's state rows follow the n block rows (`states.py`).
+block of 12 KB each were most of a CPU pull's READ time. A block's checksum still covers
+its bytes block-major (K of each cache tensor, then V), hashed piece by piece
+(`checksums.py`), so producer and consumer hash the same bytes with no permuted copy on
+either side. A hybrid's state rows follow the n block rows (`states.py`).
+
+Memory. Buffers live where the consumer's cache does: CPU memory (NIXL's "DRAM") for a
+CPU engine, the cache's GPU ("VRAM") for a GPU one, so a GPU pull is a device-to-device
+READ and its checks run on the device. Every descriptor names its memory's device
+(`memory_of`); a producer's handshake names its own.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import xxhash
 
 logger = logging.getLogger(__name__)
 
+# A READ's state is polled first after FIRST_POLL_S, then at twice the wait before, up
+# to POLL_INTERVAL_S: a GPU's READ of GBs ends in about a millisecond, a CPU's in tens.
+FIRST_POLL_S = 0.00005
+POLL_INTERVAL_S = 0.001
 MAX_QUARANTINED_READS = 4  # given-up READs still in flight before pulls are refused
 MAX_FREE_BUFFERS = 2  # idle registered buffers kept for reuse
 MIN_ROWS = 8
+# A buffer's rows are rounded up to one of 8 steps per power of two (under 1/8 more
+# than asked): a GPU pull's rows are MBs each.
+ROUNDING_STEPS = 8
 
 # Buffers whose READ may still be in flight when their pool closed: kept alive for the
 # process's lifetime (at most MAX_QUARANTINED_READS per closed pool), never freed under
@@ -68,9 +79,11 @@ class StagingPool:
     (async pulls run on their own threads); the agent is in NIXL's STRICT sync mode."""
 
     def __init__(self, agent: Any, row_nbytes: int,
-                 max_quarantined: int = MAX_QUARANTINED_READS) -> None:
+                 max_quarantined: int = MAX_QUARANTINED_READS,
+                 device: torch.device | str = "cpu") -> None:
         self.agent = agent
         self.row_nbytes = row_nbytes
+        self.device = torch.device(device)
         self.max_quarantined = max_quarantined
         self._free: list[StagingBuffer] = []
         self._quarantined: list[tuple[StagingBuffer, Any]] = []
@@ -89,9 +102,47 @@ class StagingPool:
                 buffer = min(fits, key=lambda b: b.capacity)
                 self._free.remove(buffer)
                 return buffer
-        capacity = max(MIN_ROWS, 1 << (num_rows - 1).bit_length())
-        rows = torch.zeros(capacity, self.row_nbytes, dtype=torch.uint8)
+        rows = torch.zeros(rounded_rows(num_rows), self.row_nbytes, dtype=torch.uint8,
+                           device=self.device)
         return StagingBuffer(rows, self.agent.register_memory([rows]))
+
+    def read(self, buffer: StagingBuffer, local: list[tuple[int, int, int]],
+             remote: list[tuple[int, int, int]], remote_memory: str, peer_agent: str,
+             deadline: float) -> bool:
+        """One NIXL READ from `peer_agent`'s `remote` descriptors (of `remote_memory`) into
+        `local` ones within `buffer`, waited for until `deadline`. True if it completed
+        (the buffer stays the caller's, to give back); else the buffer is given back, or
+        quarantined while the READ may still write it."""
+        handle = None
+        state = "ERR"
+        try:
+            local_descs = self.agent.get_xfer_descs(local, memory_of(buffer.rows)[0])
+            remote_descs = self.agent.get_xfer_descs(remote, remote_memory)
+            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
+                                                peer_agent, b"")
+            state = self.agent.transfer(handle)
+            wait = FIRST_POLL_S
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(wait)
+                wait = min(2 * wait, POLL_INTERVAL_S)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                logger.warning("NIXL read of %d descriptors from %s: %s", len(local),
+                               peer_agent, "failed" if state == "ERR" else "past its deadline")
+        except Exception as error:  # a transfer that cannot be posted is a failed pull
+            logger.warning("NIXL read from %s could not run: %r", peer_agent, error)
+            state = "ERR" if handle is None else "PROC"  # posted: it may still write
+        if handle is not None and state not in ("DONE", "ERR"):
+            self.quarantine(buffer, handle)  # never released in flight
+            return False
+        if handle is not None:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - ended: nothing more is written
+                pass
+        if state != "DONE":
+            self.give_back(buffer)
+        return state == "DONE"
 
     def give_back(self, buffer: StagingBuffer) -> None:
         """`buffer`'s READ completed or was never posted: it may serve another."""
@@ -148,6 +199,22 @@ class StagingPool:
             self.agent = None
 
 
+def rounded_rows(num_rows: int) -> int:
+    """A new buffer's capacity for `num_rows`: at least MIN_ROWS, rounded up to one of
+    ROUNDING_STEPS steps between two powers of two."""
+    if num_rows <= MIN_ROWS:
+        return MIN_ROWS
+    step = max(1, (1 << (num_rows.bit_length() - 1)) // ROUNDING_STEPS)
+    return -(-num_rows // step) * step
+
+
+def memory_of(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type of `tensor` and the device id its descriptors carry."""
+    if tensor.is_cuda:
+        return "VRAM", tensor.device.index or 0
+    return "DRAM", 0
+
+
 def block_runs(remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """The runs of consecutive ids in `remote_ids`: (index of its first, first id,
     length) each, in order."""
@@ -162,13 +229,14 @@ def block_runs(remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def block_descriptors(remote_ids: Sequence[int], regions: Sequence[tuple[int, int]],
-                      half: int, local_base: int, first_row: int, num_blocks: int
+                      half: int, local_base: int, first_row: int, num_blocks: int,
+                      local_device: int = 0, remote_device: int = 0
                       ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """The (local, remote) READ descriptors of the producer's blocks `remote_ids` (each
-    cache tensor's (K base, V base) in `regions`, `half` bytes a block's side) into block
-    rows `first_row`.. of a staging buffer at `local_base` whose READ holds `num_blocks`
-    blocks, laid out (side, cache tensor, block): one descriptor per (side, cache
-    tensor, run of consecutive ids)."""
+    cache tensor's (K base, V base) in `regions` on `remote_device`, `half` bytes a
+    block's side) into block rows `first_row`.. of a staging buffer at `local_base` (on
+    `local_device`) whose READ holds `num_blocks` blocks, laid out (side, cache tensor,
+    block): one descriptor per (side, cache tensor, run of consecutive ids)."""
     count = len(regions)
     local: list[tuple[int, int, int]] = []
     remote: list[tuple[int, int, int]] = []
@@ -176,8 +244,8 @@ def block_descriptors(remote_ids: Sequence[int], regions: Sequence[tuple[int, in
         for side in range(2):
             for c, bases in enumerate(regions):
                 offset = ((side * count + c) * num_blocks + first_row + index) * half
-                local.append((local_base + offset, length * half, 0))
-                remote.append((bases[side] + first_id * half, length * half, 0))
+                local.append((local_base + offset, length * half, local_device))
+                remote.append((bases[side] + first_id * half, length * half, remote_device))
     return local, remote
 
 
@@ -192,18 +260,3 @@ def staged_blocks(rows: torch.Tensor, num_blocks: int, num_caches: int) -> torch
     """The first `num_blocks` rows of a staging buffer as `block_descriptors` filled
     them: a (2, num_caches, num_blocks, half) uint8 view."""
     return rows[:num_blocks].reshape(-1).view(2, num_caches, num_blocks, -1)
-
-
-def block_checksums(sides: Sequence[np.ndarray], block_ids: Sequence[int]) -> list[int]:
-    """xxh3 of each block's bytes block-major (K of every cache tensor in order, then V),
-    streamed piece by piece: `sides[c]` is cache tensor c's uint8 (2, blocks, half) array
-    (the producer's cache, or a staged view's `[:, c]`). Producer and consumer both hash
-    so: a checksum covers exactly the bytes the consumer installs."""
-    checksums = []
-    for block_id in block_ids:
-        digest = xxhash.xxh3_64()
-        for side in range(2):
-            for array in sides:
-                digest.update(array[side, block_id])
-        checksums.append(digest.intdigest())
-    return checksums

@@ -11,7 +11,8 @@ engine gives that boundary a slot first) in the step that writes or reaches it; 
 worker copies it out after that step (`HeldStates.capture`). When the prompt is kept,
 its reference says the boundary (`RemoteReference.state_block`) and the worker moves
 the copy into a slot of a state pool registered with NIXL when the worker registered
-(`max_held_states` slots, allocated up front: memory registered after a consumer's
+(`max_held_states` slots, allocated up front on the cache's device, so that a pull
+reads blocks and state from one kind of memory: memory registered after a consumer's
 handshake would be unknown to it), checksummed (xxh3). A pull's check answers the
 state's address, size and checksum with the blocks' checksums (`describe`); the slot is
 freed with the blocks, on release or when the lease ends. A prompt whose state gets no
@@ -112,11 +113,12 @@ class HeldStates:
     prompts' states are read from. Captures run on the engine's thread; `hold`,
     `release` and `describe` under the connector's lock."""
 
-    def __init__(self, agent: Any, states: RecurrentStateAccess, num_slots: int) -> None:
+    def __init__(self, agent: Any, states: RecurrentStateAccess, num_slots: int,
+                 device: torch.device | str = "cpu") -> None:
         self.states = states
         self.nbytes = states.bytes_per_checkpoint
         self.stride = math.ceil(self.nbytes / ROW_ALIGN) * ROW_ALIGN
-        self.pool = torch.zeros(num_slots, self.stride, dtype=torch.uint8)
+        self.pool = torch.zeros(num_slots, self.stride, dtype=torch.uint8, device=device)
         self.registration = agent.register_memory([self.pool])
         self._free = list(range(num_slots - 1, -1, -1))
         self._pending: dict[str, tuple[int, bytes]] = {}  # request id -> (position, state)
@@ -207,20 +209,22 @@ def num_rows(state: RemoteState, row_nbytes: int) -> int:
     return math.ceil(state.nbytes / row_nbytes)
 
 
-def chunks(state: RemoteState, local_base: int, first_row: int, row_nbytes: int
+def chunks(state: RemoteState, local_base: int, first_row: int, row_nbytes: int,
+           local_device: int = 0, remote_device: int = 0
            ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """The (local, remote) READ descriptors of `state` into staging rows from `first_row`
-    on (a buffer at `local_base` of rows `row_nbytes` long)."""
+    """The (local, remote) READ descriptors of `state` (on `remote_device`) into staging
+    rows from `first_row` on (a buffer at `local_base` on `local_device`, of rows
+    `row_nbytes` long)."""
     local, remote = [], []
     for i in range(num_rows(state, row_nbytes)):
         length = min(row_nbytes, state.nbytes - i * row_nbytes)
-        local.append((local_base + (first_row + i) * row_nbytes, length, 0))
-        remote.append((state.address + i * row_nbytes, length, 0))
+        local.append((local_base + (first_row + i) * row_nbytes, length, local_device))
+        remote.append((state.address + i * row_nbytes, length, remote_device))
     return local, remote
 
 
 def verify(state: RemoteState, rows: torch.Tensor) -> bytes | None:
     """The state in its staged `rows` (read as `chunks` laid them out), None if it fails
     its checksum."""
-    payload = rows.reshape(-1)[:state.nbytes].numpy().tobytes()
+    payload = rows.reshape(-1)[:state.nbytes].cpu().numpy().tobytes()
     return payload if xxhash.xxh3_64_intdigest(payload) == state.checksum else None

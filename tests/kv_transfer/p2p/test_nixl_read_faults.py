@@ -200,12 +200,15 @@ def test_a_read_in_the_error_state_is_recomputed_at_once(model, monkeypatch, asy
 
 @sync_async
 @policies
+@pytest.mark.parametrize("checksum", ["xxh3", "fold64"])
 def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
-        model, monkeypatch, async_load, policy):
+        model, monkeypatch, async_load, policy, checksum):
     """The READ completes, but two of the first prompt's staged blocks are not what the
     producer holds: its first block's bytes altered, its last block's never written
-    (zeros). Exactly those two are invalid; every other block is used."""
-    producer = Producer(model)
+    (zeros). Exactly those two are invalid; every other block is used. By either
+    checksum a producer may answer (fold64 is a GPU's default; the consumer follows the
+    producer's handshake)."""
+    producer = Producer(model, engine={"nixl": {"checksum": checksum}})
     handle = producer.references[0]["remote_request_id"]
     install = NixlConsumer._install_staged
     corrupted: list[int] = []
@@ -232,6 +235,10 @@ def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
     assert len(set(corrupted)) == 2 and reported == set(corrupted)
     assert_outcome(run, model, policy, failed={0})
     assert run.pulled == sum(run.full_pulls) - 2
+    # Every block was read once (the two bad ones too), and the READ and check were timed.
+    assert run.stats["kv_nixl_read_bytes"] % sum(run.full_pulls) == 0
+    assert run.stats["kv_nixl_read_microseconds"] > 0
+    assert run.stats["kv_nixl_check_microseconds"] > 0
     # An async load that failed in part is asked for again; its reference, released
     # after the first pull, claims nothing then: no second check, no more failed blocks.
     assert run.stats["kv_load_failed_blocks"] == 2

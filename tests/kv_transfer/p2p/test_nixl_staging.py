@@ -2,7 +2,8 @@
 buffers are registered once and reused, a buffer whose READ was given up is not handed
 out again until that READ ended, and past the bound on such READs none is handed out;
 the staging layout: a run of consecutive block ids is one descriptor per (side, cache
-tensor), and a staged block checksums as the producer's block-major bytes."""
+tensor), and a staged block checksums as the producer's block-major bytes, by either
+algorithm (`p2p/checksums.py`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import pytest
 import torch
 import xxhash
 
+from kvrecover.kv_transfer.p2p.checksums import checksum_blocks, fold64_reference
 from kvrecover.kv_transfer.p2p.staging import (
     StagingExhausted,
     StagingPool,
-    block_checksums,
     block_descriptors,
     block_runs,
+    memory_of,
+    rounded_rows,
     staged_blocks,
 )
 
@@ -51,7 +54,21 @@ def test_a_buffer_is_registered_once_and_reused():
     assert first.capacity == 8 and first.rows.shape == (8, 64)
     pool.give_back(first)
     assert pool.acquire(3) is first and agent.registered == 1
-    assert pool.acquire(20).capacity == 32 and agent.registered == 2
+    assert pool.acquire(20).capacity == 20 and agent.registered == 2
+
+
+def test_a_new_buffer_is_at_most_an_eighth_larger_than_asked():
+    assert [rounded_rows(n) for n in (1, 8, 9, 17, 1000, 1030, 4097)] == \
+        [8, 8, 9, 18, 1024, 1152, 4608]
+    for rows in range(1, 3000, 7):
+        assert rows <= rounded_rows(rows) <= max(8, rows + rows // 8 + 1)
+
+
+def test_descriptors_name_each_sides_device():
+    local, remote = block_descriptors([3, 4], [(0, 100)], 8, local_base=1000, first_row=0,
+                                      num_blocks=2, local_device=1, remote_device=2)
+    assert {d[2] for d in local} == {1} and {d[2] for d in remote} == {2}
+    assert memory_of(torch.zeros(1)) == ("DRAM", 0)
 
 
 def test_a_given_up_read_quarantines_its_buffer_until_it_ended():
@@ -89,7 +106,8 @@ def test_a_run_is_one_descriptor_per_side_and_cache_tensor():
     assert remote[4] == (1000 + 2 * half, half, 0) and local[4] == (4 * half, half, 0)
 
 
-def test_staged_blocks_checksum_as_the_producers_block_major_bytes():
+@pytest.mark.parametrize("algorithm", ["xxh3", "fold64"])
+def test_staged_blocks_checksum_as_the_producers_block_major_bytes(algorithm):
     """A READ simulated from the descriptors: each staged block hashes as the old layout
     (one row per block: K of every cache tensor, then V) and as the producer's cache."""
     generator = torch.Generator().manual_seed(0)
@@ -110,10 +128,11 @@ def test_staged_blocks_checksum_as_the_producers_block_major_bytes():
     old_rows = [torch.cat([caches[c][side, b] for side in range(2)
                            for c in range(num_caches)]).numpy().tobytes()
                 for b in remote_ids]
-    expected = [xxhash.xxh3_64_intdigest(row) for row in old_rows]
-    sides = staged.numpy()
-    assert block_checksums([sides[:, c] for c in range(num_caches)], range(6)) == expected
-    assert block_checksums([c.numpy() for c in caches], remote_ids) == expected
+    expected = [xxhash.xxh3_64_intdigest(row) if algorithm == "xxh3"
+                else fold64_reference(row, half) for row in old_rows]
+    assert checksum_blocks(algorithm, [staged[:, c] for c in range(num_caches)],
+                           range(6)) == expected
+    assert checksum_blocks(algorithm, caches, remote_ids) == expected
     for index, block_id in enumerate(remote_ids):
         for c in range(num_caches):
             assert torch.equal(staged[:, c, index], caches[c][:, block_id])
