@@ -84,10 +84,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def timed(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
+def timed(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[list[int]], dict]:
+    """The batch's TTFT, its token ids, and the engine's counters it added (the warm-up's
+    left out)."""
+    before = dict(llm.stats)
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return time.perf_counter() - started, [o.outputs[0].token_ids for o in outputs]
+    seconds = time.perf_counter() - started
+    added = {name: count - before.get(name, 0) for name, count in llm.stats.items()}
+    return seconds, [o.outputs[0].token_ids for o in outputs], added
 
 
 NIXL_COUNTERS = ("kv_nixl_read_bytes", "kv_nixl_read_microseconds",
@@ -114,11 +119,10 @@ def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, li
             each = SamplingParams(temperature=0, max_tokens=1)
             each.kv_transfer_params = reference
             params.append(each)
-        seconds, ids = timed(consumer, prompts, params)
-        loaded = consumer.stats["prompt_tokens_external"]
-        counters = {name: consumer.stats.get(name, 0) for name in NIXL_COUNTERS}
+        seconds, ids, added = timed(consumer, prompts, params)
         consumer.close()
-        return seconds, loaded, ids, counters
+        return (seconds, added.get("prompt_tokens_external", 0), ids,
+                {name: added.get(name, 0) for name in NIXL_COUNTERS})
     finally:
         producer.communicate("", timeout=60)
 
@@ -129,15 +133,14 @@ def storage_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int,
     producer.generate([{"prompt_token_ids": p} for p in prompts], FIRST_TOKEN)
     producer.close()
     consumer = engine(args, KVTransferConfig("SharedStorageConnector", "kv_consumer", folder))
-    seconds, ids = timed(consumer, prompts, FIRST_TOKEN)
-    loaded = consumer.stats["prompt_tokens_external"]
+    seconds, ids, added = timed(consumer, prompts, FIRST_TOKEN)
     consumer.close()
-    return seconds, loaded, ids, {}
+    return seconds, added.get("prompt_tokens_external", 0), ids, {}
 
 
 def recompute_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, list, dict]:
     llm = engine(args, None)
-    seconds, ids = timed(llm, prompts, FIRST_TOKEN)
+    seconds, ids, _ = timed(llm, prompts, FIRST_TOKEN)
     llm.close()
     return seconds, 0, ids, {}
 
