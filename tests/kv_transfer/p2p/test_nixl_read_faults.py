@@ -292,3 +292,26 @@ def test_a_producer_that_cannot_serve_a_read_says_so_at_once(model, async_load, 
     assert run.pulled == refused * run.full_pulls[1]
     producer.kill()
 
+
+
+@pytest.mark.parametrize("field,value", [("checksum", "md5"), ("memory", "HBM"),
+                                         ("device_id", -1), ("device_id", True)])
+def test_a_handshake_of_unknown_memory_or_checksum_is_refused_and_recomputed(
+        tiny_llama, monkeypatch, field, value):
+    """The producer's handshake names its cache's memory, device and checksum algorithm;
+    one this consumer cannot read or check is refused: nothing is pulled, all is
+    recomputed, exact."""
+    producer = Producer(tiny_llama)
+    real = consumer.call
+
+    def foreign(host: str, port: int, message: dict, **kwargs: Any) -> dict:
+        answer = real(host, port, message, **kwargs)
+        if message.get("op") == "handshake":
+            answer[field] = value
+        return answer
+
+    monkeypatch.setattr(consumer, "call", foreign)
+    run = consume(tiny_llama, producer.references)
+    assert run.ids == no_connector(tiny_llama)
+    assert run.pulled == 0 and run.stats["kv_load_failed_blocks"] == sum(run.full_pulls)
+    assert "kv_nixl_read_bytes" not in run.stats
