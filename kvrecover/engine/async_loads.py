@@ -6,9 +6,10 @@ message). The engine therefore enforces a deadline on every async load itself
 does. Blocks that a load nobody waits for any more may still write (its request
 was aborted, failed, or gave up on it at the deadline) are orphaned: held, never
 reused, until the worker confirms that the load finished or was cancelled
-(rule 7; the holding is `held_blocks.py`'s, shared with the sends of ended requests). Until its deadline an orphan keeps the engine stepping so the
-confirmation is collected; after it, it no longer does, and if no confirmation
-ever comes its blocks stay held.
+(rule 7; the holding is `held_blocks.py`'s, shared with the sends of ended requests). Until its deadline (the load's, or, for a load that expired, `timeout_s`
+after the cancel) an orphan keeps the engine stepping so the confirmation is
+collected; after it, it no longer does, and if no confirmation ever comes its
+blocks stay held.
 """
 
 from __future__ import annotations
@@ -49,9 +50,19 @@ class AsyncLoadTracker:
         return [request_id for request_id, deadline in self._deadlines.items() if deadline <= now]
 
     def orphan(self, request_id: str, block_ids: list[int]) -> None:
-        """Hold `block_ids` (their references pass to the tracker) until the load is confirmed."""
+        """Hold `block_ids` (their references pass to the tracker) until the load is confirmed.
+
+        The hold is awaited until the load's own deadline, or, for a load that passed it
+        (the worker is only now told to cancel it), for another `timeout_s`: with no time
+        to confirm the cancel, a request that needs those blocks (the expired request
+        itself, in a small cache) would end with an error the very step its load expired
+        instead of recomputing once the cancelled load lets go of them."""
+        now = self.clock()
+        deadline = self._deadlines.pop(request_id, now)
+        if deadline <= now:
+            deadline = now + self.timeout_s
         # A second unconfirmed load of the same id keeps both sets of blocks.
-        self._orphans.hold(request_id, block_ids, self._deadlines.pop(request_id, self.clock()))
+        self._orphans.hold(request_id, block_ids, deadline)
 
     def confirm(self, request_id: str) -> list[int] | None:
         """The worker confirmed an orphaned load: its block ids (to release), else None."""

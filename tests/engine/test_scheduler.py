@@ -208,6 +208,7 @@ def test_a_load_never_reported_finished_expires_and_its_blocks_stay_held(policy,
         recompute = slice_of(output, "a")
         assert recompute.num_computed_tokens == 0 and not set(loading) & set(a.block_ids)
         assert connector.lookups_of("a") == [0]  # never asks again for an expired load
+    clock.now += TIMEOUT  # the cancel's own deadline passes too
     run_to_completion(scheduler)
     assert b.output_token_ids == [TOKEN] * 3
     assert len(a.output_token_ids) == (0 if policy == "fail" else 3)
@@ -332,12 +333,34 @@ def test_async_loads_on_a_tiny_cache_degrade_to_slower_never_to_an_error(seed):
     assert all_blocks_free(scheduler)
 
 
+def test_an_expired_load_whose_own_blocks_it_needs_waits_for_the_cancel_not_an_error():
+    """The audit's case: in a small cache the request whose async load expired needs the
+    blocks that load still holds. The cancel goes to the worker in that very step, so the
+    request must wait for its confirmation (within timeout_s) and recompute, not end with
+    "never confirmed" the step its load expired."""
+    clock = FakeClock()
+    scheduler = make_scheduler(FakeConnector({"a": [(16, True)]}), num_blocks=9, clock=clock)
+    a = add(scheduler, "a", PROMPT)  # 21 tokens + 3 out: 6 blocks of 4; the load holds 4
+    step(scheduler)
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    clock.now += TIMEOUT + 0.01
+    output, _ = step(scheduler)  # expired: 4 blocks orphaned, 4 free, `a` needs 6
+    assert "a" in output.finished_request_ids and not a.is_finished
+    assert scheduler.transfers_in_flight() and scheduler.has_unfinished()
+    step(scheduler, finished_recving={"a"})  # the worker confirms the cancel
+    run_to_completion(scheduler)
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [TOKEN] * 3
+    assert scheduler.stats.kv_load_failed_requests == 0 and all_blocks_free(scheduler)
+
+
 def test_blocks_leaked_to_an_unconfirmed_load_fail_the_request_instead_of_spinning():
     clock = FakeClock()
     scheduler = make_scheduler(FakeConnector({"a": [(8, True)]}), num_blocks=9, clock=clock)
     a = add(scheduler, "a", PROMPT[:9])
     step(scheduler)
     clock.now += TIMEOUT + 1
+    step(scheduler)  # the load expires: the worker is told to cancel it
+    clock.now += TIMEOUT + 1  # and never confirms within the cancel's deadline
     run_to_completion(scheduler)  # `a` recomputes in fresh blocks; 2 stay orphaned
     assert len(a.output_token_ids) == 3
     big = add(scheduler, "big", list(range(300, 326)), max_tokens=2)  # needs 7 of 8 blocks
