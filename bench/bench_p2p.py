@@ -6,8 +6,9 @@ NIXL, loaded from the shared-storage connector's folder, or recomputed, in one r
     PYTHONPATH=.:bench python bench/bench_p2p.py --device cuda --shape 8b
 
 The producer is a process of its own (`--serve`, started here): it prefills the batch
-(max_tokens 1) with the NixlConnector and keeps its blocks for one pull. Each row is
-the best of --repeats (fresh prompts each, a fresh producer for each NIXL repeat):
+(max_tokens 1) with the NixlConnector and keeps its blocks for one pull; so is each row
+(`--row`: its engines in a fresh process). Each row is the best of --repeats (fresh
+prompts each, a fresh producer for each NIXL repeat):
 the consumer's TTFT of the whole batch (greedy, max_tokens 1: every request's first
 token), the KV tokens it did not compute, and those tokens per second of TTFT. Every
 engine is warmed up first with a prompt of its own (kernels compiled, graphs captured).
@@ -103,12 +104,9 @@ def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, li
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     command = [sys.executable, __file__, "--serve", str(free_port()), str(prompts_file),
-               "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
-               "--device", args.device]
-    if args.model_dir:
-        command += ["--model-dir", args.model_dir]
+               *common_args(args)]
     producer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                                text=True, env=child_env())
     try:
         assert producer.stdout is not None
         references = next(json.loads(line[5:]) for line in producer.stdout
@@ -143,6 +141,32 @@ def recompute_row(args, prompts: list[list[int]], work: Path) -> tuple[float, in
     seconds, ids, _ = timed(llm, prompts, FIRST_TOKEN)
     llm.close()
     return seconds, 0, ids, {}
+
+
+ROWS = {"recompute": recompute_row, "shared storage": storage_row, "NIXL pull": nixl_row}
+
+
+def common_args(args) -> list[str]:
+    """The arguments a child process of this bench (a row, a producer) shares."""
+    command = ["--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
+               "--device", args.device]
+    return command + (["--model-dir", args.model_dir] if args.model_dir else [])
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def run_row(args, name: str, seed: int, work: Path) -> tuple[float, int, list, dict]:
+    """Row `name` in a process of its own, as each instance is when deployed: no row
+    inherits another's threads, allocator state or caches."""
+    command = [sys.executable, __file__, "--row", name, str(seed), str(work),
+               *common_args(args)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=child_env(),
+                          check=True, timeout=1800)
+    result = json.loads(next(line[4:] for line in reversed(done.stdout.splitlines())
+                             if line.startswith("ROW ")))
+    return result["seconds"], result["loaded"], result["ids"], result["counters"]
 
 
 def device_copy_seconds(nbytes: int, repeats: int = 5) -> float:
@@ -191,6 +215,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "PROMPTS_JSON"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--row", nargs=3, metavar=("NAME", "SEED", "WORK_DIR"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not args.serve:
         from model_shapes import resolve_model_dir  # bench/ is on sys.path
@@ -202,16 +228,21 @@ def main() -> None:
     if args.serve:
         serve(args, int(args.serve[0]), args.serve[1])
         return
-    rows = {"recompute": recompute_row, "shared storage": storage_row, "NIXL pull": nixl_row}
+    if args.row:
+        name, seed, work = args.row
+        seconds, loaded, ids, counters = ROWS[name](
+            args, prompts_for(args.batch, args.prompt_tokens, int(seed)), Path(work))
+        print("ROW", json.dumps({"seconds": seconds, "loaded": loaded, "ids": ids,
+                                 "counters": counters}), flush=True)
+        return
     best: dict[str, tuple[float, int, dict]] = {}
     with tempfile.TemporaryDirectory() as root:
         for repeat in range(args.repeats):
-            prompts = prompts_for(args.batch, args.prompt_tokens, seed=repeat)
             expected = None
-            for name, row in rows.items():
+            for name in ROWS:
                 work = Path(root) / f"{repeat}-{name.replace(' ', '_')}"
                 work.mkdir()
-                seconds, loaded, ids, counters = row(args, prompts, work)
+                seconds, loaded, ids, counters = run_row(args, name, repeat, work)
                 if expected is None:
                     expected = ids
                 elif ids != expected:
