@@ -11,7 +11,9 @@ The producer is a process of its own (`--serve`, started here): it prefills the 
 prompts each, a fresh producer for each NIXL repeat):
 the consumer's TTFT of the whole batch (greedy, max_tokens 1: every request's first
 token), the KV tokens it did not compute, and those tokens per second of TTFT. Every
-engine is warmed up first with a prompt of its own (kernels compiled, graphs captured).
+engine is warmed up first with a prompt of its own (kernels compiled, graphs captured);
+the NIXL consumer pulls its warm-up prompt from the producer (the handshake, and on a GPU
+the opening of the producer's memory, happen once per peer: not in the timed pull).
 
 CPU (the default): NIXL moves CPU memory through UCX on loopback; the default model is
 the built-in one (float32). CUDA: both processes on the one GPU, KV in GPU memory (UCX's
@@ -49,25 +51,36 @@ def prompts_for(batch: int, tokens: int, seed: int) -> list[list[int]]:
 WARM_UP = prompts_for(1, 64, seed=1 << 20)[0]  # shares no block with the timed prompts
 
 
-def engine(args, transfer: KVTransferConfig | None) -> LLM:
-    """An engine of the run's model and device, warmed up (its own prompt, no reference)."""
+def warmed_engine(args, transfer: KVTransferConfig | None,
+                  warm_up_reference: dict | None = None) -> tuple[LLM, dict | None]:
+    """An engine of the run's model and device, warmed up with a prompt of its own (a
+    NIXL consumer pulls it with `warm_up_reference`: the first pull from a producer
+    opens its memory, once per peer); its warm-up output's `kv_transfer_params`."""
     device = {"device": "cpu"} if args.device == "cpu" else {
         "device": "cuda:0", "dtype": "bfloat16",
         "max_model_len": args.prompt_tokens + 16}
     llm = LLM(args.model_dir, kv_transfer_config=transfer, max_num_seqs=args.batch,
               enable_prefix_caching=False,
               num_kv_blocks=2 * args.batch * (args.prompt_tokens // 16 + 2) + 16, **device)
-    llm.generate([{"prompt_token_ids": WARM_UP}], FIRST_TOKEN)
-    return llm
+    params = SamplingParams(temperature=0, max_tokens=1)
+    params.kv_transfer_params = warm_up_reference
+    warm_up = llm.generate([{"prompt_token_ids": WARM_UP}], params)[0]
+    return llm, warm_up.kv_transfer_params
+
+
+def engine(args, transfer: KVTransferConfig | None) -> LLM:
+    """`warmed_engine`'s engine."""
+    return warmed_engine(args, transfer)[0]
 
 
 def serve(args, port: int, prompts_file: str) -> None:
     """The producer process: prefill, print the references, serve until stdin closes."""
     prompts = json.loads(Path(prompts_file).read_text())
     transfer = KVTransferConfig("NixlConnector", "kv_producer", {"side_channel_port": port})
-    llm = engine(args, transfer)
+    llm, warm_up = warmed_engine(args, transfer)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], FIRST_TOKEN)
-    print("REFS", json.dumps([o.kv_transfer_params for o in outputs]), flush=True)
+    print("REFS", json.dumps({"warm_up": warm_up,
+                              "prompts": [o.kv_transfer_params for o in outputs]}), flush=True)
     end = time.monotonic() + 600
     while time.monotonic() < end:
         if llm.engine.has_unfinished():
@@ -111,9 +124,10 @@ def nixl_row(args, prompts: list[list[int]], work: Path) -> tuple[float, int, li
         assert producer.stdout is not None
         references = next(json.loads(line[5:]) for line in producer.stdout
                           if line.startswith("REFS "))
-        consumer = engine(args, KVTransferConfig("NixlConnector", "kv_consumer"))
+        consumer, _ = warmed_engine(args, KVTransferConfig("NixlConnector", "kv_consumer"),
+                                    references["warm_up"])
         params = []
-        for reference in references:
+        for reference in references["prompts"]:
             each = SamplingParams(temperature=0, max_tokens=1)
             each.kv_transfer_params = reference
             params.append(each)
