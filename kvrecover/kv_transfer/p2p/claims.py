@@ -15,6 +15,12 @@ A request pulls its reference once: asked again after a failed load
 (`kv_load_retry_limit`) it claims nothing from it (the worker released it after its
 check, or the producer refused it already), so the retry goes to the next tier of a
 TieredConnector or is recomputed without another round trip.
+
+A request that claims nothing from a reference it was given because it holds every
+offered block locally (a full prefix-cache hit) still releases it, as vLLM notifies the
+producer on such a hit: a `release` names the last claimable block, which the worker
+checks with the producer (the reference is this prompt's) before releasing it, so the
+kept prompt is freed now instead of when its lease ends.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class PullClaims:
         self._consumed: collections.OrderedDict[str, tuple[str, str]] = \
             collections.OrderedDict()
         self._pulls: list[Pull] = []
+        self._releases: list[Pull] = []  # references to release unread (a full local hit)
 
     def claim(self, request: KVRequestView, num_computed_tokens: int) -> tuple[int, bool]:
         """`get_num_new_matched_tokens` of a request with `do_remote_prefill`: the tokens
@@ -113,7 +120,10 @@ class PullClaims:
         """`update_state_after_alloc`: the pull of the claim's blocks, for the next
         metadata (none for a request that claimed nothing)."""
         reference = self._references.pop(request.request_id, None)
-        if reference is None or num_external_tokens <= 0:
+        if reference is None:
+            return
+        if num_external_tokens <= 0:
+            self._plan_release(request, reference)
             return
         first = request.num_computed_tokens // self.block_size
         end = first + num_external_tokens // self.block_size
@@ -142,6 +152,26 @@ class PullClaims:
             request.request_id, local, remote, slots, missing, reference, end - 1,
             request.block_hashes[end - 1].hex(), self._async_load,
             end * self.block_size if self._hybrid else None))
+
+    def _plan_release(self, request: KVRequestView, reference: RemoteReference) -> None:
+        """A reference the request reads nothing from: its release, checked against the
+        prompt's last block that the reference offers (none if it offers no block)."""
+        position = min(reference.num_blocks, (request.num_prompt_tokens - 1) // self.block_size) - 1
+        if position < 0:
+            return
+        slots = [(g, position) for g, ids in enumerate(reference.group_block_ids)
+                 if ids[position] != NULL_BLOCK_ID]
+        if not slots:
+            return
+        self._consumed[request.request_id] = (reference.engine_id, reference.request_id)
+        self._releases.append(Pull(
+            request.request_id, [], [reference.group_block_ids[g][p] for g, p in slots],
+            slots, [], reference, position, request.block_hashes[position].hex(), False))
+
+    def take_releases(self) -> list[Pull]:
+        """The unread references to release since the last call (`build_connector_meta`)."""
+        releases, self._releases = self._releases, []
+        return releases
 
     def take_pulls(self) -> list[Pull]:
         """The pulls planned since the last call (`build_connector_meta`)."""

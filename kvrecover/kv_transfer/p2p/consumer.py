@@ -36,7 +36,7 @@ from kvrecover.kv_layout import KVCacheLayout
 from kvrecover.kv_transfer.p2p.checksums import ALGORITHMS, checksum_blocks
 from kvrecover.kv_transfer.p2p.metadata import Pull
 from kvrecover.kv_transfer.p2p.params import RemoteReference
-from kvrecover.kv_transfer.p2p.side_channel import SideChannelError, call
+from kvrecover.kv_transfer.p2p.side_channel import CALL_TIMEOUT_S, SideChannelError, call
 from kvrecover.kv_transfer.p2p.staging import (
     StagingBuffer,
     StagingExhausted,
@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from kvrecover.kv_transfer.stores.state_entries import RecurrentStateAccess
 
 logger = logging.getLogger(__name__)
+# Bounds a release's side-channel call (a pull's, and an unread reference's after its
+# check, which is bounded as a pull's check is: CALL_TIMEOUT_S).
+RELEASE_TIMEOUT_S = 1.0
+
 
 @dataclass
 class _Peer:
@@ -83,6 +87,7 @@ class NixlConsumer:
         self._async: dict[str, threading.Thread] = {}
         self._async_invalid: dict[str, set[int]] = {}
         self._async_pulls: dict[str, Pull] = {}  # async pulls of a state, by request
+        self._releasing: list[threading.Thread] = []  # `release_unread`'s, not yet joined
         self._pulled_blocks = 0
         # Bytes READ, and microseconds spent in READs and in checking staged blocks, since
         # the last `take_transfer_counts` (async pulls add from their own threads).
@@ -112,6 +117,34 @@ class NixlConsumer:
                                       name=f"kvrecover-nixl-pull-{pull.request_id}")
             self._async[pull.request_id] = thread
             thread.start()
+
+    def release_unread(self, releases: list[Pull]) -> None:
+        """Release references the step reads nothing from (a full local hit), each once
+        the producer confirms it is of this prompt (a foreign one is left to its lease),
+        on a thread of their own: the step never waits on the side channel for them."""
+        self._releasing = [t for t in self._releasing if t.is_alive()]
+        if not releases:
+            return
+        thread = threading.Thread(target=self._release_checked, args=(releases,), daemon=True,
+                                  name="kvrecover-nixl-release")
+        self._releasing.append(thread)
+        thread.start()
+
+    def _release_checked(self, releases: list[Pull]) -> None:
+        for pull in releases:
+            reference = pull.reference
+            port = reference.side_channel_port(self.rank)
+            try:
+                answer = call(reference.host, port, {
+                    "op": "check", "handle": reference.request_id,
+                    "position": pull.last_position, "last_block_hash": pull.last_block_hash,
+                    "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots,
+                                                              pull.remote_block_ids)]})
+                if answer.get("ok") is True:
+                    call(reference.host, port, {"op": "release", "handle": reference.request_id},
+                         timeout_s=RELEASE_TIMEOUT_S)
+            except SideChannelError:
+                pass  # a producer that is gone or slow frees it at its lease's end
 
     def _pull_async(self, pull: Pull) -> None:
         self._async_invalid[pull.request_id] = self._pull([pull])
@@ -402,5 +435,8 @@ class NixlConsumer:
         """Wait for the async pulls (bounded) and free the staging buffers (shutdown)."""
         for thread in list(self._async.values()):
             thread.join(timeout=self.load_timeout_s)
+        releases_end = time.monotonic() + CALL_TIMEOUT_S + RELEASE_TIMEOUT_S + 1.0
+        for thread in self._releasing:  # each call is bounded; so is the wait for them all
+            thread.join(timeout=max(0.0, releases_end - time.monotonic()))
         if self.staging is not None:
             self.staging.close()

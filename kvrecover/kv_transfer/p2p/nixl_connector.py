@@ -203,7 +203,7 @@ class NixlConnector(KVConnectorBase):
         self.claims.plan(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
-        metadata = NixlMetadata(self.claims.take_pulls())
+        metadata = NixlMetadata(self.claims.take_pulls(), self.claims.take_releases())
         self.kept.fill(metadata, scheduler_output)
         return metadata
 
@@ -233,6 +233,7 @@ class NixlConnector(KVConnectorBase):
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
         bound = self._get_metadata_of(NixlMetadata)
+        self.consumer.release_unread(bound.releases)  # here: a TieredConnector binds too
         if self.producer is not None:
             self.producer.bind(bound)
 

@@ -273,6 +273,28 @@ def test_a_bad_reference_is_recomputed_and_the_others_still_pull(model, case):
     producer.kill()
 
 
+@pytest.mark.parametrize("tiered", [False, True], ids=["nixl", "tiered"])
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_prompt_the_consumer_caches_whole_still_releases_its_reference(
+        tiny_llama, baseline, tmp_path, async_load, tiered):
+    """A consumer whose prefix cache holds every block a reference offers pulls nothing
+    from it, but releases it (vLLM's notification on a full local hit): the producer
+    frees the kept prompt now, not when its lease ends."""
+    store = tmp_path / "store" if tiered else None
+    producer = Producer(tiny_llama, store=store)
+    llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=128,
+              kv_transfer_config=consumer_config(async_load, "recompute", store))
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS)  # its blocks cached here
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           with_references(producer.references))
+    stats = llm.stats
+    llm.close()
+    assert [o.outputs[0].token_ids for o in outputs] == baseline
+    assert stats["prefix_cache_hit_tokens"] == (len(PROMPTS[0]) - 1) // 8 * 8
+    assert stats["kv_nixl_pulled_blocks"] == (len(PROMPTS[1]) - 1) // 8  # the other's only
+    assert producer.finish() == 0  # both released
+
+
 def test_a_reference_used_twice_is_refused_the_second_time(tiny_llama, baseline):
     producer = Producer(tiny_llama)
     first = consume(tiny_llama, producer.references)

@@ -57,6 +57,21 @@ def test_a_buffer_is_registered_once_and_reused():
     assert pool.acquire(20).capacity == 20 and agent.registered == 2
 
 
+def test_a_free_buffer_is_taken_whatever_its_place_in_the_free_list():
+    """Free buffers are told apart by identity: taking one that is not first in the free
+    list once compared their tensors (a dataclass's field equality) and raised, failing
+    every pull of that step and leaving their references unreleased until their leases
+    ended."""
+    agent = FakeAgent()
+    pool = StagingPool(agent, row_nbytes=16)
+    small, large = pool.acquire(8), pool.acquire(20)
+    pool.give_back(small)
+    pool.give_back(large)
+    assert pool.acquire(20) is large  # the second free buffer
+    assert pool.acquire(5) is small
+    assert agent.registered == 2
+
+
 def test_a_new_buffer_is_at_most_an_eighth_larger_than_asked():
     assert [rounded_rows(n) for n in (1, 8, 9, 17, 1000, 1030, 4097)] == \
         [8, 8, 9, 18, 1024, 1152, 4608]
