@@ -156,7 +156,8 @@ class PullClaims:
     def _plan_release(self, request: KVRequestView, reference: RemoteReference) -> None:
         """A reference the request reads nothing from: its release, checked against the
         prompt's last block that the reference offers (none if it offers no block)."""
-        position = min(reference.num_blocks, (request.num_prompt_tokens - 1) // self.block_size) - 1
+        last_loadable = (request.num_prompt_tokens - 1) // self.block_size
+        position = min(reference.num_blocks, last_loadable) - 1
         if position < 0:
             return
         slots = [(g, position) for g, ids in enumerate(reference.group_block_ids)

@@ -37,10 +37,11 @@ class Pull:
 
 @dataclass
 class NixlMetadata(KVConnectorMetadata):
-    """A step's pulls and unread references to release (consumer) and newly kept prompts (producer: handle -> (each
-    group's kept block ids by position, hex chain hash of each position)); a hybrid
-    producer's states to copy out after the step (request id, checkpoint slot, position),
-    to keep (handle -> (request id, position)) and to forget (request ids)."""
+    """A step's pulls and unread references to release (consumer) and newly kept prompts
+    (producer: handle -> (each group's kept block ids by position, hex chain hash of each
+    position)); a hybrid producer's states to copy out after the step (request id,
+    checkpoint slot, position), to keep (handle -> (request id, position)) and to forget
+    (request ids)."""
 
     pulls: list[Pull] = field(default_factory=list)
     # References a request reads nothing from (a full local hit): checked, then released.
