@@ -132,19 +132,21 @@ class NixlConsumer:
 
     def _release_checked(self, releases: list[Pull]) -> None:
         for pull in releases:
-            reference = pull.reference
-            port = reference.side_channel_port(self.rank)
             try:
-                answer = call(reference.host, port, {
-                    "op": "check", "handle": reference.request_id,
-                    "position": pull.last_position, "last_block_hash": pull.last_block_hash,
-                    "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots,
-                                                              pull.remote_block_ids)]})
-                if answer.get("ok") is True:
-                    call(reference.host, port, {"op": "release", "handle": reference.request_id},
-                         timeout_s=RELEASE_TIMEOUT_S)
+                if self._ask_check(pull).get("ok") is True:
+                    self._release(pull.reference)
             except SideChannelError:
                 pass  # a producer that is gone or slow frees it at its lease's end
+
+    def _release(self, reference: RemoteReference) -> None:
+        """Tell the producer this rank is done with `reference` (bounded; a producer that
+        is gone or slow frees it at its lease's end)."""
+        try:
+            call(reference.host, reference.side_channel_port(self.rank),
+                 {"op": "release", "handle": reference.request_id},
+                 timeout_s=RELEASE_TIMEOUT_S)
+        except SideChannelError:
+            pass
 
     def _pull_async(self, pull: Pull) -> None:
         self._async_invalid[pull.request_id] = self._pull([pull])
@@ -231,11 +233,7 @@ class NixlConsumer:
         # Done with each reference that checked out, read or not: the producer frees it. A
         # refused one is left to its lease (it may be someone else's, or not be at all).
         for pull, _, _ in checked:
-            try:
-                call(pull.reference.host, pull.reference.side_channel_port(self.rank),
-                     {"op": "release", "handle": pull.reference.request_id}, timeout_s=1.0)
-            except SideChannelError:
-                pass
+            self._release(pull.reference)
         return invalid
 
     def _check(self, pull: Pull) -> tuple[_Peer, list[int]]:
@@ -243,13 +241,7 @@ class NixlConsumer:
         checksums, and the peer (handshaking when its agent is new)."""
         reference = pull.reference
         remote_ids = pull.remote_block_ids
-        answer = call(reference.host, reference.side_channel_port(self.rank),
-                      {"op": "check", "handle": reference.request_id,
-                       "position": pull.last_position,
-                       "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots, remote_ids)],
-                       "last_block_hash": pull.last_block_hash,
-                       **({} if pull.state_position is None
-                          else {"state_position": pull.state_position})})
+        answer = self._ask_check(pull)
         if answer.get("ok") is not True:
             raise ValueError(str(answer.get("reason", "refused")))
         if pull.state_position is not None and self._recurrent is not None:
@@ -268,6 +260,19 @@ class NixlConsumer:
         if any(b >= peer.num_blocks for b in remote_ids):
             raise ValueError("block ids outside the producer's cache")
         return peer, checksums
+
+    def _ask_check(self, pull: Pull) -> dict[str, Any]:
+        """The producer's answer to whether `pull`'s reference still holds its blocks, at
+        its last position, for this prompt (raises SideChannelError)."""
+        reference = pull.reference
+        return call(reference.host, reference.side_channel_port(self.rank),
+                    {"op": "check", "handle": reference.request_id,
+                     "position": pull.last_position,
+                     "blocks": [[g, p, b] for (g, p), b in zip(pull.remote_slots,
+                                                               pull.remote_block_ids)],
+                     "last_block_hash": pull.last_block_hash,
+                     **({} if pull.state_position is None
+                        else {"state_position": pull.state_position})})
 
     def _handshake(self, reference: RemoteReference) -> _Peer:
         answer = call(reference.host, reference.side_channel_port(self.rank),
