@@ -104,6 +104,10 @@ class StagingPool:
                 return buffer
         rows = torch.zeros(rounded_rows(num_rows), self.row_nbytes, dtype=torch.uint8,
                            device=self.device)
+        if rows.is_cuda:
+            # UCX writes the READ on a stream of its own: the zeroing (and any kernel
+            # still using this memory's previous tensor) must not land after it.
+            torch.cuda.current_stream(rows.device).synchronize()
         return StagingBuffer(rows, self.agent.register_memory([rows]))
 
     def read(self, buffer: StagingBuffer, local: list[tuple[int, int, int]],
