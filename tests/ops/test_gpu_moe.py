@@ -139,6 +139,40 @@ def test_fused_moe_replays_in_a_cuda_graph():
         assert torch.equal(static_out, fused_moe(x, *route(x, router), experts))
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_triton_align_is_the_torch_align_on_cuda_and_in_a_graph(block_m):
+    from kvrecover.ops.reference.grouped_moe import align_by_expert
+    from kvrecover.ops.triton.moe_align import (
+        MAX_ASSIGNMENTS,
+        align_by_expert_triton,
+        triton_align_applies,
+    )
+
+    generator = torch.Generator().manual_seed(block_m)
+    for num_experts, top_k in ((8, 2), (64, 8), (128, 8), (512, 10)):
+        for num_tokens in (1, 3, 16, 17, 100, MAX_ASSIGNMENTS // top_k):
+            ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k]
+                               for _ in range(num_tokens)]).cuda()
+            assert triton_align_applies(ids, num_experts)
+            got = align_by_expert_triton(ids, num_experts, block_m)
+            expected = align_by_expert(ids, num_experts, block_m)
+            assert torch.equal(got.sorted_ids, expected.sorted_ids), (num_experts, num_tokens)
+            assert torch.equal(got.block_expert, expected.block_expert), (num_experts, num_tokens)
+    static_ids = torch.zeros(16, 8, dtype=torch.int64, device="cuda")
+    align_by_expert_triton(static_ids, 64, block_m)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = align_by_expert_triton(static_ids, 64, block_m)
+    for ids in (torch.randperm(64, generator=generator)[:8].repeat(16, 1),
+                torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(16)])):
+        static_ids.copy_(ids)
+        graph.replay()
+        expected = align_by_expert(static_ids, 64, block_m)
+        assert torch.equal(captured.sorted_ids, expected.sorted_ids)
+        assert torch.equal(captured.block_expert, expected.block_expert)
+
+
 # ----- the engine ---------------------------------------------------------------------
 MOE_FAMILIES = ["tiny_mixtral", "tiny_qwen3_moe", "tiny_gpt_oss"]
 
