@@ -133,8 +133,10 @@ def _gated_delta_kernel(
         system = tl.where(strictly_lower,
                           tl.dot(k_beta, tl.trans(k), input_precision="ieee") * pairwise, 0.0)
         # (I + system)^-1 by forward substitution: row i = e_i - sum_{j<i} L[i,j] row_j.
+        # Rows past the chunk's real ones are zero in `system` and stay e_i, so the loop
+        # stops at them (a decode step's chunk has offset + 1): the same bits, fewer steps.
         inverse = identity
-        for i in range(1, C):
+        for i in range(1, tl.minimum(total - chunk * C, C)):
             pick = (rows == i)[:, None]
             coefficients = tl.sum(tl.where(pick, system, 0.0), axis=0)
             inverse = tl.where(pick, inverse - tl.sum(coefficients[:, None] * inverse, axis=0)[
