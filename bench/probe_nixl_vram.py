@@ -3,16 +3,20 @@ copy: whether UCX moves GPU memory by cuda_ipc here, and what a first READ from 
 costs against later ones (no engine, no checksums).
 
     PYTHONPATH=. python3 bench/probe_nixl_vram.py [--gib 2]
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto PYTHONPATH=. python3 bench/probe_nixl_vram.py
 
 A producer process registers a CUDA tensor; this process registers its own, adds the
 producer's agent and READs the whole tensor three times per descriptor count (1, 64, 2048
-and 32768 pieces), checking the bytes, then times a D2D copy of as many bytes.
+and 32768 pieces), checking the bytes, then times a D2D copy of as many bytes. The agents
+are the connector's (`_nixl_agent(..., gpu=True)`: cuda_ipc's GET on unless the
+environment says otherwise; UCX's own default, `auto`, shows the difference).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import time
 
 import torch
@@ -22,7 +26,7 @@ from kvrecover.kv_transfer.p2p.nixl_connector import _nixl_agent
 
 def produce(nbytes: int, metadata: multiprocessing.Queue, done: multiprocessing.Queue) -> None:
     source = torch.arange(nbytes // 4, dtype=torch.int32, device="cuda").view(torch.uint8)
-    agent = _nixl_agent("probe-producer")
+    agent = _nixl_agent("probe-producer", gpu=True)
     agent.register_memory([source])
     metadata.put((agent.get_agent_metadata(), source.data_ptr()))
     end = time.monotonic() + 300
@@ -35,13 +39,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=2.0)
     nbytes = int(parser.parse_args().gib * (1 << 30)) // (32768 * 4) * (32768 * 4)
+    print("UCX_CUDA_IPC_ENABLE_GET_ZCOPY =",
+          os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "(the connector's default)"))
     multiprocessing.set_start_method("spawn")
     metadata, done = multiprocessing.Queue(), multiprocessing.Queue()
     producer = multiprocessing.Process(target=produce, args=(nbytes, metadata, done))
     producer.start()
     remote_metadata, remote_base = metadata.get(timeout=120)
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    agent = _nixl_agent("probe-consumer")
+    agent = _nixl_agent("probe-consumer", gpu=True)
     agent.register_memory([target])
     peer = agent.add_remote_agent(remote_metadata)
     expected = torch.arange(4096, dtype=torch.int32)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -133,7 +134,18 @@ def _nixl_api() -> Any:
                      "nixl-cu13 with CUDA 13)")
 
 
-def _nixl_agent(name: str):
+# UCX's default ("auto") turns cuda_ipc's GET off on a GPU with no NVLink peer (a lone
+# card, PCIe pairs): a READ of GPU memory then goes through UCX's software emulation
+# over TCP. vLLM/llm-d and Dynamo deployments turn it on; a user's own setting wins.
+GPU_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+def _nixl_agent(name: str, gpu: bool = False):
+    """A NIXL agent of this process (`gpu`: it moves GPU memory, see GPU_UCX_DEFAULTS;
+    UCX reads its environment when the agent's backend starts)."""
+    if gpu:
+        for variable, value in GPU_UCX_DEFAULTS.items():
+            os.environ.setdefault(variable, value)
     api = _nixl_api()
     nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     nixl_thread_sync_t = api.nixl_thread_sync_t
@@ -219,7 +231,7 @@ class NixlConnector(KVConnectorBase):
         if any(not c.is_contiguous() or c.shape[0] != 2 for c in kv_caches):
             raise ValueError("NixlConnector needs contiguous [2, blocks, ...] cache tensors")
         agent_name = f"kvrecover-{self.engine_id}-rank{self.rank}-{secrets.token_hex(6)}"
-        agent = _nixl_agent(agent_name)
+        agent = _nixl_agent(agent_name, gpu=any(c.is_cuda for c in kv_caches))
         self.consumer.register(kv_caches, agent)
         if self.producer is not None:  # a consumer's reads land in staging buffers only
             self.producer.register(kv_caches, agent, agent_name, self.host,

@@ -151,3 +151,35 @@ def test_staged_blocks_checksum_as_the_producers_block_major_bytes(algorithm):
     for index, block_id in enumerate(remote_ids):
         for c in range(num_caches):
             assert torch.equal(staged[:, c, index], caches[c][:, block_id])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize("user_value", [None, "n"])
+def test_a_gpu_agent_starts_with_cuda_ipc_get_on_unless_the_user_says_otherwise(
+        monkeypatch, gpu, user_value):
+    """A GPU consumer's READ is a GET: UCX's `auto` turns cuda_ipc's GET off without
+    NVLink (READs fall back to TCP emulation), so a GPU agent starts with it on; the
+    environment UCX reads is set before the agent (and its backend) is created."""
+    from types import SimpleNamespace
+
+    from kvrecover.kv_transfer.p2p import nixl_connector
+
+    variable = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.setenv(variable, "recorded")  # undone after the test, whatever it set
+    if user_value is None:
+        monkeypatch.delenv(variable)
+    else:
+        monkeypatch.setenv(variable, user_value)
+    seen: list[str | None] = []
+
+    def agent(name, config):
+        import os
+
+        seen.append(os.environ.get(variable))
+        return name
+
+    api = SimpleNamespace(nixl_agent=agent, nixl_agent_config=lambda **kwargs: kwargs,
+                          nixl_thread_sync_t=SimpleNamespace(NIXL_THREAD_SYNC_STRICT=2))
+    monkeypatch.setattr(nixl_connector, "_nixl_api", lambda: api)
+    assert nixl_connector._nixl_agent("probe", gpu=gpu) == "probe"
+    assert seen == [user_value if user_value is not None else ("y" if gpu else None)]
