@@ -323,16 +323,12 @@ class NixlConsumer:
         base = buffer.rows.data_ptr()
         device = memory_of(buffer.rows)[1]
         peer = items[0][1]  # one producer agent: one peer
-        local, remote = [], []
-        row = 0
-        for pull, _, _ in items:  # block rows laid out (side, cache, block): `staging.py`
-            pull_local, pull_remote = block_descriptors(
-                pull.remote_block_ids, peer.regions, half, base, row, num_blocks,
-                device, peer.device_id)
-            local += pull_local
-            remote += pull_remote
-            row += len(pull.remote_block_ids)
-        state_row = row
+        # Block rows laid out (side, cache, block): `staging.py`. The step's pulls are
+        # described together, so a run of ids goes on from one prompt into the next.
+        remote_ids = [b for pull, _, _ in items for b in pull.remote_block_ids]
+        local, remote = block_descriptors(remote_ids, peer.regions, half, base, 0, num_blocks,
+                                          device, peer.device_id)
+        state_row = num_blocks
         for remote_state in states:  # a hybrid's, in rows after the blocks' (`states.py`)
             state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes,
                                                device, peer.device_id)

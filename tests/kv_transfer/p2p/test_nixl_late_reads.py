@@ -103,8 +103,8 @@ def hung(monkeypatch) -> Hung:
     make_agent = nixl_connector._nixl_agent
     register = NixlConnector.register_kv_caches
 
-    def hung_agent(name: str) -> HungReads:
-        agents.append(HungReads(make_agent(name), state.until))
+    def hung_agent(name: str, gpu: bool = False) -> HungReads:
+        agents.append(HungReads(make_agent(name, gpu), state.until))
         return agents[-1]
 
     def registered(self: NixlConnector, kv_caches: list[torch.Tensor]) -> None:

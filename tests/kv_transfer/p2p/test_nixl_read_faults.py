@@ -181,8 +181,8 @@ def test_a_read_in_the_error_state_is_recomputed_at_once(model, monkeypatch, asy
     agents: list[FailingReads] = []
     make_agent = nixl_connector._nixl_agent
 
-    def failing_agent(name: str) -> FailingReads:
-        agents.append(FailingReads(make_agent(name)))
+    def failing_agent(name: str, gpu: bool = False) -> FailingReads:
+        agents.append(FailingReads(make_agent(name, gpu)))
         return agents[-1]
 
     monkeypatch.setattr(nixl_connector, "_nixl_agent", failing_agent)

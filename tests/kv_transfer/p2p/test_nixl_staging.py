@@ -183,3 +183,37 @@ def test_a_gpu_agent_starts_with_cuda_ipc_get_on_unless_the_user_says_otherwise(
     monkeypatch.setattr(nixl_connector, "_nixl_api", lambda: api)
     assert nixl_connector._nixl_agent("probe", gpu=gpu) == "probe"
     assert seen == [user_value if user_value is not None else ("y" if gpu else None)]
+
+
+def test_a_steps_pulls_are_described_together_so_runs_span_prompts(monkeypatch):
+    """Two prompts whose producer blocks are adjacent are one run (one descriptor per
+    side and cache tensor, not one per prompt); a gap starts another run."""
+    from types import SimpleNamespace
+
+    from kvrecover.kv_transfer.p2p.consumer import NixlConsumer, _Peer
+    from kvrecover.kv_transfer.p2p.metadata import Pull
+
+    num_caches, block_shape = 3, (4, 8)  # a block's side: 4 x 8 float32 = 128 bytes
+    half = 4 * 8 * 4
+    consumer = NixlConsumer(SimpleNamespace(tensor_parallel_rank=0), load_timeout_s=1.0)
+    consumer.register([torch.zeros(2, 16, *block_shape) for _ in range(num_caches)],
+                      FakeAgent())
+    posted: list[tuple[list, list]] = []
+    monkeypatch.setattr(StagingPool, "read",
+                        lambda self, buffer, local, remote, *rest: posted.append((local, remote))
+                        or True)
+    regions = [(10_000 * (c + 1), 10_000 * (c + 1) + 5_000) for c in range(num_caches)]
+    peer = _Peer("producer", 64, half, regions, "DRAM", 0, "xxh3")
+
+    def pull(request_id: str, local_ids: list[int], remote_ids: list[int]) -> Pull:
+        return Pull(request_id, local_ids, remote_ids, [(0, i) for i in range(len(local_ids))],
+                    [], None, 0, "", False)  # type: ignore[arg-type]
+
+    pulls = [pull("a", [1, 2, 3], [10, 11, 12]), pull("b", [7, 8], [13, 14]),
+             pull("c", [9], [20])]
+    assert consumer._read("producer", [(p, peer, []) for p in pulls], deadline=0.0) is not None
+    local, remote = posted[0]
+    assert len(local) == len(remote) == 2 * 2 * num_caches  # runs 10..14 and 20
+    assert remote[0] == (regions[0][0] + 10 * half, 5 * half, 0)
+    assert local[0][1] == 5 * half and remote[2 * num_caches] == (regions[0][0] + 20 * half,
+                                                                  half, 0)
