@@ -129,7 +129,7 @@ class StagingPool:
             while state not in ("DONE", "ERR") and time.monotonic() < deadline:
                 time.sleep(wait)
                 wait = min(2 * wait, POLL_INTERVAL_S)
-                state = self.agent.check_xfer_state(handle)
+                state = xfer_state(self.agent, handle)
             if state != "DONE":
                 logger.warning("NIXL read of %d descriptors from %s: %s", len(local),
                                peer_agent, "failed" if state == "ERR" else "past its deadline")
@@ -172,7 +172,7 @@ class StagingPool:
         still: list[tuple[StagingBuffer, Any]] = []
         for buffer, handle in self._quarantined:
             try:
-                state = self.agent.check_xfer_state(handle)
+                state = xfer_state(self.agent, handle)
             except Exception:  # noqa: BLE001 - an unknown state: never reused
                 state = "PROC"
             if state not in ("DONE", "ERR"):
@@ -201,6 +201,18 @@ class StagingPool:
             _RETIRED.extend(buffer.rows for buffer, _ in self._quarantined)
             self._quarantined = []
             self.agent = None
+
+
+def xfer_state(agent: Any, handle: Any) -> str:
+    """NIXL's state of transfer `handle`: "DONE", "PROC" or "ERR". NIXL's bindings report
+    an error status (e.g. a dead peer's NIXL_ERR_REMOTE_DISCONNECT) by raising one of
+    their `nixl...Error`s, never as "ERR": that is "ERR"; other exceptions propagate."""
+    try:
+        return agent.check_xfer_state(handle)
+    except Exception as error:
+        if type(error).__name__.startswith("nixl"):
+            return "ERR"
+        raise
 
 
 def rounded_rows(num_rows: int) -> int:

@@ -103,6 +103,33 @@ def test_a_given_up_read_quarantines_its_buffer_until_it_ended():
     assert agent.released == ["read1"]
 
 
+class nixlRemoteDisconnectError(Exception):  # noqa: N801 - NIXL's bindings' name
+    """What NIXL's bindings raise for a transfer whose peer died."""
+
+
+def test_a_read_that_nixl_reports_failed_by_raising_frees_its_buffer():
+    """NIXL's bindings report an error status by raising, never as "ERR": a READ whose
+    producer died (SIGKILL mid-READ) once stayed quarantined for good, and after four
+    such deaths the consumer refused every pull for its lifetime."""
+    agent = FakeAgent()
+
+    def check_xfer_state(handle: str) -> str:
+        if agent.states[handle] == "ERR":
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+        return agent.states[handle]
+
+    agent.check_xfer_state = check_xfer_state
+    pool = StagingPool(agent, row_nbytes=16, max_quarantined=1)
+    buffer = pool.acquire(4)
+    agent.states["read"] = "PROC"
+    pool.quarantine(buffer, "read")
+    with pytest.raises(StagingExhausted):
+        pool.acquire(4)
+    agent.states["read"] = "ERR"  # the producer died: the READ ended with an error
+    assert pool.acquire(4) is buffer and agent.released == ["read"]
+    assert pool.num_quarantined() == 0
+
+
 def test_consecutive_block_ids_make_one_run_and_others_split():
     assert block_runs([5, 6, 7, 9, 10, 3]) == [(0, 5, 3), (3, 9, 2), (5, 3, 1)]
     assert block_runs([4, 4, 3]) == [(0, 4, 1), (1, 4, 1), (2, 3, 1)]
