@@ -149,7 +149,12 @@ class NixlConsumer:
             pass
 
     def _pull_async(self, pull: Pull) -> None:
-        self._async_invalid[pull.request_id] = self._pull([pull])
+        try:
+            invalid = self._pull([pull])
+        except Exception:  # noqa: BLE001 - a pull that broke leaves nothing it vouches for
+            logger.exception("request %s: KV pull failed", pull.request_id)
+            invalid = set(pull.block_ids) | set(pull.missing)
+        self._async_invalid[pull.request_id] = invalid
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """The requests whose async pulls ended since the last call (their invalid
@@ -212,8 +217,9 @@ class NixlConsumer:
             try:
                 peer, checksums = self._check(pull)
                 checked.append((pull, peer, checksums))
-            except (SideChannelError, ValueError) as error:
-                logger.warning("request %s: KV pull from %s refused: %s", pull.request_id,
+            except Exception as error:  # noqa: BLE001 - a producer's answers are untrusted
+                # input: a missing field or a wrong type refuses the pull as a bad value does.
+                logger.warning("request %s: KV pull from %s refused: %r", pull.request_id,
                                pull.reference.engine_id, error)
                 invalid.update(pull.block_ids)
         by_agent: dict[str, list[tuple[Pull, _Peer, list[int]]]] = {}

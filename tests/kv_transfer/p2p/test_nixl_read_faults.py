@@ -315,3 +315,32 @@ def test_a_handshake_of_unknown_memory_or_checksum_is_refused_and_recomputed(
     assert run.ids == no_connector(tiny_llama)
     assert run.pulled == 0 and run.stats["kv_load_failed_blocks"] == sum(run.full_pulls)
     assert "kv_nixl_read_bytes" not in run.stats
+
+
+MISSING = object()
+
+
+@sync_async
+@pytest.mark.parametrize("field,value", [("num_blocks", MISSING), ("num_blocks", None),
+                                         ("regions", [[0, None]]), ("metadata", MISSING)])
+def test_a_malformed_handshake_answer_is_refused_and_recomputed(
+        tiny_llama, monkeypatch, field, value, async_load):
+    """The producer's answers are untrusted input: a handshake missing a field or giving
+    one of the wrong type refuses the pull (sync or async: no pull thread dies with its
+    blocks counted as loaded); everything is recomputed, exact."""
+    producer = Producer(tiny_llama)
+    real = consumer.call
+
+    def malformed(host: str, port: int, message: dict, **kwargs: Any) -> dict:
+        answer = real(host, port, message, **kwargs)
+        if message.get("op") == "handshake":
+            if value is MISSING:
+                del answer[field]
+            else:
+                answer[field] = value
+        return answer
+
+    monkeypatch.setattr(consumer, "call", malformed)
+    run = consume(tiny_llama, producer.references, async_load=async_load)
+    assert run.ids == no_connector(tiny_llama)
+    assert run.pulled == 0 and run.stats["kv_load_failed_blocks"] == sum(run.full_pulls)
