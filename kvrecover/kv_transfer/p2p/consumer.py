@@ -58,6 +58,16 @@ logger = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 1.0
 
 
+def _call_timeout(deadline: float) -> float:
+    """A pull's side-channel call's bound: at most CALL_TIMEOUT_S, and never past the
+    pull's `deadline` (each call of a step's pulls shares it: a producer that never
+    answers costs them load_timeout_s in all, not CALL_TIMEOUT_S each)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the pull's deadline passed before its producer answered")
+    return min(CALL_TIMEOUT_S, left)
+
+
 @dataclass
 class _Peer:
     agent: str
@@ -215,7 +225,7 @@ class NixlConsumer:
             if not pull.block_ids:
                 continue
             try:
-                peer, checksums = self._check(pull)
+                peer, checksums = self._check(pull, deadline)
                 checked.append((pull, peer, checksums))
             except Exception as error:  # noqa: BLE001 - a producer's answers are untrusted
                 # input: a missing field or a wrong type refuses the pull as a bad value does.
@@ -242,12 +252,12 @@ class NixlConsumer:
             self._release(pull.reference)
         return invalid
 
-    def _check(self, pull: Pull) -> tuple[_Peer, list[int]]:
+    def _check(self, pull: Pull, deadline: float) -> tuple[_Peer, list[int]]:
         """Ask the producer whether the reference still holds these blocks; its answer's
-        checksums, and the peer (handshaking when its agent is new)."""
+        checksums, and the peer (handshaking when its agent is new), by `deadline`."""
         reference = pull.reference
         remote_ids = pull.remote_block_ids
-        answer = self._ask_check(pull)
+        answer = self._ask_check(pull, _call_timeout(deadline))
         if answer.get("ok") is not True:
             raise ValueError(str(answer.get("reason", "refused")))
         if pull.state_position is not None and self._recurrent is not None:
@@ -261,15 +271,15 @@ class NixlConsumer:
             raise ValueError("the producer's checksums do not match the blocks")
         peer = self._peers.get(reference.engine_id)
         if peer is None or peer.agent != answer.get("agent"):
-            peer = self._handshake(reference)
+            peer = self._handshake(reference, _call_timeout(deadline))
             self._peers[reference.engine_id] = peer
         if any(b >= peer.num_blocks for b in remote_ids):
             raise ValueError("block ids outside the producer's cache")
         return peer, checksums
 
-    def _ask_check(self, pull: Pull) -> dict[str, Any]:
+    def _ask_check(self, pull: Pull, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
         """The producer's answer to whether `pull`'s reference still holds its blocks, at
-        its last position, for this prompt (raises SideChannelError)."""
+        its last position, for this prompt, within `timeout_s` (raises SideChannelError)."""
         reference = pull.reference
         return call(reference.host, reference.side_channel_port(self.rank),
                     {"op": "check", "handle": reference.request_id,
@@ -278,11 +288,12 @@ class NixlConsumer:
                                                                pull.remote_block_ids)],
                      "last_block_hash": pull.last_block_hash,
                      **({} if pull.state_position is None
-                        else {"state_position": pull.state_position})})
+                        else {"state_position": pull.state_position})},
+                    timeout_s=timeout_s)
 
-    def _handshake(self, reference: RemoteReference) -> _Peer:
+    def _handshake(self, reference: RemoteReference, timeout_s: float) -> _Peer:
         answer = call(reference.host, reference.side_channel_port(self.rank),
-                      {"op": "handshake"})
+                      {"op": "handshake"}, timeout_s=timeout_s)
         if answer.get("ok") is not True:
             raise ValueError(f"handshake refused: {answer.get('reason')}")
         if answer.get("fingerprint") != self.layout.fingerprint or \

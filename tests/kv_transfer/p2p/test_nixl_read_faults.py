@@ -9,6 +9,7 @@ only the requests whose blocks were lost end in an error (rule 10)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import Counter
 from pathlib import Path
@@ -292,6 +293,24 @@ def test_a_producer_that_cannot_serve_a_read_says_so_at_once(model, async_load, 
     assert run.pulled == refused * run.full_pulls[1]
     producer.kill()
 
+
+
+@sync_async
+def test_a_producer_that_never_answers_costs_no_more_than_load_timeout_s(
+        tiny_llama, async_load):
+    """Both references name a side channel that takes the connection but never answers:
+    the checks wait no longer than load_timeout_s (1 s) in all, not a side-channel call's
+    5 s each (a sync step checked its pulls one after the other: 10 s)."""
+    producer = Producer(tiny_llama)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # never accepted: the consumer's call waits for an answer
+        port = silent.getsockname()[1]
+        references = [{**r, "remote_port": port} for r in producer.references]
+        run = consume(tiny_llama, references, async_load=async_load, load_timeout_s=1.0)
+    assert run.ids == no_connector(tiny_llama) and run.pulled == 0
+    assert run.elapsed < 4.0
+    producer.kill()
 
 
 @pytest.mark.parametrize("field,value", [("checksum", "md5"), ("memory", "HBM"),

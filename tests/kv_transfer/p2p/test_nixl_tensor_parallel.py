@@ -38,10 +38,10 @@ class RankOneFails(NixlConsumer):
     """Consumer rank 1 only: the 7-block prompt's checksums say its first block differs
     (a bad shard); the 5-block prompt's producer rank is unreachable (a dead port)."""
 
-    def _check(self, pull):
+    def _check(self, pull, deadline):
         if self.rank == 1 and pull.last_position == 4:
             pull.reference = replace(pull.reference, port={dead_port} - 1)
-        peer, checksums = super()._check(pull)
+        peer, checksums = super()._check(pull, deadline)
         if self.rank == 1 and pull.last_position == 6:
             checksums = [checksums[0] ^ 1, *checksums[1:]]
         return peer, checksums
