@@ -2,9 +2,8 @@
 
 The assignments are sorted by expert into row blocks on the device
 (`reference.grouped_moe.align_by_expert`: no host sync, a buffer sized by the
-token count only, so decode steps replay in CUDA graphs; on CUDA, steps of up
-to `moe_align.MAX_ASSIGNMENTS` assignments take its one-launch Triton version).
-Two grouped-GEMM launches cover every expert: the first gathers each block's token rows, runs
+token count only, so decode steps replay in CUDA graphs). Two grouped-GEMM
+launches cover every expert: the first gathers each block's token rows, runs
 the block's expert's gate and up columns and applies SwiGLU (rounding where the
 torch reference rounds); the second runs the down projection and writes each
 row to its assignment's slot. gpt-oss's experts add a bias after each matmul
@@ -30,7 +29,6 @@ import triton.language as tl
 from kvrecover.ops.interface import ExpertWeights
 from kvrecover.ops.reference.grouped_moe import ExpertBlocks, align_by_expert
 from kvrecover.ops.reference.moe import combine_topk
-from kvrecover.ops.triton.moe_align import align_by_expert_triton, triton_align_applies
 from kvrecover.ops.triton.rounding import round_to as _round
 
 
@@ -170,9 +168,7 @@ def fused_moe(
     intermediate = down.shape[2]
     num_tokens, top_k = topk_ids.shape
     tiles = tiles_for(num_tokens * top_k, batch_invariant, x.dtype)
-    fast = triton_align_applies(topk_ids, num_experts)  # one launch for decode-sized steps
-    align = align_by_expert_triton if fast else align_by_expert
-    blocks: ExpertBlocks = align(topk_ids, num_experts, tiles.block_m)
+    blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
     x = x.contiguous()
     ieee = x.dtype == torch.float32
     gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
