@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -132,12 +132,18 @@ class NixlConsumer:
         """Release references the step reads nothing from (a full local hit), each once
         the producer confirms it is of this prompt (a foreign one is left to its lease),
         on a thread of their own: the step never waits on the side channel for them."""
-        self._releasing = [t for t in self._releasing if t.is_alive()]
-        if not releases:
-            return
-        thread = threading.Thread(target=self._release_checked, args=(releases,), daemon=True,
+        if releases:
+            self._in_background(self._release_checked, releases)
+
+    def _in_background(self, releasing: Callable[[list[Pull]], None],
+                       pulls: list[Pull]) -> None:
+        """Run `releasing(pulls)` on a thread `close` waits for (bounded); async pulls'
+        threads call this too."""
+        thread = threading.Thread(target=releasing, args=(pulls,), daemon=True,
                                   name="kvrecover-nixl-release")
-        self._releasing.append(thread)
+        with self._lock:
+            self._releasing = [t for t in self._releasing if t.is_alive()]
+            self._releasing.append(thread)
         thread.start()
 
     def _release_checked(self, releases: list[Pull]) -> None:
@@ -147,6 +153,10 @@ class NixlConsumer:
                     self._release(pull.reference)
             except SideChannelError:
                 pass  # a producer that is gone or slow frees it at its lease's end
+
+    def _release_all(self, pulls: list[Pull]) -> None:
+        for pull in pulls:
+            self._release(pull.reference)
 
     def _release(self, reference: RemoteReference) -> None:
         """Tell the producer this rank is done with `reference` (bounded; a producer that
@@ -246,10 +256,11 @@ class NixlConsumer:
                 self._verify_states(items, buffer)
             finally:
                 self._staging_pool().give_back(buffer)
-        # Done with each reference that checked out, read or not: the producer frees it. A
-        # refused one is left to its lease (it may be someone else's, or not be at all).
-        for pull, _, _ in checked:
-            self._release(pull.reference)
+        # Done with each reference that checked out, read or not: the producer frees it,
+        # told from a thread (a slow producer must not hold up the step). A refused one is
+        # left to its lease (it may be someone else's, or not be at all).
+        if checked:
+            self._in_background(self._release_all, [pull for pull, _, _ in checked])
         return invalid
 
     def _check(self, pull: Pull, deadline: float) -> tuple[_Peer, list[int]]:
@@ -454,7 +465,9 @@ class NixlConsumer:
         for thread in list(self._async.values()):
             thread.join(timeout=self.load_timeout_s)
         releases_end = time.monotonic() + CALL_TIMEOUT_S + RELEASE_TIMEOUT_S + 1.0
-        for thread in self._releasing:  # each call is bounded; so is the wait for them all
+        with self._lock:
+            releasing = list(self._releasing)
+        for thread in releasing:  # each call is bounded; so is the wait for them all
             thread.join(timeout=max(0.0, releases_end - time.monotonic()))
         if self.staging is not None:
             self.staging.close()

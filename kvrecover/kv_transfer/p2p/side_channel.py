@@ -10,11 +10,13 @@ or sends garbage costs one failed call, never a stuck thread.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +32,15 @@ class SideChannelError(OSError):
     """The peer could not be reached, or answered something that is not a message."""
 
 
-def _read_line(stream: socket.socket) -> bytes:
+def _read_line(stream: socket.socket, deadline: float) -> bytes:
+    """One message, by `deadline`: a peer that trickles bytes cannot stretch a call."""
     chunks: list[bytes] = []
     size = 0
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer's message did not end in time")
+        stream.settimeout(left)
         chunk = stream.recv(1 << 16)
         if not chunk:
             break
@@ -46,15 +53,65 @@ def _read_line(stream: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+Address = tuple[socket.AddressFamily, Any]  # a family and its socket address
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> list[Address]:
+    """`host`'s addresses, looked up on a thread of its own when it is a name: the
+    system's lookup takes no timeout, and a call must not outlast `timeout_s`."""
+    try:
+        version = ipaddress.ip_address(host).version
+        return [((socket.AF_INET6 if version == 6 else socket.AF_INET), (host, port))]
+    except ValueError:
+        pass
+    found: list[list[Address]] = []
+    failed: list[OSError] = []
+
+    def lookup() -> None:
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            found.append([(family, address) for family, _, _, _, address in info])
+        except OSError as error:
+            failed.append(error)
+
+    thread = threading.Thread(target=lookup, daemon=True, name="kvrecover-nixl-lookup")
+    thread.start()
+    thread.join(timeout_s)
+    if failed:
+        raise failed[0]
+    if not found:
+        raise TimeoutError(f"looking up {host!r} took over {timeout_s:g} s")
+    return found[0]
+
+
+def _connect(addresses: list[Address], deadline: float) -> socket.socket:
+    """A connection to the first of `addresses` that takes one by `deadline`."""
+    error: OSError = TimeoutError("no time was left to connect")
+    for family, address in addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        stream = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            stream.settimeout(left)
+            stream.connect(address)
+            return stream
+        except OSError as refused:
+            stream.close()
+            error = refused
+    raise error
+
+
 def call(host: str, port: int, message: dict[str, Any],
          timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-    """Send `message` to the side channel at host:port and return its answer; a
-    SideChannelError when the peer is unreachable, too slow or answers garbage."""
+    """Send `message` to the side channel at host:port and return its answer within
+    `timeout_s` in all (name lookup, connection, answer); a SideChannelError when the
+    peer is unreachable, too slow or answers garbage."""
+    deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as stream:
-            stream.settimeout(timeout_s)
+        with _connect(_resolve(host, port, timeout_s), deadline) as stream:
             stream.sendall(json.dumps(message).encode() + b"\n")
-            raw = _read_line(stream)
+            raw = _read_line(stream, deadline)
     except OSError as error:
         raise SideChannelError(f"side channel {host}:{port}: {error}") from error
     try:
@@ -77,7 +134,7 @@ class _Connection(socketserver.BaseRequestHandler):
         server: _Server = self.server  # type: ignore[assignment]
         self.request.settimeout(CALL_TIMEOUT_S)
         try:
-            message = json.loads(_read_line(self.request))
+            message = json.loads(_read_line(self.request, time.monotonic() + CALL_TIMEOUT_S))
             if not isinstance(message, dict):
                 raise ValueError("a message must be a JSON object")
             answer = server.handler(message)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
 require_nixl()
 
 LONG_TIMEOUT_S = 60.0  # a pull that waited for it would fail the elapsed bounds below
+RELEASE_HANG_S = 3.0
 FAST_S = 5.0  # a generous bound on a fallback that must not wait (a loaded 2-core box)
 
 sync_async = pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
@@ -310,6 +312,29 @@ def test_a_producer_that_never_answers_costs_no_more_than_load_timeout_s(
         run = consume(tiny_llama, references, async_load=async_load, load_timeout_s=1.0)
     assert run.ids == no_connector(tiny_llama) and run.pulled == 0
     assert run.elapsed < 4.0
+    producer.kill()
+
+
+@sync_async
+def test_a_producer_slow_to_take_releases_does_not_hold_up_the_requests(
+        tiny_llama, monkeypatch, async_load):
+    """Each release waits RELEASE_HANG_S before it fails: the step (sync) or the pull's
+    thread (async) tells the producer from a thread of its own, so the requests finish
+    as if it answered at once (before, a pull's request waited for its release)."""
+    producer = Producer(tiny_llama)
+    real = consumer.call
+
+    def slow_release(host: str, port: int, message: dict, **kwargs: Any) -> dict:
+        if message.get("op") == "release":
+            time.sleep(RELEASE_HANG_S)
+            raise consumer.SideChannelError("the producer took too long")
+        return real(host, port, message, **kwargs)
+
+    monkeypatch.setattr(consumer, "call", slow_release)
+    run = consume(tiny_llama, producer.references, async_load=async_load)
+    assert run.ids == no_connector(tiny_llama)
+    assert run.pulled == sum(run.full_pulls) and run.stats["kv_load_failed_blocks"] == 0
+    assert run.elapsed < RELEASE_HANG_S, f"{run.elapsed:.2f} s: a request waited for a release"
     producer.kill()
 
 
