@@ -22,10 +22,11 @@ method to the part that does the work, one job per module:
   (`update_state_after_alloc`); a request pulls its reference once, so a retry after a
   failed load (`kv_load_retry_limit`) claims nothing from it.
 - `consumer.py` (consumer, worker role): checks each reference with the producer,
-  handshakes once per producer agent, reads the step's blocks with one NIXL READ per
-  producer into a registered staging buffer (`staging.py`), verifies each block's
-  checksum, copies only verified blocks into the cache and releases the reference.
-  Anything that fails makes those blocks invalid: the engine recomputes them (rule 10).
+  handshakes once per producer agent (`peers.py`), reads the step's blocks with one
+  NIXL READ per producer into a registered staging buffer (`staging.py`), verifies each
+  block's checksum, copies only verified blocks into the cache (`pull_reads.py`) and
+  releases the reference. Anything that fails makes those blocks invalid: the engine
+  recomputes them (rule 10).
 - `metadata.py`: what the scheduler role hands the worker role each step (`Pull`,
   `NixlMetadata`).
 

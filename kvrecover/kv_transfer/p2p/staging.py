@@ -5,7 +5,7 @@ A READ that outlives its deadline is given up (its blocks are recomputed, or fre
 reused), yet it may still complete later, and NIXL offers no cancel that is proven to
 wait for the write. So every READ targets a staging buffer of this pool, never the
 cache: the caller verifies the staged rows and copies only verified ones into the cache
-itself (`NixlConsumer._pull`, `consumer.py`). A buffer whose READ was given up is quarantined with its
+itself (`PullReader.install`, `pull_reads.py`). A buffer whose READ was given up is quarantined with its
 transfer handle, never released while in flight: it goes back into use only once NIXL
 reports that transfer DONE or ERR (a terminal state: nothing more of it is written).
 While `MAX_QUARANTINED_READS` buffers wait so, `acquire` refuses (`StagingExhausted`:

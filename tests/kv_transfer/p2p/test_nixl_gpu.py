@@ -25,8 +25,8 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
 )
 
 from kvrecover import LLM, KVTransferConfig
-from kvrecover.kv_transfer.p2p import consumer
-from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
+from kvrecover.kv_transfer.p2p import pull_reads
+from kvrecover.kv_transfer.p2p.pull_reads import PullReader
 from kvrecover.kv_transfer.p2p.staging import staged_blocks
 
 pytestmark = [
@@ -59,13 +59,13 @@ def run(model: Path, references: list[dict | None] | None, async_load: bool = Fa
 def record_algorithms(monkeypatch) -> list[tuple[str, str]]:
     """(algorithm, device) of each check the consumer runs, from now on."""
     seen: list[tuple[str, str]] = []
-    real = consumer.checksum_blocks
+    real = pull_reads.checksum_blocks
 
     def recorded(algorithm: str, sides: Any, block_ids: Any) -> list[int]:
         seen.append((algorithm, sides[0].device.type))
         return real(algorithm, sides, block_ids)
 
-    monkeypatch.setattr(consumer, "checksum_blocks", recorded)
+    monkeypatch.setattr(pull_reads, "checksum_blocks", recorded)
     return seen
 
 
@@ -85,10 +85,10 @@ def test_a_gpu_pull_is_exact_and_checked_on_the_gpu(tiny_llama, monkeypatch, asy
 def test_a_wrong_block_staged_on_the_gpu_is_the_one_recomputed(tiny_llama, monkeypatch):
     expected, _ = run(tiny_llama, None)
     producer = Producer(tiny_llama, engine={"device": "cuda"})
-    install = NixlConsumer._install_staged
+    install = PullReader.install
     reported: set[int] = set()
 
-    def one_wrong(self: NixlConsumer, items: list, buffer: Any, fence: Any) -> set[int]:
+    def one_wrong(self: PullReader, items: list, buffer: Any, fence: Any) -> set[int]:
         blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
                                len(self.caches))
         blocks[1, -1, 0, -1] ^= 0x01  # one bit of V of the last cache tensor, first block
@@ -96,7 +96,7 @@ def test_a_wrong_block_staged_on_the_gpu_is_the_one_recomputed(tiny_llama, monke
         reported.update(bad)
         return bad
 
-    monkeypatch.setattr(NixlConsumer, "_install_staged", one_wrong)
+    monkeypatch.setattr(PullReader, "install", one_wrong)
     ids, stats = run(tiny_llama, producer.references)
     assert ids == expected
     assert len(reported) == 1 and stats["kv_load_failed_blocks"] == 1

@@ -25,7 +25,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: every test's p
 )
 
 from kvrecover import LLM
-from kvrecover.kv_transfer.p2p import consumer
+from kvrecover.kv_transfer.p2p import pull_reads
 
 require_nixl()
 
@@ -131,13 +131,13 @@ def test_a_state_past_what_the_prompt_loads_claims_nothing(hybrid):
 def test_a_state_that_fails_its_checksum_is_recomputed(hybrid, monkeypatch):
     """A byte of each pulled state flipped in the staging buffer: its checksum fails, the
     requests roll back to 0 and recompute (their KV blocks verified all the same)."""
-    real = consumer.verify
+    real = pull_reads.verify
 
     def flipped(state, rows):
         rows.reshape(-1)[state.nbytes // 2] ^= 0x5A
         return real(state, rows)
 
-    monkeypatch.setattr(consumer, "verify", flipped)
+    monkeypatch.setattr(pull_reads, "verify", flipped)
     producer = HybridProducer(hybrid)
     run = consume(hybrid, producer.references)
     assert run.ids == no_connector(hybrid)
@@ -160,13 +160,13 @@ def test_a_failed_state_rolls_back_to_a_checkpoint_the_consumer_holds(hybrid, mo
     """The consumer computed the first prompt's first 33 tokens before (checkpoints at
     its block boundaries, 8 to 32): that prompt's pull claims blocks 4 to 6 only, its
     state fails, and it resumes from the checkpoint at 32, not 0; same tokens."""
-    real = consumer.verify
+    real = pull_reads.verify
 
     def flipped(state, rows):
         rows.reshape(-1)[0] ^= 0x5A
         return real(state, rows)
 
-    monkeypatch.setattr(consumer, "verify", flipped)
+    monkeypatch.setattr(pull_reads, "verify", flipped)
     producer = HybridProducer(hybrid)
     transfer = consumer_config(False, "recompute", None)
     llm = LLM(str(hybrid), device="cpu", block_size=8, num_kv_blocks=128,

@@ -25,7 +25,7 @@ from test_nixl_hybrid import CLAIMED_BLOCKS, HybridProducer
 
 from kvrecover import LLM
 from kvrecover.kv_layout import hash_block_tokens
-from kvrecover.kv_transfer.p2p import consumer
+from kvrecover.kv_transfer.p2p import pull_reads
 from kvrecover.kv_transfer.stores.state_entries import state_key
 
 require_nixl()
@@ -55,14 +55,14 @@ def test_the_pull_comes_first_and_a_bad_pulled_state_falls_through_to_the_store(
     """The first pulled state to be verified has a byte flipped: that request takes the
     store's state at the same boundary, the other the pulled one; every block is
     pulled, nothing is recomputed, and the producer frees both prompts and states."""
-    real, calls = consumer.verify, itertools.count()
+    real, calls = pull_reads.verify, itertools.count()
 
     def first_flipped(state, rows):
         if next(calls) == 0:
             rows.reshape(-1)[state.nbytes // 2] ^= 0x5A
         return real(state, rows)
 
-    monkeypatch.setattr(consumer, "verify", first_flipped)
+    monkeypatch.setattr(pull_reads, "verify", first_flipped)
     producer = HybridProducer(hybrid, store=tmp_path / "store")
     run = consume(hybrid, producer.references, async_load=async_load,
                   store=tmp_path / "store")
@@ -113,13 +113,13 @@ def test_a_bad_pulled_state_resumes_from_the_stores_earlier_state(
     """Every pulled state fails and the store lost the states at the claims' ends (7 and
     5) but keeps those every K = 4 blocks: both requests resume from the store's state
     at block 4 (token 32), not 0; same tokens."""
-    real = consumer.verify
+    real = pull_reads.verify
 
     def flipped(state, rows):
         rows.reshape(-1)[0] ^= 0x5A
         return real(state, rows)
 
-    monkeypatch.setattr(consumer, "verify", flipped)
+    monkeypatch.setattr(pull_reads, "verify", flipped)
     store = tmp_path / "store"
     producer = HybridProducer(hybrid, store=store, engine={"state_interval_blocks": 4})
     ends = {state_at(PROMPTS[0], 7), state_at(PROMPTS[1], 5)}

@@ -155,7 +155,7 @@ def test_a_read_given_up_that_completes_late_writes_nothing(tiny_llama, hung, tm
     assert set(agent.complete_late()) == {"DONE"}
     assert all(bool((cache.view(torch.uint8) == SENTINEL).all()) for cache in caches)
     # Their staging buffers go back into use once NIXL reports the READs ended.
-    staging = connector.consumer.staging
+    staging = connector.consumer.reader.staging
     assert staging is not None and staging.num_quarantined() == 0
     llm.close()
     hung.release_now()

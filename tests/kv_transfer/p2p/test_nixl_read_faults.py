@@ -37,8 +37,9 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
 from kvrecover import LLM
 from kvrecover.kv_groups import KVCacheGroup
 from kvrecover.kv_transfer.p2p import consumer, nixl_connector
-from kvrecover.kv_transfer.p2p.consumer import NixlConsumer, _Peer
 from kvrecover.kv_transfer.p2p.nixl_connector import Pull
+from kvrecover.kv_transfer.p2p.peers import Peer
+from kvrecover.kv_transfer.p2p.pull_reads import PullReader
 from kvrecover.kv_transfer.p2p.side_channel import call
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
 
@@ -106,13 +107,13 @@ def test_a_producer_killed_as_the_read_is_posted_is_recomputed_in_bounded_time(
     errors or never completes, and the pull ends by its deadline at the latest."""
     producer = Producer(model)
     killer = Killer(producer)
-    read = NixlConsumer._read
+    read = PullReader.read
 
-    def killed_first(self: NixlConsumer, agent: str, items: list, deadline: float) -> Any:
+    def killed_first(self: PullReader, agent: str, items: list, deadline: float) -> Any:
         killer.kill()
         return read(self, agent, items, deadline)
 
-    monkeypatch.setattr(NixlConsumer, "_read", killed_first)
+    monkeypatch.setattr(PullReader, "read", killed_first)
     timeout_s = 3.0
     run = consume(model, affected_first(producer, policy), async_load=async_load,
                   policy=policy, load_timeout_s=timeout_s)
@@ -131,10 +132,10 @@ def test_a_producer_killed_after_the_read_before_the_release_costs_nothing(
     reaches it: the release fails without a wait and no request is recomputed or failed."""
     producer = Producer(model)
     killer = Killer(producer)
-    install = NixlConsumer._install_staged
+    install = PullReader.install
     installed: list[str] = []
 
-    def counted(self: NixlConsumer, items: list, buffer: StagingBuffer, fence: Any) -> set[int]:
+    def counted(self: PullReader, items: list, buffer: StagingBuffer, fence: Any) -> set[int]:
         bad = install(self, items, buffer, fence)
         installed.extend(pull.request_id for pull, _, _ in items)
         return bad
@@ -147,7 +148,7 @@ def test_a_producer_killed_after_the_read_before_the_release_costs_nothing(
             killer.kill()
         return call(host, port, message, timeout_s=timeout_s)
 
-    monkeypatch.setattr(NixlConsumer, "_install_staged", counted)
+    monkeypatch.setattr(PullReader, "install", counted)
     monkeypatch.setattr(consumer, "call", release_to_the_dead)
     run = consume(model, producer.references, async_load=async_load, policy=policy,
                   load_timeout_s=LONG_TIMEOUT_S)
@@ -213,11 +214,11 @@ def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
     producer's handshake)."""
     producer = Producer(model, engine={"nixl": {"checksum": checksum}})
     handle = producer.references[0]["remote_request_id"]
-    install = NixlConsumer._install_staged
+    install = PullReader.install
     corrupted: list[int] = []
     reported: set[int] = set()
 
-    def partly_wrong(self: NixlConsumer, items: list[tuple[Pull, _Peer, list[int]]],
+    def partly_wrong(self: PullReader, items: list[tuple[Pull, Peer, list[int]]],
                      buffer: StagingBuffer, fence: Any) -> set[int]:
         row = 0
         blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
@@ -232,7 +233,7 @@ def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
         reported.update(bad)
         return bad
 
-    monkeypatch.setattr(NixlConsumer, "_install_staged", partly_wrong)
+    monkeypatch.setattr(PullReader, "install", partly_wrong)
     checks = count_checks(monkeypatch)
     run = consume(model, producer.references, async_load=async_load, policy=policy)
     assert len(set(corrupted)) == 2 and reported == set(corrupted)

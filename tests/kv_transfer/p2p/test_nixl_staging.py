@@ -217,8 +217,9 @@ def test_a_steps_pulls_are_described_together_so_runs_span_prompts(monkeypatch):
     side and cache tensor, not one per prompt); a gap starts another run."""
     from types import SimpleNamespace
 
-    from kvrecover.kv_transfer.p2p.consumer import NixlConsumer, _Peer
+    from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
     from kvrecover.kv_transfer.p2p.metadata import Pull
+    from kvrecover.kv_transfer.p2p.peers import Peer
 
     num_caches, block_shape = 3, (4, 8)  # a block's side: 4 x 8 float32 = 128 bytes
     half = 4 * 8 * 4
@@ -230,7 +231,7 @@ def test_a_steps_pulls_are_described_together_so_runs_span_prompts(monkeypatch):
                         lambda self, buffer, local, remote, *rest: posted.append((local, remote))
                         or True)
     regions = [(10_000 * (c + 1), 10_000 * (c + 1) + 5_000) for c in range(num_caches)]
-    peer = _Peer("producer", 64, half, regions, "DRAM", 0, "xxh3")
+    peer = Peer("producer", 64, half, regions, "DRAM", 0, "xxh3")
 
     def pull(request_id: str, local_ids: list[int], remote_ids: list[int]) -> Pull:
         return Pull(request_id, local_ids, remote_ids, [(0, i) for i in range(len(local_ids))],
@@ -238,7 +239,7 @@ def test_a_steps_pulls_are_described_together_so_runs_span_prompts(monkeypatch):
 
     pulls = [pull("a", [1, 2, 3], [10, 11, 12]), pull("b", [7, 8], [13, 14]),
              pull("c", [9], [20])]
-    assert consumer._read("producer", [(p, peer, []) for p in pulls], deadline=0.0) is not None
+    assert consumer.reader.read("producer", [(p, peer, []) for p in pulls], deadline=0.0) is not None
     local, remote = posted[0]
     assert len(local) == len(remote) == 2 * 2 * num_caches  # runs 10..14 and 20
     assert remote[0] == (regions[0][0] + 10 * half, 5 * half, 0)

@@ -24,7 +24,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     tiny_model,
 )
 
-from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
+from kvrecover.kv_transfer.p2p.pull_reads import PullReader
 from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
 
 require_nixl()
@@ -90,9 +90,9 @@ def test_a_retry_after_a_failed_pull_goes_past_the_released_reference(
     recomputed, the token ids are exact."""
     producer = Producer(tiny_llama)
     handle = producer.references[0]["remote_request_id"]
-    install = NixlConsumer._install_staged
+    install = PullReader.install
 
-    def first_block_wrong(self: NixlConsumer, items: list, buffer: StagingBuffer,
+    def first_block_wrong(self: PullReader, items: list, buffer: StagingBuffer,
                           fence: Any) -> set[int]:
         blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
                                len(self.caches))
@@ -103,7 +103,7 @@ def test_a_retry_after_a_failed_pull_goes_past_the_released_reference(
             row += len(pull.block_ids)
         return install(self, items, buffer, fence)
 
-    monkeypatch.setattr(NixlConsumer, "_install_staged", first_block_wrong)
+    monkeypatch.setattr(PullReader, "install", first_block_wrong)
     checks = count_checks(monkeypatch)
     run = consume(tiny_llama, producer.references, async_load=async_load,
                   store=tmp_path / "empty")
