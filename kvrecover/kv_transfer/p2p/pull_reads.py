@@ -165,7 +165,8 @@ class PullReader:
                 fence.write_unless_set(copy)
             except ReadTimedOut:
                 return set(local_ids)
-        self._installed_blocks += len(good)
+        with self._lock:  # async pulls install from their own threads
+            self._installed_blocks += len(good)
         return bad
 
     def give_back(self, buffer: StagingBuffer) -> None:
@@ -174,7 +175,8 @@ class PullReader:
 
     def take_installed_blocks(self) -> int:
         """Blocks installed into the cache, since the last call."""
-        installed, self._installed_blocks = self._installed_blocks, 0
+        with self._lock:
+            installed, self._installed_blocks = self._installed_blocks, 0
         return installed
 
     def take_transfer_counts(self) -> dict[str, int]:
