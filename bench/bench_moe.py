@@ -1,11 +1,13 @@
 """GPU benchmark of the mixture-of-experts path on a Qwen3-30B-A3B-shaped model (random bf16).
 
-Two parts:
+Three parts:
 - `layer`: one MoE layer (128 experts of 768, top-8, hidden 2048) at decode and
   prefill token counts: the fused Triton MoE (default tiles and the fixed
   batch-invariant ones) against `torch._grouped_mm` (where it runs), each with the
   bytes of the *active* experts it must read and the share of the measured copy
   bandwidth (decode) or of the bf16 matmul rate (prefill) it reaches;
+- `align`: the MoE align (the assignments sorted by expert) in torch against its
+  one-launch Triton kernel, graph-replayed, at decode token counts;
 - `engine`: kvrecover end to end on a random checkpoint of the same shape with
   `--layers` of its 48 layers (the whole model needs 61 GB of disk): decode tok/s
   at batch 1/16/64 and prefill tok/s, default (batch-invariant for MoE models), `fast`
@@ -15,7 +17,7 @@ Two parts:
   (every dense weight, the expected distinct experts of the batch under uniform
   routing, the KV of the batch).
 
-    PYTHONPATH=. python bench/bench_moe.py [--parts layer engine] [--layers 8]
+    PYTHONPATH=. python bench/bench_moe.py [--parts layer engine align] [--layers 8]
         [--batches 1 16 64] [--out DIR]
 """
 
@@ -25,6 +27,7 @@ import argparse
 import gc
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -211,10 +214,39 @@ def engine_bench(ceilings: dict, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+ALIGN_CASES = [(1, 10, 512), (16, 10, 512), (64, 10, 512), (16, 8, 128), (256, 8, 128)]
+
+
+def align_bench() -> list[dict]:
+    """The MoE align (assignments sorted by expert into row blocks) in torch against the
+    one-launch Triton kernel, graph-replayed (`do_bench_cudagraph`), (tokens, top-k,
+    experts) of Qwen3-Next (10 of 512) and Qwen3-30B (8 of 128); their blocks compared."""
+    import triton.testing
+
+    from kvrecover.ops.reference.grouped_moe import align_by_expert
+    from kvrecover.ops.triton.moe_align import align_by_expert_triton
+
+    rows = []
+    for tokens, top_k, experts in ALIGN_CASES:
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+        ours, reference = (align_by_expert_triton(ids, experts, 16),
+                           align_by_expert(ids, experts, 16))
+        same = (torch.equal(ours.sorted_ids, reference.sorted_ids)
+                and torch.equal(ours.block_expert, reference.block_expert))
+        torch_us, triton_us = (
+            triton.testing.do_bench_cudagraph(partial(align, ids, experts, 16)) * 1e3
+            for align in (align_by_expert, align_by_expert_triton))
+        print(f"align T={tokens} k={top_k} E={experts}: torch {torch_us:.1f} us, "
+              f"triton {triton_us:.1f} us, same blocks: {same}", flush=True)
+        rows.append({"part": "align", "tokens": tokens, "top_k": top_k, "experts": experts,
+                     "torch_us": torch_us, "triton_us": triton_us, "same": same})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["layer", "engine"],
-                        choices=["layer", "engine"])
+                        choices=["layer", "engine", "align"])
     parser.add_argument("--layers", type=int, default=8, help="of the model's 48 (disk, time)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--layer-tokens", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
@@ -233,6 +265,8 @@ def main() -> None:
         rows += layer_bench(ceilings, args.layer_tokens)
     if "engine" in args.parts:
         rows += engine_bench(ceilings, args)
+    if "align" in args.parts:
+        rows += align_bench()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps({"ceilings": ceilings, "runs": rows},

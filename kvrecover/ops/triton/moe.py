@@ -1,8 +1,9 @@
 """The fused mixture-of-experts feed-forward on the GPU, in Triton.
 
-The assignments are sorted by expert into row blocks on the device
-(`reference.grouped_moe.align_by_expert`: no host sync, a buffer sized by the
-token count only, so decode steps replay in CUDA graphs). Two grouped-GEMM
+The assignments are sorted by expert into row blocks on the device (no host
+sync, a buffer sized by the token count only, so decode steps replay in CUDA
+graphs): in one Triton launch for decode-sized steps on CUDA (`moe_align.py`),
+else by `reference.grouped_moe.align_by_expert`, bit for bit the same blocks. Two grouped-GEMM
 launches cover every expert: the first gathers each block's token rows, runs
 the block's expert's gate and up columns and applies SwiGLU (rounding where the
 torch reference rounds); the second runs the down projection and writes each
@@ -29,6 +30,7 @@ import triton.language as tl
 from kvrecover.ops.interface import ExpertWeights
 from kvrecover.ops.reference.grouped_moe import ExpertBlocks, align_by_expert
 from kvrecover.ops.reference.moe import combine_topk
+from kvrecover.ops.triton.moe_align import align_by_expert_triton, triton_align_applies
 from kvrecover.ops.triton.rounding import round_to as _round
 
 
@@ -168,7 +170,10 @@ def fused_moe(
     intermediate = down.shape[2]
     num_tokens, top_k = topk_ids.shape
     tiles = tiles_for(num_tokens * top_k, batch_invariant, x.dtype)
-    blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
+    if triton_align_applies(topk_ids, num_experts):
+        blocks: ExpertBlocks = align_by_expert_triton(topk_ids, num_experts, tiles.block_m)
+    else:
+        blocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
     x = x.contiguous()
     ieee = x.dtype == torch.float32
     gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias

@@ -11,9 +11,9 @@ rows and blocks after the last expert's, so every element of both outputs is
 written and nothing is zeroed first. The result is the torch version's, bit for
 bit; no host sync and shapes fixed by the token count, so CUDA graphs capture it.
 
-Not yet called by `fused_moe`: it has run only in Triton's interpreter (no GPU could be
-started the session it was written). Route `fused_moe` to it (`triton_align_applies`)
-once `tests/ops/test_gpu_moe.py` passes on a GPU and a MoE decode step is timed faster.
+`fused_moe` calls it where `triton_align_applies`. On an H100 (2026-12-06) it gave the
+torch version's blocks on CUDA and in a captured graph (`tests/ops/test_gpu_moe.py`) in
+1.9-6.4 µs a call against the torch version's 54-84 µs, graph-replayed, 1-256 tokens.
 """
 
 from __future__ import annotations
