@@ -75,7 +75,7 @@ class NixlConsumer:
         self._async: dict[str, threading.Thread] = {}
         self._async_invalid: dict[str, set[int]] = {}
         self._async_pulls: dict[str, Pull] = {}  # async pulls of a state, by request
-        self._releasing: list[threading.Thread] = []  # `release_unread`'s, not yet joined
+        self._releasing: list[threading.Thread] = []  # release threads, not yet joined
 
     def register(self, caches: list[torch.Tensor], agent: Any) -> None:
         """The cache verified blocks are copied into, and the agent that reads them (the
