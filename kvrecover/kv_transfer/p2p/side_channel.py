@@ -132,7 +132,6 @@ class _Server(socketserver.ThreadingTCPServer):
 class _Connection(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         server: _Server = self.server  # type: ignore[assignment]
-        self.request.settimeout(CALL_TIMEOUT_S)
         try:
             message = json.loads(_read_line(self.request, time.monotonic() + CALL_TIMEOUT_S))
             if not isinstance(message, dict):
@@ -141,6 +140,7 @@ class _Connection(socketserver.BaseRequestHandler):
         except Exception as error:  # a bad peer gets an answer, the server goes on
             answer = {"ok": False, "reason": f"bad request: {error}"}
         try:
+            self.request.settimeout(CALL_TIMEOUT_S)
             self.request.sendall(json.dumps(answer).encode() + b"\n")
         except OSError:
             pass
