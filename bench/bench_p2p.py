@@ -2,7 +2,7 @@
 NIXL, loaded from the shared-storage connector's folder, or recomputed, in one run.
 
     PYTHONPATH=.:bench python bench/bench_p2p.py [--batch 16] [--prompt-tokens 1024] \
-        [--model-dir DIR] [--repeats 2]
+        [--model-dir DIR] [--repeats 2] [--used-producer]
     PYTHONPATH=.:bench python bench/bench_p2p.py --device cuda --shape 8b
 
 The producer is a process of its own (`--serve`, started here): it prefills the batch
@@ -14,6 +14,9 @@ token), the KV tokens it did not compute, and those tokens per second of TTFT. E
 engine is warmed up first with a prompt of its own (kernels compiled, graphs captured);
 the NIXL consumer pulls its warm-up prompt from the producer (the handshake, and on a GPU
 the opening of the producer's memory, happen once per peer: not in the timed pull).
+`--used-producer`: the producer first prefills and frees (not kept) twice the batch, as
+one that has served a while: it then hands the timed prompts their blocks in the order
+they were freed, a request's tail first (descending producer ids), not in fresh order.
 
 CPU (the default): NIXL moves CPU memory through UCX on loopback; the default model is
 the built-in one (float32). CUDA: both processes on the one GPU, KV in GPU memory (UCX's
@@ -78,6 +81,11 @@ def serve(args, port: int, prompts_file: str) -> None:
     prompts = json.loads(Path(prompts_file).read_text())
     transfer = KVTransferConfig("NixlConnector", "kv_producer", {"side_channel_port": port})
     llm, warm_up = warmed_engine(args, transfer)
+    if args.used_producer:
+        not_kept = SamplingParams(temperature=0, max_tokens=1)
+        not_kept.kv_transfer_params = {"do_remote_decode": False}
+        llm.generate([{"prompt_token_ids": p} for p in prompts_for(
+            2 * args.batch, args.prompt_tokens, seed=1 << 21)], not_kept)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], FIRST_TOKEN)
     print("REFS", json.dumps({"warm_up": warm_up,
                               "prompts": [o.kv_transfer_params for o in outputs]}), flush=True)
@@ -163,7 +171,7 @@ ROWS = {"recompute": recompute_row, "shared storage": storage_row, "NIXL pull": 
 def common_args(args) -> list[str]:
     """The arguments a child process of this bench (a row, a producer) shares."""
     command = ["--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
-               "--device", args.device]
+               "--device", args.device] + (["--used-producer"] if args.used_producer else [])
     return command + (["--model-dir", args.model_dir] if args.model_dir else [])
 
 
@@ -227,6 +235,10 @@ def main() -> None:
                              "--model-dir holds no checkpoint")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-storage", action="store_true",
+                        help="leave out the shared-storage row")
+    parser.add_argument("--used-producer", action="store_true",
+                        help="the producer first serves and frees twice the batch")
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "PROMPTS_JSON"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--row", nargs=3, metavar=("NAME", "SEED", "WORK_DIR"),
@@ -254,6 +266,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             expected = None
             for name in ROWS:
+                if name == "shared storage" and args.skip_storage:
+                    continue
                 work = Path(root) / f"{repeat}-{name.replace(' ', '_')}"
                 work.mkdir()
                 seconds, loaded, ids, counters = run_row(args, name, repeat, work)

@@ -2,9 +2,9 @@
 
 `PullReader.read` moves every block of a step's checked pulls from one producer agent
 with one READ into a registered staging buffer on the cache's device, never into the
-cache (`staging.py`): rows laid out (side, cache, block), one descriptor per side, cache
-tensor and run of consecutive remote ids, a hybrid's state rows after the blocks
-(`states.py`). `install` checks the staged blocks against the producer's checksums (by
+cache (`staging.py`): a row per distinct producer block in ascending id, laid out
+(side, cache, block), one descriptor per side, cache tensor and run of consecutive
+remote ids, a hybrid's state rows after the blocks (`states.py`). `install` checks the staged blocks against the producer's checksums (by
 the algorithm its handshake names: `checksums.py`) and copies only the verified ones
 into the cache, one indexed copy per cache tensor, under a load's fence when given;
 `verify_states` checks the staged states. The reader counts the bytes and time READ,
@@ -26,6 +26,7 @@ from kvrecover.kv_transfer.p2p.peers import Peer
 from kvrecover.kv_transfer.p2p.staging import (
     StagingBuffer,
     StagingExhausted,
+    StagingLayout,
     StagingPool,
     block_descriptors,
     half_nbytes,
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 Checked = tuple[Pull, Peer, list[int]]
 """A pull its producer confirmed: the producer's peer and the checksums of its blocks."""
+
+
+def staging_layout(items: list[Checked]) -> StagingLayout:
+    """Where `PullReader.read` stages the blocks of `items` (in their order)."""
+    return StagingLayout.of([b for pull, _, _ in items for b in pull.remote_block_ids])
 
 
 class PullReader:
@@ -63,16 +69,17 @@ class PullReader:
 
     def read(self, agent: str, items: list[Checked], deadline: float) -> StagingBuffer | None:
         """One NIXL READ of every block of `items` from `agent` into a staging buffer
-        (never into the cache: `staging.py`): the blocks of `items` in order, laid out
-        (side, cache, block), one descriptor per run of consecutive remote ids, a
-        hybrid's state rows after them. The buffer if the READ completed (the caller
+        (never into the cache: `staging.py`): the blocks of `items` as `staging_layout`
+        places them, one descriptor per run of consecutive remote ids, a hybrid's state
+        rows after them. The buffer if the READ completed (the caller
         gives it back), else None (a READ given up in flight leaves its buffer
         quarantined)."""
         half = half_nbytes(self.caches)
         pool = self._staging_pool()
         row_nbytes = pool.row_nbytes  # a block's K and V in every cache tensor
         states = [p.remote_state for p, _, _ in items if p.remote_state is not None]
-        num_blocks = sum(len(p.block_ids) for p, _, _ in items)
+        layout = staging_layout(items)
+        num_blocks = len(layout.remote_ids)
         try:
             buffer = pool.acquire(num_blocks + sum(num_rows(s, row_nbytes) for s in states))
         except StagingExhausted as error:
@@ -82,10 +89,9 @@ class PullReader:
         device = memory_of(buffer.rows)[1]
         peer = items[0][1]  # one producer agent: one peer
         # The step's pulls are described together, so a run of ids goes on from one
-        # prompt into the next.
-        remote_ids = [b for pull, _, _ in items for b in pull.remote_block_ids]
-        local, remote = block_descriptors(remote_ids, peer.regions, half, base, 0, num_blocks,
-                                          device, peer.device_id)
+        # prompt into another.
+        local, remote = block_descriptors(layout.remote_ids, peer.regions, half, base, 0,
+                                          num_blocks, device, peer.device_id)
         state_row = num_blocks
         for remote_state in states:
             state_local, state_remote = chunks(remote_state, base, state_row, row_nbytes,
@@ -103,7 +109,7 @@ class PullReader:
     def verify_states(self, items: list[Checked], buffer: StagingBuffer) -> None:
         """Each pull's staged state, verified against its checksum (`state_payload`;
         None if it fails), from the rows after the blocks' (as `read` laid them out)."""
-        row = sum(len(pull.block_ids) for pull, _, _ in items)
+        row = len(staging_layout(items).remote_ids)
         for pull, _, _ in items:
             state = pull.remote_state
             if state is None:
@@ -122,13 +128,15 @@ class PullReader:
         `fence` when given: nothing is written once it is set. The blocks not installed."""
         local_ids = [b for pull, _, _ in items for b in pull.block_ids]
         expected = [x for _, _, checksums in items for x in checksums]
+        layout = staging_layout(items)
+        rows, num_rows = layout.rows, len(layout.remote_ids)  # rows: each pulled block's
         count = len(self.caches)
-        staged = staged_blocks(buffer.rows, len(local_ids), count)  # (side, cache, block)
+        staged = staged_blocks(buffer.rows, num_rows, count)  # (side, cache, block)
         started = time.perf_counter()
         actual = checksum_blocks(items[0][1].checksum, [staged[:, c] for c in range(count)],
-                                 range(len(local_ids)))
+                                 range(num_rows))
         self._count("check_microseconds", int((time.perf_counter() - started) * 1e6))
-        good = [i for i, x in enumerate(expected) if actual[i] == x]
+        good = [i for i, x in enumerate(expected) if actual[rows[i]] == x]
         bad = set(local_ids) - {local_ids[i] for i in good}
         for pull, _, _ in items:
             failed = sum(b in bad for b in pull.block_ids)
@@ -142,9 +150,10 @@ class PullReader:
         # byte per element (a 16 x 1024-token CPU pull spent 3 s here).
         word = torch.int64 if half % 8 == 0 else torch.uint8
         words = staged.view(word)
-        chosen = None  # every staged block, in order
-        if len(good) < len(local_ids):
-            chosen = torch.tensor(good, device=staged.device)
+        chosen_rows = [rows[i] for i in good]
+        chosen = None  # every staged row, in order
+        if chosen_rows != list(range(num_rows)):
+            chosen = torch.tensor(chosen_rows, device=staged.device)
         targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long,
                                device=staged.device)
 

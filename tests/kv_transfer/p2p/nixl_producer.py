@@ -11,7 +11,9 @@ STORE, a folder (not empty): a TieredConnector that serves the pulls
 and saves the prompts' blocks into that shared-storage store too. ENGINE_JSON: more
 engine arguments (e.g. max_num_batched_tokens, tensor_parallel_size: rank r then serves
 PORT + r; "state_interval_blocks" goes to the tiered producer's KVTransferConfig, "nixl" is
-more of the NixlConnector's settings, e.g. max_held_states).
+more of the NixlConnector's settings, e.g. max_held_states; "used": true first prefills and
+frees a prompt filling all blocks but one, not kept, as on a producer that has served
+before: its free blocks then come back in the order freed, a request's tail first).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
         json.loads(sys.argv[4])
     engine_args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     interval = engine_args.pop("state_interval_blocks", None)
+    used = engine_args.pop("used", False)
     nixl = {"side_channel_port": port, "lease_s": lease_s, **engine_args.pop("nixl", {})}
     transfer = KVTransferConfig("NixlConnector", "kv_producer", nixl)
     if len(sys.argv) > 5 and sys.argv[5]:
@@ -37,8 +40,13 @@ def main() -> None:
             {"kv_connector": "SharedStorageConnector",
              "kv_connector_extra_config": {"shared_storage_path": sys.argv[5]}}]},
             **({} if interval is None else {"state_interval_blocks": interval}))
-    llm = LLM(model, kv_transfer_config=transfer,
-              **{"device": "cpu", "block_size": 8, "num_kv_blocks": 128, **engine_args})
+    engine_args = {"device": "cpu", "block_size": 8, "num_kv_blocks": 128, **engine_args}
+    llm = LLM(model, kv_transfer_config=transfer, **engine_args)
+    if used:  # every block but the null one and one spare, freed tail first
+        length = (engine_args["num_kv_blocks"] - 2) * engine_args["block_size"]
+        not_kept = SamplingParams(temperature=0, max_tokens=1)
+        not_kept.kv_transfer_params = {"do_remote_decode": False}
+        llm.generate([{"prompt_token_ids": [7 + i % 90 for i in range(length)]}], not_kept)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=1))
     for output in outputs:

@@ -21,10 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import WINDOWED_CHECKPOINTS, build_tiny_model, random_prompts, require_nixl
 
 from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_transfer.p2p import consumer
+from kvrecover.kv_transfer.p2p.pull_reads import staging_layout
+from kvrecover.kv_transfer.p2p.staging import (
+    StagingBuffer,
+    StagingPool,
+    block_runs,
+    staged_blocks,
+)
 
 require_nixl()
 
@@ -99,6 +107,17 @@ def count_checks(monkeypatch) -> Counter:
 
     monkeypatch.setattr(consumer, "call", counted)
     return checks
+
+
+def staged_pulls(items: list, buffer: StagingBuffer,
+                 num_caches: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """A READ's staged blocks ((side, cache tensor, row) bytes) and each pull's rows."""
+    layout = staging_layout(items)
+    rows, start = [], 0
+    for pull, _, _ in items:
+        rows.append(layout.rows[start:start + len(pull.block_ids)])
+        start += len(pull.block_ids)
+    return staged_blocks(buffer.rows, len(layout.remote_ids), num_caches), rows
 
 
 _BASELINES: dict[Path, list[list[int]]] = {}
@@ -202,6 +221,34 @@ def test_a_pull_is_exact_and_frees_the_producers_blocks(model, async_load):
     assert run.stats["prompt_tokens_external"] == (7 + 5) * 8
     assert run.pulled == sum(run.full_pulls) and run.stats["kv_load_failed_blocks"] == 0
     assert producer.finish() == 0  # released: nothing stays pinned
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_used_producers_descending_blocks_are_read_in_one_descriptor_a_run(
+        tiny_llama, baseline, monkeypatch, async_load):
+    """A producer that has served before hands a prompt its blocks in the order they
+    were freed, a request's tail first: descending ids. The consumer still READs each
+    run of consecutive producer ids as one descriptor per (side, cache tensor), not one
+    per block, and the token ids are exact."""
+    producer = Producer(tiny_llama, engine={"used": True})
+    pulled = [b for r in producer.references for b in r["remote_block_ids"]]
+    assert len(block_runs(pulled)) == len(pulled) > 2  # descending: a run per block
+    runs = [len(block_runs(sorted(r["remote_block_ids"]))) for r in producer.references]
+    assert runs == [1, 1]  # each prompt's, sorted: one run of producer ids
+    reads: list[int] = []  # the descriptors of each READ
+    read = StagingPool.read
+
+    def counted(self: StagingPool, buffer: StagingBuffer, local: list, *args) -> bool:
+        reads.append(len(local))
+        return read(self, buffer, local, *args)
+
+    monkeypatch.setattr(StagingPool, "read", counted)
+    run = consume(tiny_llama, producer.references, async_load=async_load)
+    assert run.ids == baseline
+    assert run.pulled == len(pulled) and run.stats["kv_load_failed_blocks"] == 0
+    layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
+    assert sum(reads) == 2 * layers * len(block_runs(sorted(pulled)))  # K, V of each layer
+    assert producer.finish() == 0
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])

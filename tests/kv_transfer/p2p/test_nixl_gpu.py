@@ -22,12 +22,12 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     PROMPTS,
     Producer,
     kill_producers,
+    staged_pulls,
 )
 
 from kvrecover import LLM, KVTransferConfig
 from kvrecover.kv_transfer.p2p import pull_reads
 from kvrecover.kv_transfer.p2p.pull_reads import PullReader
-from kvrecover.kv_transfer.p2p.staging import staged_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,9 +89,8 @@ def test_a_wrong_block_staged_on_the_gpu_is_the_one_recomputed(tiny_llama, monke
     reported: set[int] = set()
 
     def one_wrong(self: PullReader, items: list, buffer: Any, fence: Any) -> set[int]:
-        blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
-                               len(self.caches))
-        blocks[1, -1, 0, -1] ^= 0x01  # one bit of V of the last cache tensor, first block
+        blocks, _ = staged_pulls(items, buffer, len(self.caches))
+        blocks[1, -1, 0, -1] ^= 0x01  # one bit of V of the last cache tensor, first row
         bad = install(self, items, buffer, fence)
         reported.update(bad)
         return bad

@@ -29,6 +29,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     count_checks,
     kill_producers,
     no_connector,
+    staged_pulls,
     tampered,
     tiny_model,
     with_references,
@@ -41,7 +42,7 @@ from kvrecover.kv_transfer.p2p.nixl_connector import Pull
 from kvrecover.kv_transfer.p2p.peers import Peer
 from kvrecover.kv_transfer.p2p.pull_reads import PullReader
 from kvrecover.kv_transfer.p2p.side_channel import call
-from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
+from kvrecover.kv_transfer.p2p.staging import StagingBuffer
 
 require_nixl()
 
@@ -220,15 +221,12 @@ def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
 
     def partly_wrong(self: PullReader, items: list[tuple[Pull, Peer, list[int]]],
                      buffer: StagingBuffer, fence: Any) -> set[int]:
-        row = 0
-        blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
-                               len(self.caches))  # (side, cache, block)
-        for pull, _, _ in items:
+        blocks, rows = staged_pulls(items, buffer, len(self.caches))
+        for (pull, _, _), pull_rows in zip(items, rows):
             if pull.reference.request_id == handle:
-                blocks[0, 0, row, 0] ^= 0xFF
-                blocks[:, :, row + len(pull.block_ids) - 1].zero_()
+                blocks[0, 0, pull_rows[0], 0] ^= 0xFF
+                blocks[:, :, pull_rows[-1]].zero_()
                 corrupted.extend([pull.block_ids[0], pull.block_ids[-1]])
-            row += len(pull.block_ids)
         bad = install(self, items, buffer, fence)
         reported.update(bad)
         return bad

@@ -14,6 +14,7 @@ import xxhash
 from kvrecover.kv_transfer.p2p.checksums import checksum_blocks, fold64_reference
 from kvrecover.kv_transfer.p2p.staging import (
     StagingExhausted,
+    StagingLayout,
     StagingPool,
     block_descriptors,
     block_runs,
@@ -134,6 +135,14 @@ def test_consecutive_block_ids_make_one_run_and_others_split():
     assert block_runs([5, 6, 7, 9, 10, 3]) == [(0, 5, 3), (3, 9, 2), (5, 3, 1)]
     assert block_runs([4, 4, 3]) == [(0, 4, 1), (1, 4, 1), (2, 3, 1)]
     assert block_runs([]) == []
+
+
+def test_the_staging_layout_reads_each_producer_block_once_in_ascending_id():
+    layout = StagingLayout.of([9, 8, 7, 3, 3, 4])  # a used producer's descending runs
+    assert layout.remote_ids == [3, 4, 7, 8, 9]
+    assert layout.rows == [4, 3, 2, 0, 0, 1]  # the shared block 3 staged once
+    assert len(block_runs(layout.remote_ids)) == 2
+    assert StagingLayout.of([]) == StagingLayout([], [])
 
 
 def test_a_run_is_one_descriptor_per_side_and_cache_tensor():

@@ -20,12 +20,13 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     count_checks,
     kill_producers,
     no_connector,
+    staged_pulls,
     tampered,
     tiny_model,
 )
 
 from kvrecover.kv_transfer.p2p.pull_reads import PullReader
-from kvrecover.kv_transfer.p2p.staging import StagingBuffer, staged_blocks
+from kvrecover.kv_transfer.p2p.staging import StagingBuffer
 
 require_nixl()
 
@@ -94,13 +95,10 @@ def test_a_retry_after_a_failed_pull_goes_past_the_released_reference(
 
     def first_block_wrong(self: PullReader, items: list, buffer: StagingBuffer,
                           fence: Any) -> set[int]:
-        blocks = staged_blocks(buffer.rows, sum(len(p.block_ids) for p, _, _ in items),
-                               len(self.caches))
-        row = 0
-        for pull, _, _ in items:
+        blocks, rows = staged_pulls(items, buffer, len(self.caches))
+        for (pull, _, _), pull_rows in zip(items, rows):
             if pull.reference.request_id == handle:
-                blocks[0, 0, row, 0] ^= 0xFF
-            row += len(pull.block_ids)
+                blocks[0, 0, pull_rows[0], 0] ^= 0xFF
         return install(self, items, buffer, fence)
 
     monkeypatch.setattr(PullReader, "install", first_block_wrong)
