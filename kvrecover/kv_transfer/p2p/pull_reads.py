@@ -30,6 +30,7 @@ from kvrecover.kv_transfer.p2p.staging import (
     StagingPool,
     block_descriptors,
     half_nbytes,
+    max_gap_blocks,
     memory_of,
     staged_blocks,
 )
@@ -42,9 +43,12 @@ Checked = tuple[Pull, Peer, list[int]]
 """A pull its producer confirmed: the producer's peer and the checksums of its blocks."""
 
 
-def staging_layout(items: list[Checked]) -> StagingLayout:
-    """Where `PullReader.read` stages the blocks of `items` (in their order)."""
-    return StagingLayout.of([b for pull, _, _ in items for b in pull.remote_block_ids])
+def staging_layout(items: list[Checked], caches: list[torch.Tensor]) -> StagingLayout:
+    """Where `PullReader.read` stages the blocks of `items` (in their order) for a cache
+    of the tensors `caches`."""
+    max_gap = max_gap_blocks(half_nbytes(caches), caches[0].device.type)
+    return StagingLayout.of([b for pull, _, _ in items for b in pull.remote_block_ids],
+                            max_gap)
 
 
 class PullReader:
@@ -78,7 +82,7 @@ class PullReader:
         pool = self._staging_pool()
         row_nbytes = pool.row_nbytes  # a block's K and V in every cache tensor
         states = [p.remote_state for p, _, _ in items if p.remote_state is not None]
-        layout = staging_layout(items)
+        layout = staging_layout(items, self.caches)
         num_blocks = len(layout.remote_ids)
         try:
             buffer = pool.acquire(num_blocks + sum(num_rows(s, row_nbytes) for s in states))
@@ -109,7 +113,7 @@ class PullReader:
     def verify_states(self, items: list[Checked], buffer: StagingBuffer) -> None:
         """Each pull's staged state, verified against its checksum (`state_payload`;
         None if it fails), from the rows after the blocks' (as `read` laid them out)."""
-        row = len(staging_layout(items).remote_ids)
+        row = len(staging_layout(items, self.caches).remote_ids)
         for pull, _, _ in items:
             state = pull.remote_state
             if state is None:
@@ -128,14 +132,16 @@ class PullReader:
         `fence` when given: nothing is written once it is set. The blocks not installed."""
         local_ids = [b for pull, _, _ in items for b in pull.block_ids]
         expected = [x for _, _, checksums in items for x in checksums]
-        layout = staging_layout(items)
+        layout = staging_layout(items, self.caches)
         rows, num_rows = layout.rows, len(layout.remote_ids)  # rows: each pulled block's
         count = len(self.caches)
         staged = staged_blocks(buffer.rows, num_rows, count)  # (side, cache, block)
+        pulled_rows = sorted(set(rows))  # not the gaps' rows
         started = time.perf_counter()
-        actual = checksum_blocks(items[0][1].checksum, [staged[:, c] for c in range(count)],
-                                 range(num_rows))
+        checksums = checksum_blocks(items[0][1].checksum,
+                                    [staged[:, c] for c in range(count)], pulled_rows)
         self._count("check_microseconds", int((time.perf_counter() - started) * 1e6))
+        actual = dict(zip(pulled_rows, checksums))
         good = [i for i, x in enumerate(expected) if actual[rows[i]] == x]
         bad = set(local_ids) - {local_ids[i] for i in good}
         for pull, _, _ in items:

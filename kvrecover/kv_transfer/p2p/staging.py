@@ -45,8 +45,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# A READ's state is polled first after FIRST_POLL_S, then at twice the wait before, up
-# to POLL_INTERVAL_S: a GPU's READ of GBs ends in about a millisecond, a CPU's in tens.
+# A READ's state is polled every eighth of the time it has taken so far, within
+# [FIRST_POLL_S, POLL_INTERVAL_S]: a GPU's READ of GBs ends in about a millisecond, a
+# CPU's in tens, and either is seen done at most about an eighth late (doubling waits
+# saw a 1.6 ms READ done at 2.55 ms).
 FIRST_POLL_S = 0.00005
 POLL_INTERVAL_S = 0.001
 MAX_QUARANTINED_READS = 4  # given-up READs still in flight before pulls are refused
@@ -129,10 +131,10 @@ class StagingPool:
             handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
                                                 peer_agent, b"")
             state = self.agent.transfer(handle)
-            wait = FIRST_POLL_S
+            posted = time.monotonic()
             while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-                time.sleep(wait)
-                wait = min(2 * wait, POLL_INTERVAL_S)
+                waited = time.monotonic() - posted
+                time.sleep(min(max(FIRST_POLL_S, waited / 8), POLL_INTERVAL_S))
                 state = xfer_state(self.agent, handle)
             if state != "DONE":
                 logger.warning("NIXL read of %d descriptors from %s: %s", len(local),
@@ -235,19 +237,43 @@ def memory_of(tensor: torch.Tensor) -> tuple[str, int]:
     return "DRAM", 0
 
 
+# What one more READ descriptor costs, as the bytes a READ moves meanwhile: ~5 µs a
+# descriptor at ~1.5 TB/s on a GPU (cuda_ipc), ~3 µs at ~4 GB/s on a CPU (UCX on
+# loopback) (bench/NOTES.md, "NIXL pulls: one descriptor a run").
+DESCRIPTOR_COST_BYTES = {"cuda": 4 << 20, "cpu": 16 << 10}
+
+
+def max_gap_blocks(half: int, device_type: str) -> int:
+    """The longest gap of unpulled producer blocks worth reading to join two runs: a gap
+    block costs its `half` bytes per (side, cache tensor), joining saves a descriptor per
+    (side, cache tensor)."""
+    return DESCRIPTOR_COST_BYTES.get(device_type, DESCRIPTOR_COST_BYTES["cpu"]) // half
+
+
 @dataclass(frozen=True)
 class StagingLayout:
     """Where a READ puts a step's pulled blocks (module docstring): row r holds producer
     block `remote_ids[r]` (distinct, ascending); `rows[i]` is the row of the i-th pulled
-    block (a block two prompts share on the producer is read once)."""
+    block (a block two prompts share on the producer is read once). Rows no pull uses
+    fill short gaps between runs (each prompt's last, partial block is not pulled: the
+    next prompt's run starts a block later)."""
 
     remote_ids: list[int]
     rows: list[int]
 
     @classmethod
-    def of(cls, pulled_remote_ids: Sequence[int]) -> StagingLayout:
-        """The layout of the pulled producer blocks `pulled_remote_ids`, in pull order."""
-        remote_ids = sorted(set(pulled_remote_ids))
+    def of(cls, pulled_remote_ids: Sequence[int], max_gap: int = 0) -> StagingLayout:
+        """The layout of the pulled producer blocks `pulled_remote_ids` (in pull order),
+        gaps of up to `max_gap` blocks read too (in all, no more rows than are pulled)."""
+        distinct = sorted(set(pulled_remote_ids))
+        spare = len(distinct)  # gap rows at most double the buffer
+        remote_ids: list[int] = []
+        for block_id in distinct:
+            gap = block_id - remote_ids[-1] - 1 if remote_ids else 0
+            if 0 < gap <= min(max_gap, spare):
+                remote_ids.extend(range(remote_ids[-1] + 1, block_id))
+                spare -= gap
+            remote_ids.append(block_id)
         row_of = {block_id: row for row, block_id in enumerate(remote_ids)}
         return cls(remote_ids, [row_of[block_id] for block_id in pulled_remote_ids])
 

@@ -89,7 +89,7 @@ def test_a_wrong_block_staged_on_the_gpu_is_the_one_recomputed(tiny_llama, monke
     reported: set[int] = set()
 
     def one_wrong(self: PullReader, items: list, buffer: Any, fence: Any) -> set[int]:
-        blocks, _ = staged_pulls(items, buffer, len(self.caches))
+        blocks, _ = staged_pulls(self, items, buffer)
         blocks[1, -1, 0, -1] ^= 0x01  # one bit of V of the last cache tensor, first row
         bad = install(self, items, buffer, fence)
         reported.update(bad)

@@ -18,6 +18,7 @@ from kvrecover.kv_transfer.p2p.staging import (
     StagingPool,
     block_descriptors,
     block_runs,
+    max_gap_blocks,
     memory_of,
     rounded_rows,
     staged_blocks,
@@ -145,6 +146,24 @@ def test_the_staging_layout_reads_each_producer_block_once_in_ascending_id():
     assert StagingLayout.of([]) == StagingLayout([], [])
 
 
+def test_short_gaps_between_runs_are_read_to_join_them():
+    joined = StagingLayout.of([9, 8, 7, 3, 3, 4], max_gap=2)  # 5 and 6 read, unused
+    assert joined.remote_ids == [3, 4, 5, 6, 7, 8, 9]
+    assert joined.rows == [6, 5, 4, 0, 0, 1] and len(block_runs(joined.remote_ids)) == 1
+    assert StagingLayout.of([9, 8, 7, 3, 4], max_gap=1).remote_ids == [3, 4, 7, 8, 9]
+    # Gap rows never outnumber the pulled blocks: 8 unpulled blocks for 2 pulled are not read.
+    assert StagingLayout.of([10, 1], max_gap=100).remote_ids == [1, 10]
+    assert StagingLayout.of([1, 4, 10], max_gap=100).remote_ids == [1, 2, 3, 4, 10]
+
+
+def test_a_gap_is_read_where_it_costs_less_than_the_descriptors_it_saves():
+    # An 8B model's block side (32 KiB): 128 blocks on a GPU; a small CPU model's
+    # (12 KiB): one block, the partial block between two prompts' runs.
+    assert max_gap_blocks(32 << 10, "cuda") == 128
+    assert max_gap_blocks(12 << 10, "cpu") == 1
+    assert max_gap_blocks(64 << 10, "cpu") == 0
+
+
 def test_a_run_is_one_descriptor_per_side_and_cache_tensor():
     half, regions = 8, [(1000, 2000), (3000, 4000)]  # two cache tensors' (K, V) bases
     local, remote = block_descriptors([5, 6, 7, 2], regions, half, local_base=0,
@@ -223,7 +242,8 @@ def test_a_gpu_agent_starts_with_cuda_ipc_get_on_unless_the_user_says_otherwise(
 
 def test_a_steps_pulls_are_described_together_so_runs_span_prompts(monkeypatch):
     """Two prompts whose producer blocks are adjacent are one run (one descriptor per
-    side and cache tensor, not one per prompt); a gap starts another run."""
+    side and cache tensor, not one per prompt); a gap longer than the blocks pulled
+    starts another run (shorter ones are read: `StagingLayout`)."""
     from types import SimpleNamespace
 
     from kvrecover.kv_transfer.p2p.consumer import NixlConsumer
@@ -247,10 +267,10 @@ def test_a_steps_pulls_are_described_together_so_runs_span_prompts(monkeypatch):
                     [], None, 0, "", False)  # type: ignore[arg-type]
 
     pulls = [pull("a", [1, 2, 3], [10, 11, 12]), pull("b", [7, 8], [13, 14]),
-             pull("c", [9], [20])]
+             pull("c", [9], [40])]
     assert consumer.reader.read("producer", [(p, peer, []) for p in pulls], deadline=0.0) is not None
     local, remote = posted[0]
-    assert len(local) == len(remote) == 2 * 2 * num_caches  # runs 10..14 and 20
+    assert len(local) == len(remote) == 2 * 2 * num_caches  # runs 10..14 and 40
     assert remote[0] == (regions[0][0] + 10 * half, 5 * half, 0)
-    assert local[0][1] == 5 * half and remote[2 * num_caches] == (regions[0][0] + 20 * half,
+    assert local[0][1] == 5 * half and remote[2 * num_caches] == (regions[0][0] + 40 * half,
                                                                   half, 0)

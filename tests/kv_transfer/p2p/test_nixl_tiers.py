@@ -95,7 +95,7 @@ def test_a_retry_after_a_failed_pull_goes_past_the_released_reference(
 
     def first_block_wrong(self: PullReader, items: list, buffer: StagingBuffer,
                           fence: Any) -> set[int]:
-        blocks, rows = staged_pulls(items, buffer, len(self.caches))
+        blocks, rows = staged_pulls(self, items, buffer)
         for (pull, _, _), pull_rows in zip(items, rows):
             if pull.reference.request_id == handle:
                 blocks[0, 0, pull_rows[0], 0] ^= 0xFF
