@@ -2,9 +2,10 @@
 
 `PullReader.read` moves every block of a step's checked pulls from one producer agent
 with one READ into a registered staging buffer on the cache's device, never into the
-cache (`staging.py`): a row per distinct producer block in ascending id, laid out
-(side, cache, block), one descriptor per side, cache tensor and run of consecutive
-remote ids, a hybrid's state rows after the blocks (`states.py`). `install` checks the staged blocks against the producer's checksums (by
+cache (`staging.py`): a row per distinct producer block in ascending id (short gaps
+between runs read too), laid out (side, cache, block), one descriptor per side, cache
+tensor and run of consecutive remote ids, a hybrid's state rows after the blocks
+(`states.py`). `install` checks the staged blocks against the producer's checksums (by
 the algorithm its handshake names: `checksums.py`) and copies only the verified ones
 into the cache, one indexed copy per cache tensor, under a load's fence when given;
 `verify_states` checks the staged states. The reader counts the bytes and time READ,
@@ -75,9 +76,8 @@ class PullReader:
         """One NIXL READ of every block of `items` from `agent` into a staging buffer
         (never into the cache: `staging.py`): the blocks of `items` as `staging_layout`
         places them, one descriptor per run of consecutive remote ids, a hybrid's state
-        rows after them. The buffer if the READ completed (the caller
-        gives it back), else None (a READ given up in flight leaves its buffer
-        quarantined)."""
+        rows after them. The buffer if the READ completed (the caller gives it back),
+        else None (a READ given up in flight leaves its buffer quarantined)."""
         half = half_nbytes(self.caches)
         pool = self._staging_pool()
         row_nbytes = pool.row_nbytes  # a block's K and V in every cache tensor
