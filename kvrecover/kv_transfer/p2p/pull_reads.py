@@ -7,9 +7,9 @@ between runs read too), laid out (side, cache, block), one descriptor per side, 
 tensor and run of consecutive remote ids, a hybrid's state rows after the blocks
 (`states.py`). `install` checks the staged blocks against the producer's checksums (by
 the algorithm its handshake names: `checksums.py`) and copies only the verified ones
-into the cache, one indexed copy per cache tensor, under a load's fence when given;
-`verify_states` checks the staged states. The reader counts the bytes and time READ,
-the time checking and the blocks installed.
+into the cache, an indexed copy per cache tensor and run of consecutive staged rows,
+under a load's fence when given; `verify_states` checks the staged states. The reader
+counts the bytes and time READ, the time checking and the blocks installed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +52,52 @@ def staging_layout(items: list[Checked], caches: list[torch.Tensor]) -> StagingL
     max_gap = max_gap_blocks(half_nbytes(caches), caches[0].device.type)
     return StagingLayout.of([b for pull, _, _ in items for b in pull.remote_block_ids],
                             max_gap)
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    """Verified staged rows into cache blocks: each segment (first row, number of rows)
+    of consecutive staged rows goes into the next blocks of `targets` (the segments'
+    blocks, in turn); `repeats` are the (row, block) pairs of a row that goes into more
+    than one block (a producer block two pulls share)."""
+
+    segments: list[tuple[int, int]]
+    targets: list[int]
+    repeats: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[int, int]]) -> InstallPlan:
+        """The plan of (staged row, cache block) `pairs`."""
+        segments: list[tuple[int, int]] = []
+        targets: list[int] = []
+        repeats: list[tuple[int, int]] = []
+        for row, block in sorted(pairs):
+            if segments and row < segments[-1][0] + segments[-1][1]:
+                repeats.append((row, block))
+            elif segments and row == segments[-1][0] + segments[-1][1]:
+                segments[-1] = (segments[-1][0], segments[-1][1] + 1)
+                targets.append(block)
+            else:
+                segments.append((row, 1))
+                targets.append(block)
+        return cls(segments, targets, repeats)
+
+    def copies(self, gather: bool) -> list[tuple[slice | list[int], list[int]]]:
+        """(staged rows, their blocks) of each indexed copy: a slice per segment and a
+        gather of the repeats, or with `gather`, one of every row (a slice if they are
+        all the rows, in order)."""
+        at = 0
+        copies: list[tuple[slice | list[int], list[int]]] = []
+        for first, length in self.segments:
+            copies.append((slice(first, first + length), self.targets[at:at + length]))
+            at += length
+        if self.repeats:
+            copies.append(([row for row, _ in self.repeats], [b for _, b in self.repeats]))
+        if not gather or len(copies) == 1:
+            return copies
+        rows = [r for source, _ in copies for r in (
+            range(source.start, source.stop) if isinstance(source, slice) else source)]
+        return [(rows, [b for _, blocks in copies for b in blocks])]
 
 
 class PullReader:
@@ -128,7 +176,7 @@ class PullReader:
     def install(self, items: list[Checked], buffer: StagingBuffer,
                 fence: ReadCancel | None) -> set[int]:
         """Verify the staged rows of `items` against the producer's checksums and copy
-        the verified ones into the cache (one indexed copy per cache tensor), under
+        the verified ones into the cache (`InstallPlan`), under
         `fence` when given: nothing is written once it is set. The blocks not installed."""
         local_ids = [b for pull, _, _ in items for b in pull.block_ids]
         expected = [x for _, _, checksums in items for x in checksums]
@@ -156,18 +204,22 @@ class PullReader:
         # byte per element (a 16 x 1024-token CPU pull spent 3 s here).
         word = torch.int64 if half % 8 == 0 else torch.uint8
         words = staged.view(word)
-        chosen_rows = [rows[i] for i in good]
-        chosen = None  # every staged row, in order
-        if chosen_rows != list(range(num_rows)):
-            chosen = torch.tensor(chosen_rows, device=staged.device)
-        targets = torch.tensor([local_ids[i] for i in good], dtype=torch.long,
-                               device=staged.device)
+        # On a CPU, a copy per segment of consecutive rows: a gather of the rows used
+        # (with a gap read or a block failed) would move every byte twice. On a GPU, one
+        # gather: a launch per segment costs more than the second pass.
+        plan = InstallPlan.of((rows[i], local_ids[i]) for i in good)
+        device = staged.device
+        copies = [(source if isinstance(source, slice) else torch.tensor(source, device=device),
+                   torch.tensor(blocks, dtype=torch.long, device=device))
+                  for source, blocks in plan.copies(gather=staged.is_cuda)]
 
         def copy() -> None:
             for c, cache in enumerate(self.caches):
                 cache_words = cache.view(torch.uint8).view(2, cache.shape[1], half).view(word)
-                source = words[:, c] if chosen is None else words[:, c].index_select(1, chosen)
-                cache_words.index_copy_(1, targets, source)
+                for source, blocks in copies:
+                    source_words = (words[:, c, source] if isinstance(source, slice)
+                                    else words[:, c].index_select(1, source))
+                    cache_words.index_copy_(1, blocks, source_words)
             if staged.is_cuda:
                 # The buffer goes back to the pool next, and the next READ into it runs on
                 # UCX's stream, not this one: the copies out of it must be done first.

@@ -28,6 +28,7 @@ from kvrecover import LLM, KVTransferConfig, SamplingParams
 from kvrecover.kv_transfer.p2p import consumer
 from kvrecover.kv_transfer.p2p.pull_reads import PullReader, staging_layout
 from kvrecover.kv_transfer.p2p.staging import (
+    DESCRIPTOR_COST_BYTES,
     StagingBuffer,
     StagingPool,
     block_runs,
@@ -249,6 +250,43 @@ def test_a_used_producers_descending_blocks_are_read_in_one_descriptor_a_run(
     assert run.pulled == len(pulled) and run.stats["kv_load_failed_blocks"] == 0
     layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
     assert reads and all(count == 2 * layers for count in reads)  # K, V of each layer
+    assert producer.finish() == 0
+
+
+def test_a_producer_block_two_prompts_share_is_read_once_and_installed_twice(
+        tiny_llama, monkeypatch):
+    """Two prompts with a common 32-token prefix: the producer's prefix cache gives
+    both references the same first blocks (the producer prefills one prompt, then the
+    other). A consumer without a prefix cache pulls both
+    prompts in one step: the shared blocks are staged once and copied into each
+    prompt's own blocks; the token ids are exact."""
+    shared = PROMPTS[0][:32]
+    prompts = [shared + PROMPTS[0][32:], shared + PROMPTS[1][:29]]
+    producer = Producer(tiny_llama, prompts=prompts, engine={"max_num_seqs": 1})  # in turn
+    first, second = (r["remote_block_ids"] for r in producer.references)
+    assert first[:4] == second[:4] and len(set(first + second)) < len(first + second)
+    reads: list[int] = []  # the blocks each READ staged
+    read = StagingPool.read
+    monkeypatch.setitem(DESCRIPTOR_COST_BYTES, "cpu", 0)  # no gap read: exact counts
+
+    def counted(self: StagingPool, buffer: StagingBuffer, local: list, *args) -> bool:
+        reads.append(sum(length for _, length, _ in local) // self.row_nbytes)
+        return read(self, buffer, local, *args)
+
+    monkeypatch.setattr(StagingPool, "read", counted)
+    params = with_references(producer.references)
+    expected = LLM(str(tiny_llama), device="cpu", block_size=8).generate(
+        [{"prompt_token_ids": p} for p in prompts], PARAMS)
+    llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=128,
+              enable_prefix_caching=False,
+              kv_transfer_config=consumer_config(False, "recompute", None))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm.close()
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in expected]
+    assert llm.stats["kv_nixl_pulled_blocks"] == len(first) + len(second)
+    assert llm.stats["kv_load_failed_blocks"] == 0
+    assert reads == [len(set(first + second))]  # one READ, the shared blocks once
     assert producer.finish() == 0
 
 

@@ -12,6 +12,7 @@ import torch
 import xxhash
 
 from kvrecover.kv_transfer.p2p.checksums import checksum_blocks, fold64_reference
+from kvrecover.kv_transfer.p2p.pull_reads import InstallPlan
 from kvrecover.kv_transfer.p2p.staging import (
     StagingExhausted,
     StagingLayout,
@@ -154,6 +155,21 @@ def test_short_gaps_between_runs_are_read_to_join_them():
     # Gap rows never outnumber the pulled blocks: 8 unpulled blocks for 2 pulled are not read.
     assert StagingLayout.of([10, 1], max_gap=100).remote_ids == [1, 10]
     assert StagingLayout.of([1, 4, 10], max_gap=100).remote_ids == [1, 2, 3, 4, 10]
+
+
+def test_an_install_plan_copies_runs_of_rows_and_repeats_a_shared_row():
+    # (staged row, cache block): rows 0-2 and 5 (3 and 4 a gap or a failed block), row 1
+    # also into block 40 (a producer block two pulls share).
+    plan = InstallPlan.of([(5, 9), (1, 31), (0, 30), (2, 7), (1, 40)])
+    assert plan.segments == [(0, 3), (5, 1)]
+    assert plan.targets == [30, 31, 7, 9]
+    assert plan.repeats == [(1, 40)]
+    assert InstallPlan.of([]) == InstallPlan([], [], [])
+    assert plan.copies(gather=False) == [(slice(0, 3), [30, 31, 7]), (slice(5, 6), [9]),
+                                         ([1], [40])]
+    assert plan.copies(gather=True) == [([0, 1, 2, 5, 1], [30, 31, 7, 9, 40])]
+    whole = InstallPlan.of([(1, 8), (0, 3)])  # every row in order: a slice either way
+    assert whole.copies(gather=True) == whole.copies(gather=False) == [(slice(0, 2), [3, 8])]
 
 
 def test_a_gap_is_read_where_it_costs_less_than_the_descriptors_it_saves():
