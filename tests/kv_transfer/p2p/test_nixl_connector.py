@@ -257,9 +257,9 @@ def test_a_producer_block_two_prompts_share_is_read_once_and_installed_twice(
         tiny_llama, monkeypatch):
     """Two prompts with a common 32-token prefix: the producer's prefix cache gives
     both references the same first blocks (the producer prefills one prompt, then the
-    other). A consumer without a prefix cache pulls both
-    prompts in one step: the shared blocks are staged once and copied into each
-    prompt's own blocks; the token ids are exact."""
+    other). A consumer without a prefix cache pulls both prompts in one step: the
+    shared blocks are staged once and copied into each prompt's own blocks; the token
+    ids are exact."""
     shared = PROMPTS[0][:32]
     prompts = [shared + PROMPTS[0][32:], shared + PROMPTS[1][:29]]
     producer = Producer(tiny_llama, prompts=prompts, engine={"max_num_seqs": 1})  # in turn
@@ -275,8 +275,9 @@ def test_a_producer_block_two_prompts_share_is_read_once_and_installed_twice(
 
     monkeypatch.setattr(StagingPool, "read", counted)
     params = with_references(producer.references)
-    expected = LLM(str(tiny_llama), device="cpu", block_size=8).generate(
-        [{"prompt_token_ids": p} for p in prompts], PARAMS)
+    alone = LLM(str(tiny_llama), device="cpu", block_size=8)
+    expected = alone.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    alone.close()
     llm = LLM(str(tiny_llama), device="cpu", block_size=8, num_kv_blocks=128,
               enable_prefix_caching=False,
               kv_transfer_config=consumer_config(False, "recompute", None))
