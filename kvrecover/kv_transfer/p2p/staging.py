@@ -14,17 +14,17 @@ transport that hangs for good. Buffers are registered once and reused: at most
 `MAX_FREE_BUFFERS` idle ones are kept, each sized to a power of two of rows.
 
 Layout. A READ of n producer blocks (each pulled one once, and the gaps it joins) fills
-the buffer's first n rows (a row: a block's K and V in every cache tensor), in ascending
-producer id (`StagingLayout`), side-major: (side, cache tensor, block), each piece `half` bytes, so
-that a run of consecutive producer block ids is one descriptor per (side, cache tensor)
-(`block_descriptors`) instead of one per (side, cache tensor, block): 60 descriptors a
-block of 12 KB each were most of a CPU pull's READ time. Ascending, because a producer
-that has served a while hands a prompt its blocks in the order they were freed, and a
-request's blocks are freed tail first: descending runs, one descriptor a block in the
-prompts' order (each ~3 µs in UCX on a CPU, ~5 µs on a GPU). A gap between two runs is
-read too where its blocks cost less than the descriptors joining saves (`max_gap_blocks`;
-those rows are neither checked nor installed). A block's checksum still covers its
-bytes block-major (K of each cache tensor, then V), hashed piece by piece
+the buffer's first n rows (a row: a block's K and V in every cache tensor), in
+ascending producer id (`StagingLayout`), side-major: (side, cache tensor, block), each
+piece `half` bytes, so that a run of consecutive producer block ids is one descriptor
+per (side, cache tensor) (`block_descriptors`) instead of one per (side, cache tensor,
+block): 60 descriptors a block of 12 KB each were most of a CPU pull's READ time.
+Ascending, because a producer that has served a while hands a prompt its blocks in the
+order they were freed, and a request's blocks are freed tail first: descending runs,
+one descriptor a block in the prompts' order (each ~3 µs in UCX on a CPU, ~5 µs on a
+GPU). A gap between two runs is read too where its blocks cost less than the
+descriptors joining saves (`max_gap_blocks`; those rows are neither checked nor
+installed). A block's checksum still covers its bytes block-major (K of each cache tensor, then V), hashed piece by piece
 (`checksums.py`), so producer and consumer hash the same bytes with no permuted copy on
 either side. A hybrid's state rows follow the n block rows (`states.py`).
 
