@@ -5,10 +5,8 @@ stop string once, at the end; the echoed text once, at the start)."""
 
 from __future__ import annotations
 
-import signal
-
 import pytest
-from test_proxy import PROMPT, fresh_cluster, model_dir, proxy_count  # noqa: F401
+from test_proxy import PROMPT, fresh_cluster, model_dir, read_killing_the_decode  # noqa: F401
 from test_proxy_sampling import read_stream
 
 pytestmark = pytest.mark.slow  # separate processes
@@ -31,17 +29,9 @@ def migrated(cluster, path: str, body: dict) -> dict:
     """Choice 0 of `body` through a new proxy, its decode instance SIGKILLed once the
     stream starts; checks that the proxy migrated it."""
     proxy = cluster.proxy(health_interval=600)
-    killed = []
-
-    def kill_serving(response):
-        serving = next(d for d in cluster.decode
-                       if d.url == response.headers["x-kvrecover-decode-instance"])
-        serving.kill(signal.SIGKILL)
-        killed.append(serving)
-
-    choices, done = read_stream(proxy.url, path, body, kill_serving)
+    (choices, done), _ = read_killing_the_decode(
+        cluster, proxy, lambda on_open: read_stream(proxy.url, path, body, on_open))
     assert done and list(choices) == [0]
-    assert proxy_count(proxy, "migrations", killed[0], "decode") >= 1
     return choices[0]
 
 

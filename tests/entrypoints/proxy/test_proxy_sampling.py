@@ -5,13 +5,12 @@ every choice), as the offline API computes it."""
 from __future__ import annotations
 
 import json
-import signal
 
 import httpx
 import pytest
 from conftest import build_tiny_model
 from serving_utils import add_chat_template
-from test_proxy import PROMPT, WAIT_S, Cluster, chat_prompt_ids, proxy_count
+from test_proxy import PROMPT, WAIT_S, Cluster, chat_prompt_ids, read_killing_the_decode
 
 from kvrecover import LLM, SamplingParams
 
@@ -111,15 +110,8 @@ def test_migration_keeps_penalties_logprobs_and_choices(fresh_cluster, reference
         **{k: v for k, v in knobs.items() if k in ("temperature", "top_k", "seed")}))[0]
     assert [undisturbed[i]["token_ids"] for i in range(n)] == \
         [c.token_ids for c in offline.outputs]
-    killed = []
-
-    def kill_serving(response):
-        serving = next(d for d in cluster.decode
-                       if d.url == response.headers["x-kvrecover-decode-instance"])
-        serving.kill(signal.SIGKILL)
-        killed.append(serving)
-
-    migrated, done = read_stream(proxy.url, path, body, kill_serving)
+    (migrated, done), _ = read_killing_the_decode(
+        cluster, proxy, lambda on_open: read_stream(proxy.url, path, body, on_open))
     assert done
     for index in range(n):
         got, want = migrated[index], undisturbed[index]
@@ -131,4 +123,3 @@ def test_migration_keeps_penalties_logprobs_and_choices(fresh_cluster, reference
     if not chat:
         offsets = [o for part in migrated[0]["logprobs"] for o in part["text_offset"]]
         assert offsets == [o for part in undisturbed[0]["logprobs"] for o in part["text_offset"]]
-    assert proxy_count(proxy, "migrations", killed[0], "decode") >= 1

@@ -6,12 +6,18 @@ the undisturbed one and parses."""
 from __future__ import annotations
 
 import json
-import signal
 
 import httpx
 import pytest
 from structured_helpers import schema_errors
-from test_proxy import WAIT_S, chat_prompt_ids, fresh_cluster, model_dir, reference  # noqa: F401
+from test_proxy import (  # noqa: F401
+    WAIT_S,
+    chat_prompt_ids,
+    fresh_cluster,
+    model_dir,
+    read_killing_the_decode,
+    reference,
+)
 
 from kvrecover import SamplingParams
 from kvrecover.structured.params import StructuredOutputsParams
@@ -33,28 +39,31 @@ PROMPT = "the capital of france is paris and the capital of china is beijing. th
 
 
 def stream_through(cluster, path: str, body: dict):
-    """(text or argument text, token ids, finish reason, the decode instance killed):
-    the client's stream, the decode instance SIGKILLed as soon as the stream starts."""
-    text, token_ids, finish = [], [], None
+    """(text or argument text, token ids, finish reason, proxy, the decode instance
+    killed): the client's stream, the decode instance SIGKILLed as soon as it starts."""
     proxy = cluster.proxy(health_interval=600)
-    with httpx.stream("POST", f"{proxy.url}{path}", json=body, timeout=WAIT_S) as response:
-        assert response.status_code == 200, response.read()
-        serving = next(d for d in cluster.decode
-                       if d.url == response.headers["x-kvrecover-decode-instance"])
-        serving.kill(signal.SIGKILL)
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            if "delta" in choice:
-                for call in choice["delta"].get("tool_calls") or []:
-                    assert call["index"] == 0
-                    text.append(call["function"].get("arguments") or "")
-            else:
-                text.append(choice["text"])
-            token_ids.extend(choice["token_ids"])
-            finish = choice["finish_reason"] or finish
-    return "".join(text), token_ids, finish, proxy, serving
+
+    def read(on_open):
+        text, token_ids, finish = [], [], None
+        with httpx.stream("POST", f"{proxy.url}{path}", json=body, timeout=WAIT_S) as response:
+            assert response.status_code == 200, response.read()
+            on_open(response)
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if "delta" in choice:
+                    for call in choice["delta"].get("tool_calls") or []:
+                        assert call["index"] == 0
+                        text.append(call["function"].get("arguments") or "")
+                else:
+                    text.append(choice["text"])
+                token_ids.extend(choice["token_ids"])
+                finish = choice["finish_reason"] or finish
+        return "".join(text), token_ids, finish
+
+    (text, token_ids, finish), serving = read_killing_the_decode(cluster, proxy, read)
+    return text, token_ids, finish, proxy, serving
 
 
 def test_a_json_schema_completion_migrates_exactly(fresh_cluster, reference):  # noqa: F811
@@ -158,15 +167,8 @@ def test_a_json_schema_with_logprobs_penalties_and_n_migrates_exactly(
     assert done
     assert [undisturbed[i]["token_ids"] for i in (0, 1)] == \
         [c.token_ids for c in offline.outputs]
-    killed = []
-
-    def kill_serving(response):
-        serving = next(d for d in cluster.decode
-                       if d.url == response.headers["x-kvrecover-decode-instance"])
-        serving.kill(signal.SIGKILL)
-        killed.append(serving)
-
-    migrated, done = read_stream(proxy.url, "/v1/completions", body, kill_serving)
+    (migrated, done), serving = read_killing_the_decode(
+        cluster, proxy, lambda on_open: read_stream(proxy.url, "/v1/completions", body, on_open))
     assert done
     for index in (0, 1):
         got, want = migrated[index], undisturbed[index]
@@ -176,7 +178,7 @@ def test_a_json_schema_with_logprobs_penalties_and_n_migrates_exactly(
         assert_same_logprobs(flat_logprobs(got["logprobs"], False),
                              flat_logprobs(want["logprobs"], False))
         assert len(flat_logprobs(got["logprobs"], False)) == len(want["token_ids"])
-    assert_migrated(cluster, proxy, killed[0])
+    assert_migrated(cluster, proxy, serving)
 
 
 def test_required_tool_calls_of_n_choices_through_the_proxy_are_parsed_per_choice(tmp_path):
