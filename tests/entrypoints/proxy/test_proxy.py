@@ -136,6 +136,37 @@ def proxy_count(proxy: Process, name: str, instance: Process, role: str) -> floa
                   f'instance="{instance.url}",role="{role}"')
 
 
+def read_stream(url: str, path: str, body: dict, on_open=None) -> tuple[dict, bool]:
+    """Per choice index: text, token ids, logprobs joined, finish reason; and whether
+    the stream ended with [DONE]."""
+    choices: dict[int, dict] = {}
+    done = False
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=WAIT_S) as response:
+        assert response.status_code == 200
+        if on_open is not None:
+            on_open(response)
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                assert chunk["object"] == ("chat.completion.chunk" if "/chat/" in path
+                                           else "text_completion")
+                for choice in chunk["choices"]:
+                    got = choices.setdefault(choice["index"], {
+                        "text": [], "token_ids": [], "logprobs": [], "finish": None})
+                    got["text"].append(choice["delta"]["content"] if "delta" in choice
+                                       else choice["text"])
+                    got["token_ids"].extend(choice["token_ids"])
+                    if choice["logprobs"] is not None:
+                        got["logprobs"].append(choice["logprobs"])
+                    got["finish"] = choice["finish_reason"] or got["finish"]
+    for got in choices.values():
+        got["text"] = "".join(got["text"])
+    return choices, done
+
+
 def read_killing_the_decode(cluster: Cluster, proxy: Process, read):
     """`read(on_open)`'s result and the decode instance `on_open(response)` SIGKILLed
     (the one `response` names), which the proxy must have migrated. On a busy machine
@@ -366,28 +397,10 @@ def test_decode_killed_mid_stream_is_migrated_with_identical_tokens(fresh_cluste
         greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         assert output.token_ids != reference.generate([prompt], greedy)[0].outputs[0].token_ids
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-
-    def read(on_open):
-        text, token_ids, finish, done = [], [], None, False
-        with httpx.stream("POST", f"{proxy.url}{path}", json=body, timeout=WAIT_S) as response:
-            assert response.status_code == 200
-            on_open(response)
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    assert chunk["object"] == ("chat.completion.chunk" if endpoint == "chat"
-                                               else "text_completion")
-                    choice = chunk["choices"][0]
-                    text.append(choice["delta"]["content"] if endpoint == "chat"
-                                else choice["text"])
-                    token_ids.extend(choice["token_ids"])
-                    finish = choice["finish_reason"] or finish
-        assert done and finish == "length"
-        assert ("".join(text), token_ids) == want
-
-    _, serving = read_killing_the_decode(cluster, proxy, read)
+    (choices, done), serving = read_killing_the_decode(
+        cluster, proxy, lambda on_open: read_stream(proxy.url, path, body, on_open))
+    assert done and list(choices) == [0] and choices[0]["finish"] == "length"
+    assert (choices[0]["text"], choices[0]["token_ids"]) == want
     assert proxy_count(proxy, "migrations", serving, "decode") == 1
     other = next(d for d in cluster.decode if d is not serving)
     assert 0 < metric(other.url, "kvrecover_generation_tokens_total") < max_tokens

@@ -6,8 +6,13 @@ stop string once, at the end; the echoed text once, at the start)."""
 from __future__ import annotations
 
 import pytest
-from test_proxy import PROMPT, fresh_cluster, model_dir, read_killing_the_decode  # noqa: F401
-from test_proxy_sampling import read_stream
+from test_proxy import (  # noqa: F401
+    PROMPT,
+    fresh_cluster,
+    model_dir,
+    read_killing_the_decode,
+    read_stream,
+)
 
 pytestmark = pytest.mark.slow  # separate processes
 

@@ -4,13 +4,16 @@ every choice), as the offline API computes it."""
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 from conftest import build_tiny_model
 from serving_utils import add_chat_template
-from test_proxy import PROMPT, WAIT_S, Cluster, chat_prompt_ids, read_killing_the_decode
+from test_proxy import (
+    PROMPT,
+    Cluster,
+    chat_prompt_ids,
+    read_killing_the_decode,
+    read_stream,
+)
 
 from kvrecover import LLM, SamplingParams
 
@@ -37,35 +40,6 @@ def fresh_cluster(model_dir, tmp_path):
         yield cluster
     finally:
         cluster.close()
-
-
-def read_stream(url: str, path: str, body: dict, on_open=None) -> tuple[dict, bool]:
-    """Per choice index: text, token ids, logprobs joined, finish reason; and whether
-    the stream ended with [DONE]."""
-    choices: dict[int, dict] = {}
-    done = False
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=WAIT_S) as response:
-        assert response.status_code == 200
-        if on_open is not None:
-            on_open(response)
-        for line in response.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    got = choices.setdefault(choice["index"], {
-                        "text": [], "token_ids": [], "logprobs": [], "finish": None})
-                    got["text"].append(choice["delta"]["content"] if "delta" in choice
-                                       else choice["text"])
-                    got["token_ids"].extend(choice["token_ids"])
-                    if choice["logprobs"] is not None:
-                        got["logprobs"].append(choice["logprobs"])
-                    got["finish"] = choice["finish_reason"] or got["finish"]
-    for got in choices.values():
-        got["text"] = "".join(got["text"])
-    return choices, done
 
 
 def flat_logprobs(parts: list[dict], chat: bool) -> list[tuple]:

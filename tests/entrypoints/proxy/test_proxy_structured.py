@@ -151,7 +151,8 @@ def test_a_json_schema_with_logprobs_penalties_and_n_migrates_exactly(
     three penalties, give the undisturbed stream when their decode instance is killed:
     each choice's continuation replays its tokens through its own matcher and counts
     them for its penalties."""
-    from test_proxy_sampling import PENALTIES, assert_same_logprobs, flat_logprobs, read_stream
+    from test_proxy import read_stream
+    from test_proxy_sampling import PENALTIES, assert_same_logprobs, flat_logprobs
 
     spec = StructuredOutputsParams(json=SCORES_SCHEMA)
     knobs = {"temperature": 0.9, "top_k": 30, "seed": 17}
