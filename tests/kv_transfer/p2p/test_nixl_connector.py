@@ -139,6 +139,11 @@ def baseline(tiny_llama) -> list[list[int]]:
     return no_connector(tiny_llama)
 
 
+def load_id(value: object) -> str | None:
+    """A case id's loading part ("sync"/"async"); pytest's default id for the rest."""
+    return ("async" if value else "sync") if isinstance(value, bool) else None
+
+
 def tiny_model(name: str, tiny_llama: Path, tmp_path_factory) -> Path:
     """Llama (one full-attention group), Mistral (one windowed group), Gemma 3 (windowed
     and full groups)."""

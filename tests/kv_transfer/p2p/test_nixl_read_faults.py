@@ -28,6 +28,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     consumer_config,
     count_checks,
     kill_producers,
+    load_id,
     no_connector,
     staged_pulls,
     tampered,
@@ -51,7 +52,13 @@ RELEASE_HANG_S = 3.0
 FAST_S = 5.0  # a generous bound on a fallback that must not wait (a loaded 2-core box)
 
 sync_async = pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-policies = pytest.mark.parametrize("policy", ["recompute", "fail"])
+
+
+# Every pair of (model, loading, policy) values once, not the whole product: each case
+# starts a producer process, and these checks do not depend on three values together.
+models_loads_policies = pytest.mark.parametrize("model,async_load,policy", [
+    ("llama", False, "recompute"), ("llama", True, "fail"),
+    ("gemma3", False, "fail"), ("gemma3", True, "recompute")], indirect=["model"], ids=load_id)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -100,8 +107,7 @@ class Killer:
                 self.killed = True
 
 
-@sync_async
-@policies
+@models_loads_policies
 def test_a_producer_killed_as_the_read_is_posted_is_recomputed_in_bounded_time(
         model, monkeypatch, async_load, policy):
     """The check answered, then the producer dies before its READ is posted: the READ
@@ -125,8 +131,7 @@ def test_a_producer_killed_as_the_read_is_posted_is_recomputed_in_bounded_time(
     assert run.elapsed < 2 * timeout_s + FAST_S
 
 
-@sync_async
-@policies
+@models_loads_policies
 def test_a_producer_killed_after_the_read_before_the_release_costs_nothing(
         model, monkeypatch, async_load, policy):
     """Every block was read and verified; the producer dies before the consumer's release
@@ -179,8 +184,7 @@ class FailingReads:
         return "ERR"
 
 
-@sync_async
-@policies
+@models_loads_policies
 def test_a_read_in_the_error_state_is_recomputed_at_once(model, monkeypatch, async_load,
                                                          policy):
     agents: list[FailingReads] = []
@@ -203,9 +207,10 @@ def test_a_read_in_the_error_state_is_recomputed_at_once(model, monkeypatch, asy
     assert producer.finish() == (0 if policy == "recompute" else 1)
 
 
-@sync_async
-@policies
-@pytest.mark.parametrize("checksum", ["xxh3", "fold64"])
+@pytest.mark.parametrize("model,async_load,policy,checksum", [
+    ("llama", False, "recompute", "xxh3"), ("llama", True, "fail", "fold64"),
+    ("gemma3", False, "fail", "fold64"), ("gemma3", True, "recompute", "fold64"),
+    ("gemma3", True, "fail", "xxh3")], indirect=["model"], ids=load_id)  # each pair once
 def test_a_read_that_delivers_some_blocks_wrong_invalidates_exactly_those(
         model, monkeypatch, async_load, policy, checksum):
     """The READ completes, but two of the first prompt's staged blocks are not what the
@@ -278,8 +283,11 @@ def test_a_consumer_that_caches_a_prefix_pulls_only_the_rest(model, async_load):
     assert producer.finish() == 0
 
 
-@sync_async
-@pytest.mark.parametrize("case", ["unknown request", "other blocks", "released"])
+@pytest.mark.parametrize("case,model,async_load", [
+    ("unknown request", "llama", False), ("unknown request", "gemma3", True),
+    ("other blocks", "llama", True), ("other blocks", "gemma3", False),
+    ("released", "llama", False), ("released", "gemma3", True)],
+    indirect=["model"], ids=load_id)  # every pair of values once
 def test_a_producer_that_cannot_serve_a_read_says_so_at_once(model, async_load, case):
     """With load_timeout_s 60, a pull the producer refuses (a reference it never held,
     blocks that are not the reference's, one released already) falls back within

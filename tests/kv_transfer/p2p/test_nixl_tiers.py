@@ -19,6 +19,7 @@ from test_nixl_connector import (  # noqa: F401 - kill_producers: an autouse fix
     consume,
     count_checks,
     kill_producers,
+    load_id,
     no_connector,
     staged_pulls,
     tampered,
@@ -54,8 +55,10 @@ def test_a_pull_comes_first(model, tmp_path, producer, async_load):
     assert producer.finish() == 0
 
 
-@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("fault", ["unknown request", "dead producer"])
+@pytest.mark.parametrize("fault,model,async_load", [
+    ("unknown request", "llama", False), ("unknown request", "gemma3", True),
+    ("dead producer", "llama", True), ("dead producer", "gemma3", False)],
+    indirect=["model"], ids=load_id)  # every pair of values once: each starts a producer
 def test_a_failed_pull_falls_through_to_the_store(model, tmp_path, producer, fault,
                                                  async_load):
     references = producer.references
