@@ -5,28 +5,30 @@ A READ that outlives its deadline is given up (its blocks are recomputed, or fre
 reused), yet it may still complete later, and NIXL offers no cancel that is proven to
 wait for the write. So every READ targets a staging buffer of this pool, never the
 cache: the caller verifies the staged rows and copies only verified ones into the cache
-itself (`PullReader.install`, `pull_reads.py`). A buffer whose READ was given up is quarantined with its
-transfer handle, never released while in flight: it goes back into use only once NIXL
-reports that transfer DONE or ERR (a terminal state: nothing more of it is written).
-While `MAX_QUARANTINED_READS` buffers wait so, `acquire` refuses (`StagingExhausted`:
-the pull fails at once and its blocks are recomputed) instead of growing memory for a
-transport that hangs for good. Buffers are registered once and reused: at most
-`MAX_FREE_BUFFERS` idle ones are kept, each sized to a power of two of rows.
+itself (`PullReader.install`, `pull_reads.py`). A buffer whose READ was given up is
+quarantined with its transfer handle, never released while in flight: it goes back into
+use only once NIXL reports that transfer DONE or ERR (a terminal state: nothing more of
+it is written). While `MAX_QUARANTINED_READS` buffers wait so, `acquire` refuses
+(`StagingExhausted`: the pull fails at once and its blocks are recomputed) instead of
+growing memory for a transport that hangs for good. Buffers are registered once and
+reused: at most `MAX_FREE_BUFFERS` idle ones are kept, each sized to a power of two of
+rows.
 
 Layout. A READ of n producer blocks (each pulled one once, and the gaps it joins) fills
-the buffer's first n rows (a row: a block's K and V in every cache tensor), in
-ascending producer id (`StagingLayout`), side-major: (side, cache tensor, block), each
-piece `half` bytes, so that a run of consecutive producer block ids is one descriptor
-per (side, cache tensor) (`block_descriptors`) instead of one per (side, cache tensor,
+the buffer's first n rows (a row: a block's K and V in every cache tensor), in ascending
+producer id (`StagingLayout`), side-major: (side, cache tensor, block), each piece
+`half` bytes, so that a run of consecutive producer block ids is one descriptor per
+(side, cache tensor) (`block_descriptors`) instead of one per (side, cache tensor,
 block): 60 descriptors a block of 12 KB each were most of a CPU pull's READ time.
 Ascending, because a producer that has served a while hands a prompt its blocks in the
-order they were freed, and a request's blocks are freed tail first: descending runs,
-one descriptor a block in the prompts' order (each ~3 µs in UCX on a CPU, ~5 µs on a
-GPU). A gap between two runs is read too where its blocks cost less than the
-descriptors joining saves (`max_gap_blocks`; those rows are neither checked nor
-installed). A block's checksum still covers its bytes block-major (K of each cache tensor, then V), hashed piece by piece
-(`checksums.py`), so producer and consumer hash the same bytes with no permuted copy on
-either side. A hybrid's state rows follow the n block rows (`states.py`).
+order they were freed, and a request's blocks are freed tail first: descending runs, one
+descriptor a block in the prompts' order (each ~3 µs in UCX on a CPU, ~5 µs on a GPU). A
+gap between two runs is read too where its blocks cost less than the descriptors joining
+saves (`max_gap_blocks`; those rows are neither checked nor installed). A block's
+checksum still covers its bytes block-major (K of each cache tensor, then V), hashed
+piece by piece (`checksums.py`), so producer and consumer hash the same bytes with no
+permuted copy on either side. A hybrid's state rows follow the n block rows
+(`states.py`).
 
 Memory. Buffers live where the consumer's cache does: CPU memory (NIXL's "DRAM") for a
 CPU engine, the cache's GPU ("VRAM") for a GPU one, so a GPU pull is a device-to-device

@@ -7,10 +7,11 @@ else by `reference.grouped_moe.align_by_expert`, bit for bit the same blocks.
 Two grouped-GEMM launches cover every expert: the first gathers each block's
 token rows, runs the block's expert's gate and up columns and applies SwiGLU
 (rounding where the torch reference rounds); the second runs the down projection
-and writes each row to its assignment's slot. gpt-oss's experts add a bias after each matmul
-(`HAS_BIAS`) and clamp their SwiGLU (`CLAMPED`: `reference.moe.clamped_swiglu`),
-rounded as that reference rounds. `reference.moe.combine_topk` then sums a token's
-`k` outputs in top-k order in float32.
+and writes each row to its assignment's slot. gpt-oss's experts add a bias after
+each matmul (`HAS_BIAS`) and clamp their SwiGLU (`CLAMPED`:
+`reference.moe.clamped_swiglu`), rounded as that reference rounds.
+`reference.moe.combine_topk` then sums a token's `k` outputs in top-k order in
+float32.
 
 Batch invariance: a row's result in a `tl.dot` tile depends only on that row and
 the tile shape, so `BatchInvariantOps` runs one fixed tile configuration
