@@ -167,12 +167,12 @@ def read_stream(url: str, path: str, body: dict, on_open=None) -> tuple[dict, bo
     return choices, done
 
 
-def read_killing_the_decode(cluster: Cluster, proxy: Process, read):
+def read_killing_the_decode(cluster, proxy: Process, read):
     """`read(on_open)`'s result and the decode instance `on_open(response)` SIGKILLed
-    (the one `response` names), which the proxy must have migrated. On a busy machine
-    the tiny model can send every token before the signal lands, leaving nothing to
-    migrate: then the instance is restarted on its port and the request repeated, at
-    most KILL_ATTEMPTS times."""
+    (the one of `cluster.decode` that `response` names), which the proxy must have
+    migrated. On a busy machine the tiny model can send every token before the signal
+    lands, leaving nothing to migrate: then `cluster.restart` starts the instance again
+    on its port and the request is repeated, at most KILL_ATTEMPTS times."""
     killed: list[Process] = []
 
     def on_open(response) -> None:

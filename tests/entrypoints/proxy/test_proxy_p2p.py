@@ -23,7 +23,7 @@ from router_helpers import (
     streamed_token_ids,
 )
 from serving_utils import Process, add_chat_template, free_port, metric, serve
-from test_proxy import KILL_ATTEMPTS
+from test_proxy import read_killing_the_decode
 
 pytestmark = pytest.mark.slow  # separate processes
 
@@ -40,10 +40,16 @@ class Fleet:
 
     def __init__(self, tmp, model_dir) -> None:
         self.tmp, self.model_dir = tmp, model_dir
-        self.instances = serve_nixl(tmp, model_dir, ENGINE, {
+        self.transfers = {
             "prefill": producer(), "prefill2": producer(), "d0": consumer(), "d1": consumer(),
-            "recompute": consumer(faulty=True), "fail": consumer("fail", faulty=True)})
+            "recompute": consumer(faulty=True), "fail": consumer("fail", faulty=True)}
+        self.instances = serve_nixl(tmp, model_dir, ENGINE, self.transfers)
         self.processes: list[Process] = list(self.instances.values())
+
+    @property
+    def decode(self) -> list[Process]:
+        """The decode instances (what `read_killing_the_decode` looks through)."""
+        return [p for name, p in self.instances.items() if not name.startswith("prefill")]
 
     def __getitem__(self, name: str) -> Process:
         return self.instances[name]
@@ -60,13 +66,14 @@ class Fleet:
         self.processes.append(process)
         return process.wait_healthy()
 
-    def restart(self, name: str, transfer: dict) -> None:
-        """A new instance `name` (the old one killed) on its port."""
-        process = serve(self.tmp, self.model_dir, *ENGINE, "--kv-transfer-config",
-                        nixl_transfer(**transfer), name=f"{name}-restarted",
-                        port=self[name].port)
-        self.processes.append(process)
-        self.instances[name] = process.wait_healthy()
+    def restart(self, process: Process) -> None:
+        """A new instance in place of `process` (killed), on its port, as configured."""
+        name = next(n for n, p in self.instances.items() if p is process)
+        restarted = serve(self.tmp, self.model_dir, *ENGINE, "--kv-transfer-config",
+                          nixl_transfer(**self.transfers[name]), name=f"{name}-restarted",
+                          port=process.port)
+        self.processes.append(restarted)
+        self.instances[name] = restarted.wait_healthy()
 
     def close(self) -> None:
         for process in self.processes:
@@ -241,20 +248,15 @@ def test_a_decode_killed_mid_stream_is_migrated_token_exact(fleet):
     request = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                "stream": True, "ignore_eos": True, "return_token_ids": True}
 
-    def migrated() -> float:
-        return metric(proxy.url, "kvrecover_proxy_migrations_total",
-                      f'instance="{fleet["d1"].url}",role="decode"')
-
-    for _ in range(KILL_ATTEMPTS):
+    def read(on_open) -> tuple[list[int], bool]:
         with httpx.stream("POST", f"{proxy.url}/v1/completions", json=request,
                           timeout=60) as response:
             assert response.status_code == 200
             assert response.headers["x-kvrecover-decode-instance"] == fleet["d1"].url
-            fleet["d1"].kill()
-            ids, done = streamed_token_ids(response)
-        assert done and ids == alone[1]
-        if migrated():
-            break
-        # d1 sent every token before the SIGKILL landed (a busy machine): again
-        fleet.restart("d1", consumer())
-    assert migrated() == 1
+            on_open(response)
+            return streamed_token_ids(response)
+
+    (ids, done), killed = read_killing_the_decode(fleet, proxy, read)
+    assert done and ids == alone[1]
+    assert metric(proxy.url, "kvrecover_proxy_migrations_total",
+                  f'instance="{killed.url}",role="decode"') == 1
