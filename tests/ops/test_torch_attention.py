@@ -7,8 +7,6 @@ and mixed prefill + decode batches; GQA and plain multi-head; several block size
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -81,11 +79,11 @@ def test_cpu_float32_backend_matches_reference_with_its_native_kernel(case):
     AVX-512, token by token elsewhere): it matches the reference, stale NaNs kept out."""
     from kvrecover.ops.backend import select_backend
     from kvrecover.ops.cpu.attention import NativeInvariantAttention
+    from kvrecover.ops.cpu.native_build import cpu_flags
 
     attention = select_backend("auto", torch.device("cpu"), dtype=torch.float32).attention
     assert isinstance(attention._native_kernel, NativeInvariantAttention)
-    cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    assert attention._native_kernel.tiled(torch.float32, 16) == ("avx512f" in cpu_flags)
+    assert attention._native_kernel.tiled(torch.float32, 16) == ("avx512f" in cpu_flags().split())
     _check_paged_attention(CASES[case], 16, 6, 2, fill=float("nan"), extra_blocks=1,
                            attention=attention)
 

@@ -115,13 +115,13 @@ def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256()
     headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]
     for part in (source.read_bytes(), *headers, compiler.encode(), version.encode(),
-                 " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+                 " ".join(CFLAGS).encode(), platform.machine().encode(), cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:20]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (`-march=native` compiles for exactly these)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
